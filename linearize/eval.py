@@ -1,0 +1,116 @@
+"""Measuring how close linearized attention is to the teacher: built-in text, activation capture,
+per-layer fidelity of each initialization, perplexity."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .models.adapters import project_qkv
+from .ops import softmax_attention, taylor_attention, uniform_attention, vala_attention
+
+INITS = ("uniform", "vala", "seed", "stable")
+
+
+def builtin_text(split: str = "heldout") -> str:
+    """Offline English prose from the standard library (``pydoc_data.topics``, ~465 kB).
+
+    ``"train"`` is the first 90% of the topics (sorted by name), ``"heldout"`` the rest.
+    """
+    from pydoc_data.topics import topics
+
+    keys = sorted(topics)
+    cut = int(len(keys) * 0.9)
+    if split not in ("train", "heldout"):
+        raise ValueError(f"split must be 'train' or 'heldout'; got {split!r}")
+    chosen = keys[:cut] if split == "train" else keys[cut:]
+    return "\n\n".join(topics[k] for k in chosen)
+
+
+def text_ids(tokenizer, num_tokens: int, split: str = "heldout", batch: int = 1) -> torch.Tensor:
+    """``(batch, num_tokens)`` token ids of built-in text, rows taken one after another."""
+    ids = tokenizer(builtin_text(split), return_tensors="pt").input_ids[0]
+    need = batch * num_tokens
+    if ids.numel() < need:
+        raise ValueError(f"built-in {split} text has {ids.numel()} tokens; asked for {batch}×{num_tokens}")
+    return ids[:need].view(batch, num_tokens)
+
+
+@dataclass
+class AttentionCapture:
+    """One attention block's input and output during a teacher forward."""
+
+    hidden_states: torch.Tensor  # (B, T, d_model)
+    position_embeddings: tuple[torch.Tensor, torch.Tensor]
+    output: torch.Tensor  # (B, T, Hq·D): the attention output before o_proj
+
+
+def attention_modules(model) -> list[torch.nn.Module]:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+@torch.no_grad()
+def capture_attention(model, input_ids: torch.Tensor, layers: list[int] | None = None) -> dict[int, AttentionCapture]:
+    """Run the teacher once; return each chosen layer's attention input and output."""
+    mods = attention_modules(model)
+    layers = list(range(len(mods))) if layers is None else layers
+    got: dict[int, dict] = {i: {} for i in layers}
+    handles = []
+    for i in layers:
+        def pre(mod, args, kwargs, i=i):
+            got[i]["hidden_states"] = kwargs.get("hidden_states", args[0] if args else None)
+            got[i]["position_embeddings"] = kwargs["position_embeddings"]
+
+        def o_in(mod, args, i=i):
+            got[i]["output"] = args[0]
+
+        handles.append(mods[i].register_forward_pre_hook(pre, with_kwargs=True))
+        handles.append(mods[i].o_proj.register_forward_pre_hook(o_in))
+    try:
+        model(input_ids=input_ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return {i: AttentionCapture(**got[i]) for i in layers}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    return err if math.isfinite(err) else math.inf
+
+
+@torch.no_grad()
+def init_errors(
+    attn: torch.nn.Module, cap: AttentionCapture, inits=INITS, beta_max: float | None = None
+) -> dict[str, float]:
+    """Relative error against the teacher's attention output of each initialization, in float64.
+
+    Also returns ``"softmax"``: our exact softmax on the same q, k, v, a check on the q/k/v extraction.
+    """
+    q, k, v = (x.double() for x in project_qkv(attn, cap.hidden_states, cap.position_embeddings))
+    ref = cap.output.double().view(q.shape[0], q.shape[1], q.shape[2], -1)
+    s = float(attn.scaling)
+    outs = {"softmax": lambda: softmax_attention(q, k, v, scale=s)}
+    outs["uniform"] = lambda: uniform_attention(v, q.shape[2])
+    outs["vala"] = lambda: vala_attention(q, k, v, scale=s)
+    kw = {} if beta_max is None else {"beta_max": beta_max}
+    outs["seed"] = lambda: taylor_attention(q, k, v, scale=s, form="seed")
+    outs["stable"] = lambda: taylor_attention(q, k, v, scale=s, form="stable", **kw)
+    return {name: relative_error(outs[name](), ref) for name in ("softmax", *inits)}
+
+
+def layer_fidelity(model, input_ids: torch.Tensor, inits=INITS, beta_max: float | None = None) -> list[dict]:
+    """Per layer: relative error of each initialization against the teacher on ``input_ids``."""
+    caps = capture_attention(model, input_ids)
+    mods = attention_modules(model)
+    return [{"layer": i, **init_errors(mods[i], caps[i], inits, beta_max)} for i in sorted(caps)]
+
+
+@torch.no_grad()
+def perplexity(model, input_ids: torch.Tensor) -> float:
+    """exp(mean next-token cross-entropy) over ``(B, T)`` ids."""
+    logits = model(input_ids=input_ids, use_cache=False).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+    return math.exp(loss.item())

@@ -1,0 +1,26 @@
+"""How each family's attention module turns hidden states into q, k, v (SPEC §2 notation).
+
+Llama, Mistral, Qwen2 (q/k/v biases), Qwen3 and Gemma 3 (q_norm/k_norm before RoPE) share one
+shape of code in transformers 5.x: project, view as heads, optional per-head norm, RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    B, T, _ = hidden_states.shape
+    d = attn.head_dim
+    q = attn.q_proj(hidden_states).view(B, T, -1, d)
+    k = attn.k_proj(hidden_states).view(B, T, -1, d)
+    v = attn.v_proj(hidden_states).view(B, T, -1, d)
+    if getattr(attn, "q_norm", None) is not None:
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    cos, sin = position_embeddings
+    # apply_rotary_pos_emb wants (B, H, T, D) with unsqueeze_dim=1; (B, T, H, D) takes unsqueeze_dim=2
+    q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+    return q, k, v

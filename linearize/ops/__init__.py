@@ -1,0 +1,89 @@
+"""The gated delta rule (GDN) operator and the Taylor front/back that feed it softmax attention's q, k, v.
+
+Public entry point: :func:`gated_delta_rule` with ``backend="auto" | "torch" | "reference"``
+(``"triton"`` joins when the kernels land). See SPEC §3 for the contract.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .chunk import gated_delta_rule_chunk
+from .reference import gated_delta_rule_reference, gated_delta_rule_step
+from .taylor import (
+    TaylorInputs,
+    calibrate_rho,
+    prefix_mean,
+    softmax_attention,
+    taylor_attention,
+    taylor_back,
+    taylor_front,
+    uniform_attention,
+    vala_attention,
+)
+
+BACKENDS = ("auto", "torch", "reference")
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Gated delta rule: ``h_t = α_t (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ``, ``o_t = h_tᵀ (scale·q_t)``.
+
+    Args:
+        q: ``[B, T, G·H, K]`` — G query heads read each KV head's state (GQA-native).
+        k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
+        g: ``[B, T, H]`` log-decay (``α_t = exp(g_t)``, finite); beta: ``[B, T, H]``.
+        initial_state: ``[N, H, K, V]``, N = B or the number of packed documents.
+        output_final_state: also return the ``[N, H, K, V]`` state after the last token.
+        cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
+            starts from its own initial state (zero by default).
+        backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise), or
+            ``"auto"`` (the fastest available for the device).
+    Returns:
+        ``(o [B, T, G·H, V] in v's dtype, final_state or None)``; states are float32 (float64 for
+        float64 inputs).
+
+    Example:
+        >>> B, T, H, G, K, V = 2, 100, 3, 3, 16, 16
+        >>> q, k = torch.randn(B, T, H * G, K), torch.nn.functional.normalize(torch.randn(B, T, H, K), dim=-1)
+        >>> o, h = gated_delta_rule(q, k, torch.randn(B, T, H, V), -torch.rand(B, T, H), torch.rand(B, T, H),
+        ...                         output_final_state=True)
+        >>> o.shape, h.shape
+        (torch.Size([2, 100, 9, 16]), torch.Size([2, 3, 16, 16]))
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
+    return fn(
+        q, k, v, g, beta,
+        scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+    )
+
+
+__all__ = [
+    "BACKENDS",
+    "TaylorInputs",
+    "calibrate_rho",
+    "gated_delta_rule",
+    "gated_delta_rule_chunk",
+    "gated_delta_rule_reference",
+    "gated_delta_rule_step",
+    "prefix_mean",
+    "softmax_attention",
+    "taylor_attention",
+    "taylor_back",
+    "taylor_front",
+    "uniform_attention",
+    "vala_attention",
+]

@@ -1,0 +1,110 @@
+"""Chunkwise gated delta rule in PyTorch (WY/UT form, seed 002), for the CPU and as a fallback.
+
+Inside a chunk of C positions with cumulative log-decay ``G_r = Σ_{s≤r} g_s`` and ``γ_r = exp(G_r)``,
+the per-position corrections ``δ_r = β_r (v_r − α_r h_{r−1}ᵀ k_r)`` solve one unit lower-triangular
+system (the UT transform):
+
+    (I + A) Δ = B V − (B Γ K) h_0,   A_rj = β_r (k_r·k_j) γ_r/γ_j  for j < r
+    ⇒ Δ = U − W h_0,   U = (I + A)⁻¹ B V,   W = (I + A)⁻¹ B Γ K
+
+and then, with ``h_0`` the state entering the chunk,
+
+    o_r = γ_r h_0ᵀ q_r + Σ_{j≤r} (γ_r/γ_j)(q_r·k_j) δ_j
+    h_C = γ_C h_0 + Σ_j (γ_C/γ_j) k_j δ_jᵀ.
+
+Everything but the short loop that carries ``h`` from chunk to chunk is batched matrix work, and
+autograd differentiates it as it stands.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .common import check_inputs, compute_dtype, sequence_bounds
+
+CHUNK = 64
+
+
+def _chunk_one(q, k, v, g, beta, h, chunk):
+    """One sequence. q: (L, Hq, K); k: (L, H, K); v: (L, H, V); g, beta: (L, H); h: (H, K, V)."""
+    L, Hq, K = q.shape
+    H, V = v.shape[1], v.shape[2]
+    G = Hq // H
+    if L == 0:
+        return q.new_zeros(0, Hq, V), h
+    pad = (-L) % chunk
+    if pad:  # zero k, v, beta and g = 0 leave the state untouched
+        q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
+        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+    n = (L + pad) // chunk
+    q = q.view(n, chunk, H, G, K).permute(2, 3, 0, 1, 4)  # (H, G, n, C, K)
+    k = k.view(n, chunk, H, K).permute(2, 0, 1, 3)  # (H, n, C, K)
+    v = v.view(n, chunk, H, V).permute(2, 0, 1, 3)  # (H, n, C, V)
+    g = g.view(n, chunk, H).permute(2, 0, 1).cumsum(-1)  # (H, n, C): G_r
+    beta = beta.view(n, chunk, H).permute(2, 0, 1)  # (H, n, C)
+
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
+    # γ_r/γ_j for j ≤ r; masked before exp so that nothing overflows above the diagonal
+    diff = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf"))
+    decay = diff.exp()  # (H, n, C, C)
+
+    kb = k * beta[..., None]
+    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # (H, n, C, C), strictly lower
+    eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
+    rhs = torch.cat([kb * g.exp()[..., None], v * beta[..., None]], dim=-1)  # (H, n, C, K+V)
+    WU = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
+    W, U = WU[..., :K], WU[..., K:]
+
+    qk = (q @ k.transpose(-1, -2)[:, None]) * decay[:, None]  # (H, G, n, C, C), causal incl. diagonal
+    q_decayed = q * g.exp()[:, None, ..., None]  # (H, G, n, C, K)
+    k_to_end = k * (g[..., -1:] - g).exp()[..., None]  # (H, n, C, K): γ_C/γ_j k_j
+    chunk_decay = g[..., -1].exp()  # (H, n)
+
+    outs = []
+    for i in range(n):
+        delta = U[:, i] - W[:, i] @ h  # (H, C, V)
+        o = q_decayed[:, :, i] @ h[:, None] + qk[:, :, i] @ delta[:, None]  # (H, G, C, V)
+        outs.append(o)
+        h = chunk_decay[:, i, None, None] * h + k_to_end[:, i].transpose(-1, -2) @ delta
+    o = torch.stack(outs, dim=2)  # (H, G, n, C, V)
+    o = o.permute(2, 3, 0, 1, 4).reshape(n * chunk, Hq, V)[:L]
+    return o, h
+
+
+def gated_delta_rule_chunk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    chunk_size: int = CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Chunkwise GDN. Same contract as :func:`linearize.ops.reference.gated_delta_rule_reference`."""
+    N, _ = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    B, T, Hq, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    dt, out_dtype = compute_dtype(q.dtype), v.dtype
+    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
+    q = q * scale
+    outs, finals = [], []
+    for n, (b, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
+        if initial_state is not None:
+            h = initial_state[n].to(dt)
+        else:
+            h = q.new_zeros(H, K, V)
+        sl = slice(start, end)
+        o, h = _chunk_one(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], h, chunk_size)
+        outs.append(o)
+        finals.append(h)
+    if cu_seqlens is not None:
+        o = torch.cat(outs, dim=0)[None]
+    else:
+        o = torch.stack(outs, dim=0)  # (B, T, Hq, V)
+    final = torch.stack(finals) if output_final_state else None
+    return o.to(out_dtype), final

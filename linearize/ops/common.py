@@ -1,0 +1,73 @@
+"""Input checks and small helpers shared by every implementation of the GDN operator.
+
+Layout everywhere: ``[B, T, H, D]``. ``q`` has ``G * H_kv`` heads, ``k``/``v``/``g``/``beta``
+have ``H_kv`` heads. The recurrent state of one sequence and KV head is a ``[K, V]`` matrix
+``h`` (the transpose of ``S`` in SPEC §2), so ``o_t = h_tᵀ q_t``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
+) -> tuple[int, int]:
+    """Validate shapes; return ``(num_sequences, group_size)``. Raises ``ValueError``."""
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            f"q, k, v must be [B, T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
+        )
+    B, T, Hq, K = q.shape
+    Hkv = k.shape[2]
+    if k.shape != (B, T, Hkv, K):
+        raise ValueError(f"k must be [B, T, H_kv, K] = [{B}, {T}, H_kv, {K}]; got {tuple(k.shape)}")
+    if v.shape[:3] != (B, T, Hkv):
+        raise ValueError(f"v must be [B, T, H_kv, V] = [{B}, {T}, {Hkv}, V]; got {tuple(v.shape)}")
+    if Hq % Hkv != 0:
+        raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) for grouped-query attention")
+    for name, x in (("g", g), ("beta", beta)):
+        if x.shape != (B, T, Hkv):
+            raise ValueError(f"{name} must be [B, T, H_kv] = [{B}, {T}, {Hkv}]; got {tuple(x.shape)}")
+    N = B
+    if cu_seqlens is not None:
+        if B != 1:
+            raise ValueError(f"with cu_seqlens the batch must be 1 (packed documents); got B={B}")
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D tensor [0, ..., T]; got shape {tuple(cu_seqlens.shape)}")
+        cs = cu_seqlens.tolist()
+        if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+            raise ValueError(f"cu_seqlens must rise from 0 to T={T}; got {cs}")
+        N = len(cs) - 1
+    if initial_state is not None:
+        want = (N, Hkv, K, v.shape[-1])
+        if tuple(initial_state.shape) != want:
+            raise ValueError(f"initial_state must be [N, H_kv, K, V] = {list(want)}; got {tuple(initial_state.shape)}")
+    return N, Hq // Hkv
+
+
+def sequence_bounds(T: int, B: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int, int]]:
+    """``(batch_index, start, end)`` of every sequence: one per row, or one per packed document."""
+    if cu_seqlens is None:
+        return [(b, 0, T) for b in range(B)]
+    cs = cu_seqlens.tolist()
+    return [(0, s, e) for s, e in zip(cs[:-1], cs[1:])]
+
+
+def time_spans(T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]:
+    """``(start, end)`` along time of each document; the whole row when nothing is packed."""
+    if cu_seqlens is None:
+        return [(0, T)]
+    cs = cu_seqlens.tolist()
+    return list(zip(cs[:-1], cs[1:]))
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Accumulate in at least float32; float64 stays float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32

@@ -1,0 +1,212 @@
+"""The Taylor front and back: softmax attention's q, k, v → GDN inputs, and ``+ v̄`` behind.
+
+SPEC §2 in code. Per document (``t`` counts from 1 at every document start):
+
+    k̄_t, v̄_t           prefix means;          k̃_t = k_t − k̄_t,  ṽ_t = v_t − v̄_{t−1}
+    k̂_t = k̃_t/‖k̃_t‖    unit key the GDN operator sees
+    α_t = 1 − 1/t       (α_1 = 1), passed as g = log α
+    β_t = ρ‖k̃_t‖/(t−1)  clipped to [0, β_max]  ("stable");  ‖k̃_t‖²/(t−1) unclipped ("seed")
+    u_t = ‖k̃_t‖ ṽ_t/(t β_t)  so that β_t u_t k̂_tᵀ = ṽ_t k̃_tᵀ / t exactly
+    o_t = v̄_t + A_t q_t
+
+``q`` must already carry the softmax scale (``q ← s·q``); :func:`taylor_attention` folds it in.
+Besides the GDN forms, this module has the two closed-form baselines the report compares against:
+``uniform`` (o_t = v̄_t) and VaLA (seed 000, eq. va-la), and exact causal softmax attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .common import time_spans
+
+FORMS = ("stable", "seed")
+# β ≤ 1 keeps the erase eigenvalue α(1 − β) in [0, 1]; on SmolLM2 it beat β ≤ 2 (median error 0.895 vs
+# 0.923 at 256 tokens, 0.939 vs 0.945 at 1024): see notebooks/taylor_to_gdn.ipynb.
+DEFAULT_BETA_MAX = 1.0
+
+
+@dataclass
+class TaylorInputs:
+    """What the GDN operator consumes, plus the prefix mean of v added behind it."""
+
+    k: torch.Tensor  # (B, T, H, K): unit keys k̂
+    v: torch.Tensor  # (B, T, H, V): u
+    g: torch.Tensor  # (B, T, H): log α
+    beta: torch.Tensor  # (B, T, H)
+    v_mean: torch.Tensor  # (B, T, H, V): v̄_t
+
+
+def positions(B: int, T: int, cu_seqlens: torch.Tensor | None, device=None, dtype=torch.float32) -> torch.Tensor:
+    """``t`` of every token, counting from 1 at each sequence/document start: ``(B, T)``."""
+    spans = [torch.arange(1, e - s + 1, dtype=dtype, device=device) for s, e in time_spans(T, cu_seqlens)]
+    return torch.cat(spans).expand(B, T)
+
+
+def prefix_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Running mean over time, restarting at each document: ``x̄_t = (1/t) Σ_{i≤t} x_i``. x: (B, T, ...)."""
+    B, T = x.shape[:2]
+    t = positions(B, T, cu_seqlens, x.device, x.dtype).view(B, T, *([1] * (x.dim() - 2)))
+    # per-document cumsum: no cross-document subtraction, so no cancellation on long packs
+    sums = [x[:, s:e].cumsum(1) for s, e in time_spans(T, cu_seqlens)]
+    return torch.cat(sums, dim=1) / t
+
+
+def shift_right(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """``y_t = x_{t−1}`` with ``y = 0`` at every document start. x: (B, T, ...)."""
+    pieces = []
+    for s, e in time_spans(x.shape[1], cu_seqlens):
+        seg = x[:, s:e]
+        pieces.append(torch.cat([torch.zeros_like(seg[:, :1]), seg[:, :-1]], dim=1))
+    return torch.cat(pieces, dim=1)
+
+
+def calibrate_rho(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Per-KV-head query-norm scale ρ: mean ‖q_t‖ over tokens and the G query heads of the group.
+
+    q: ``(B, T, G·H, K)``, already scaled. Returns ``(H,)``.
+    """
+    B, T, Hq, K = q.shape
+    norms = q.reshape(B, T, num_kv_heads, Hq // num_kv_heads, K).norm(dim=-1)  # (B, T, H, G)
+    return norms.mean(dim=(0, 1, 3))
+
+
+def taylor_front(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    form: str = "stable",
+    rho: torch.Tensor | float | None = None,
+    beta_max: float = DEFAULT_BETA_MAX,
+    eps: float = 1e-12,
+) -> TaylorInputs:
+    """Teacher q (scaled), k, v after RoPE/norms → GDN inputs of the Taylor form (SPEC §2).
+
+    Args:
+        q: ``(B, T, G·H, K)``, with the softmax scale folded in; only used to calibrate ρ.
+        k: ``(B, T, H, K)``; v: ``(B, T, H, V)``.
+        form: ``"stable"`` (bounded ``c_t = ρ k̂_t``, the default) or ``"seed"`` (``c_t = k̃_t``).
+        rho: per-KV-head ``(H,)`` tensor or a float; ``None`` calibrates it from ``q``.
+        beta_max: upper clip of β in the stable form (≤ 2 keeps the erase eigenvalue in [−1, 1]).
+    """
+    if form not in FORMS:
+        raise ValueError(f"form must be one of {FORMS}; got {form!r}")
+    B, T, H, K = k.shape
+    t = positions(B, T, cu_seqlens, k.device, k.dtype)[..., None]  # (B, T, 1)
+    k_c = k - prefix_mean(k, cu_seqlens)  # k̃_t
+    v_mean = prefix_mean(v, cu_seqlens)
+    v_c = v - shift_right(v_mean, cu_seqlens)  # ṽ_t = v_t − v̄_{t−1}
+    n = k_c.norm(dim=-1)  # (B, T, H)
+    k_hat = k_c / n.clamp_min(eps)[..., None]
+    first = t == 1
+    tm1 = (t - 1).clamp_min(1)
+    if form == "seed":
+        beta = n * n / tm1
+    else:
+        if rho is None:
+            rho = calibrate_rho(q, H)
+        rho = torch.as_tensor(rho, dtype=k.dtype, device=k.device)
+        beta = (rho * n / tm1).clamp(0.0, beta_max)
+    beta = beta.masked_fill(first, 0.0)
+    # u = ‖k̃‖ ṽ/(t β): the write term stays exactly ṽ k̃ᵀ/t whatever clipping did to β
+    coef = torch.where(beta > 0, n / (t * beta.clamp_min(eps)), torch.zeros_like(beta))
+    u = coef[..., None] * v_c
+    alpha = torch.where(first, torch.ones_like(t), 1.0 - 1.0 / t).expand(B, T, H)
+    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean)
+
+
+def taylor_back(o: torch.Tensor, v_mean: torch.Tensor) -> torch.Tensor:
+    """``o_t + v̄_t``, with the KV head's mean shared by its G query heads. o: (B, T, G·H, V)."""
+    B, T, Hq, V = o.shape
+    H = v_mean.shape[2]
+    return (o.view(B, T, H, Hq // H, V) + v_mean[:, :, :, None]).view(B, T, Hq, V)
+
+
+def taylor_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    form: str = "stable",
+    rho: torch.Tensor | float | None = None,
+    beta_max: float = DEFAULT_BETA_MAX,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """The linearized attention of SPEC §2, end to end: front → GDN operator → ``+ v̄``.
+
+    Shapes as :func:`linearize.ops.gated_delta_rule`; returns ``(B, T, G·H, V)``.
+
+    Example:
+        >>> q, k, v = torch.randn(1, 50, 6, 16), torch.randn(1, 50, 2, 16), torch.randn(1, 50, 2, 16)
+        >>> taylor_attention(q, k, v).shape
+        torch.Size([1, 50, 6, 16])
+    """
+    from . import gated_delta_rule
+
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    q = q * scale
+    front = taylor_front(q, k, v, cu_seqlens=cu_seqlens, form=form, rho=rho, beta_max=beta_max)
+    o, _ = gated_delta_rule(
+        q=q, k=front.k, v=front.v, g=front.g, beta=front.beta, cu_seqlens=cu_seqlens, backend=backend
+    )
+    return taylor_back(o, front.v_mean)
+
+
+def _group(q: torch.Tensor, H: int) -> torch.Tensor:
+    B, T, Hq, K = q.shape
+    return q.view(B, T, H, Hq // H, K)  # (B, T, H, G, K)
+
+
+def uniform_attention(v: torch.Tensor, num_q_heads: int, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Zeroth order: every key weighs the same, ``o_t = v̄_t``. Returns ``(B, T, num_q_heads, V)``."""
+    B, T, H, V = v.shape
+    return taylor_back(v.new_zeros(B, T, num_q_heads, V), prefix_mean(v, cu_seqlens))
+
+
+def vala_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """First order (seed 000, eq. va-la): ``o_t = v̄_t + ((1/t) Σ_{i≤t} v_i k_iᵀ − v̄_t k̄_tᵀ) q_t``.
+
+    Computed in the quadratic causal form ``(1/t) Σ_{i≤t} v_i (k_i − k̄_t)·q_t``, per document.
+    """
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, T, H, K = k.shape
+    out = []
+    for s, e in time_spans(T, cu_seqlens):
+        qs, ks, vs = _group(q[:, s:e] * scale, H), k[:, s:e], v[:, s:e]
+        L = e - s
+        t = torch.arange(1, L + 1, dtype=k.dtype, device=k.device)
+        k_mean = ks.cumsum(1) / t[None, :, None, None]  # (B, L, H, K)
+        scores = torch.einsum("bthgk,bshk->bhgts", qs, ks)  # q_t·k_s
+        scores = scores - torch.einsum("bthgk,bthk->bhgt", qs, k_mean)[..., None]  # q_t·(k_s − k̄_t)
+        scores = scores.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=k.device).tril(), 0.0)
+        o = torch.einsum("bhgts,bshv->bthgv", scores, vs) / t[None, :, None, None, None]
+        o = o + (vs.cumsum(1) / t[None, :, None, None])[:, :, :, None]
+        out.append(o.reshape(o.shape[0], L, -1, v.shape[-1]))
+    return torch.cat(out, dim=1)
+
+
+def softmax_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Exact causal softmax attention with grouped KV heads, per document, in the input dtype."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    B, T, H, K = k.shape
+    out = []
+    for s, e in time_spans(T, cu_seqlens):
+        qs, ks, vs = _group(q[:, s:e] * scale, H), k[:, s:e], v[:, s:e]
+        L = e - s
+        scores = torch.einsum("bthgk,bshk->bhgts", qs, ks)
+        scores = scores.masked_fill(~torch.ones(L, L, dtype=torch.bool, device=k.device).tril(), float("-inf"))
+        o = torch.einsum("bhgts,bshv->bthgv", scores.softmax(-1), vs)
+        out.append(o.reshape(o.shape[0], L, -1, v.shape[-1]))
+    return torch.cat(out, dim=1)

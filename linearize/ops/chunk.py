@@ -38,37 +38,36 @@ def _chunk_one(q, k, v, g, beta, h, chunk):
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
         g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
     n = (L + pad) // chunk
-    q = q.view(n, chunk, H, G, K).permute(2, 3, 0, 1, 4)  # (H, G, n, C, K)
-    k = k.view(n, chunk, H, K).permute(2, 0, 1, 3)  # (H, n, C, K)
-    v = v.view(n, chunk, H, V).permute(2, 0, 1, 3)  # (H, n, C, V)
-    g = g.view(n, chunk, H).permute(2, 0, 1).cumsum(-1)  # (H, n, C): G_r
-    beta = beta.view(n, chunk, H).permute(2, 0, 1)  # (H, n, C)
+    # chunk-major layouts, contiguous, so that the loop below slices whole blocks
+    q = q.view(n, chunk, H, G, K).permute(0, 2, 3, 1, 4).reshape(n, H, G * chunk, K)  # rows (g, c)
+    k = k.view(n, chunk, H, K).transpose(1, 2).contiguous()  # (n, H, C, K)
+    v = v.view(n, chunk, H, V).transpose(1, 2).contiguous()  # (n, H, C, V)
+    g = g.view(n, chunk, H).transpose(1, 2).cumsum(-1)  # (n, H, C): G_r
+    beta = beta.view(n, chunk, H).transpose(1, 2)  # (n, H, C)
 
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     # γ_r/γ_j for j ≤ r; masked before exp so that nothing overflows above the diagonal
-    diff = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf"))
-    decay = diff.exp()  # (H, n, C, C)
+    decay = (g[..., :, None] - g[..., None, :]).masked_fill(~causal, float("-inf")).exp()  # (n, H, C, C)
 
     kb = k * beta[..., None]
-    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # (H, n, C, C), strictly lower
+    A = (kb @ k.transpose(-1, -2) * decay).tril(-1)  # strictly lower
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    rhs = torch.cat([kb * g.exp()[..., None], v * beta[..., None]], dim=-1)  # (H, n, C, K+V)
+    rhs = torch.cat([kb * g.exp()[..., None], v * beta[..., None]], dim=-1)  # (n, H, C, K+V)
     WU = torch.linalg.solve_triangular(A + eye, rhs, upper=False, unitriangular=True)
     W, U = WU[..., :K], WU[..., K:]
 
-    qk = (q @ k.transpose(-1, -2)[:, None]) * decay[:, None]  # (H, G, n, C, C), causal incl. diagonal
-    q_decayed = q * g.exp()[:, None, ..., None]  # (H, G, n, C, K)
-    k_to_end = k * (g[..., -1:] - g).exp()[..., None]  # (H, n, C, K): γ_C/γ_j k_j
-    chunk_decay = g[..., -1].exp()  # (H, n)
+    qk = (q @ k.transpose(-1, -2)).view(n, H, G, chunk, chunk) * decay[:, :, None]  # causal incl. diagonal
+    qk = qk.view(n, H, G * chunk, chunk)
+    q_decayed = (q.view(n, H, G, chunk, K) * g.exp()[:, :, None, :, None]).view(n, H, G * chunk, K)
+    k_to_end = (k * (g[..., -1:] - g).exp()[..., None]).transpose(-1, -2).contiguous()  # (n, H, K, C)
+    chunk_decay = g[..., -1, None, None].exp()  # (n, H, 1, 1)
 
     outs = []
     for i in range(n):
-        delta = U[:, i] - W[:, i] @ h  # (H, C, V)
-        o = q_decayed[:, :, i] @ h[:, None] + qk[:, :, i] @ delta[:, None]  # (H, G, C, V)
-        outs.append(o)
-        h = chunk_decay[:, i, None, None] * h + k_to_end[:, i].transpose(-1, -2) @ delta
-    o = torch.stack(outs, dim=2)  # (H, G, n, C, V)
-    o = o.permute(2, 3, 0, 1, 4).reshape(n * chunk, Hq, V)[:L]
+        delta = U[i] - W[i] @ h  # (H, C, V)
+        outs.append(q_decayed[i] @ h + qk[i] @ delta)  # (H, G·C, V)
+        h = chunk_decay[i] * h + k_to_end[i] @ delta
+    o = torch.stack(outs).view(n, H, G, chunk, V).permute(0, 3, 1, 2, 4).reshape(n * chunk, Hq, V)[:L]
     return o, h
 
 

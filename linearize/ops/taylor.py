@@ -37,6 +37,16 @@ class TaylorInputs:
     g: torch.Tensor  # (B, T, H): log α
     beta: torch.Tensor  # (B, T, H)
     v_mean: torch.Tensor  # (B, T, H, V): v̄_t
+    sums: "RunningSums"  # Σk, Σv and t after the last token (for decoding on)
+
+
+@dataclass
+class RunningSums:
+    """The prefix-mean part of a decoding state: ``Σk (B, H, K)``, ``Σv (B, H, V)``, ``t (B,)``."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    count: torch.Tensor
 
 
 def positions(B: int, T: int, cu_seqlens: torch.Tensor | None, device=None, dtype=torch.float32) -> torch.Tensor:
@@ -45,22 +55,16 @@ def positions(B: int, T: int, cu_seqlens: torch.Tensor | None, device=None, dtyp
     return torch.cat(spans).expand(B, T)
 
 
+def _cumsum_docs(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    # per-document cumsum: no cross-document subtraction, so no cancellation on long packs
+    return torch.cat([x[:, s:e].cumsum(1) for s, e in time_spans(x.shape[1], cu_seqlens)], dim=1)
+
+
 def prefix_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Running mean over time, restarting at each document: ``x̄_t = (1/t) Σ_{i≤t} x_i``. x: (B, T, ...)."""
     B, T = x.shape[:2]
     t = positions(B, T, cu_seqlens, x.device, x.dtype).view(B, T, *([1] * (x.dim() - 2)))
-    # per-document cumsum: no cross-document subtraction, so no cancellation on long packs
-    sums = [x[:, s:e].cumsum(1) for s, e in time_spans(T, cu_seqlens)]
-    return torch.cat(sums, dim=1) / t
-
-
-def shift_right(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-    """``y_t = x_{t−1}`` with ``y = 0`` at every document start. x: (B, T, ...)."""
-    pieces = []
-    for s, e in time_spans(x.shape[1], cu_seqlens):
-        seg = x[:, s:e]
-        pieces.append(torch.cat([torch.zeros_like(seg[:, :1]), seg[:, :-1]], dim=1))
-    return torch.cat(pieces, dim=1)
+    return _cumsum_docs(x, cu_seqlens) / t
 
 
 def calibrate_rho(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -82,6 +86,9 @@ def taylor_front(
     form: str = "stable",
     rho: torch.Tensor | float | None = None,
     beta_max: float = DEFAULT_BETA_MAX,
+    beta_factor: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    initial: RunningSums | None = None,
     eps: float = 1e-12,
 ) -> TaylorInputs:
     """Teacher q (scaled), k, v after RoPE/norms → GDN inputs of the Taylor form (SPEC §2).
@@ -92,17 +99,34 @@ def taylor_front(
         form: ``"stable"`` (bounded ``c_t = ρ k̂_t``, the default) or ``"seed"`` (``c_t = k̃_t``).
         rho: per-KV-head ``(H,)`` tensor or a float; ``None`` calibrates it from ``q``.
         beta_max: upper clip of β in the stable form (≤ 2 keeps the erase eigenvalue in [−1, 1]).
+        beta_factor: optional ``(B, T, H)`` multiplier on β before the clip (a learnable correction;
+            the write term ``ṽ k̃ᵀ/t`` does not change with it).
+        mask: optional ``(B, T)`` bool, False for padding: such tokens neither count in ``t`` and the
+            means nor touch the state (α = 1, β = 0).
+        initial: running sums carried over from earlier tokens (decoding); not with ``cu_seqlens``.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
+    if initial is not None and cu_seqlens is not None:
+        raise ValueError("initial running sums and cu_seqlens exclude each other: packed documents start fresh")
     B, T, H, K = k.shape
-    t = positions(B, T, cu_seqlens, k.device, k.dtype)[..., None]  # (B, T, 1)
-    k_c = k - prefix_mean(k, cu_seqlens)  # k̃_t
-    v_mean = prefix_mean(v, cu_seqlens)
-    v_c = v - shift_right(v_mean, cu_seqlens)  # ṽ_t = v_t − v̄_{t−1}
+    m = torch.ones(B, T, dtype=k.dtype, device=k.device) if mask is None else mask.to(k.dtype)
+    km, vm = k * m[..., None, None], v * m[..., None, None]
+    t = _cumsum_docs(m, cu_seqlens)  # (B, T): tokens counted so far, this one included
+    sum_k, sum_v = _cumsum_docs(km, cu_seqlens), _cumsum_docs(vm, cu_seqlens)
+    if initial is not None:
+        t = t + initial.count[:, None]
+        sum_k, sum_v = sum_k + initial.k[:, None], sum_v + initial.v[:, None]
+    t = t[..., None]  # (B, T, 1)
+    t_safe = t.clamp_min(1)
+    valid = m[..., None] > 0  # (B, T, 1)
+    v_mean = sum_v / t_safe[..., None]  # v̄_t
+    prev_mean = (sum_v - vm) / (t_safe - 1).clamp_min(1)[..., None]  # v̄_{t−1} (0 when t = 1)
+    k_c = (k - sum_k / t_safe[..., None]) * valid[..., None]  # k̃_t
+    v_c = v - prev_mean  # ṽ_t
     n = k_c.norm(dim=-1)  # (B, T, H)
     k_hat = k_c / n.clamp_min(eps)[..., None]
-    first = t == 1
+    live = valid & (t > 1)  # where the state moves at all
     tm1 = (t - 1).clamp_min(1)
     if form == "seed":
         beta = n * n / tm1
@@ -110,13 +134,17 @@ def taylor_front(
         if rho is None:
             rho = calibrate_rho(q, H)
         rho = torch.as_tensor(rho, dtype=k.dtype, device=k.device)
-        beta = (rho * n / tm1).clamp(0.0, beta_max)
-    beta = beta.masked_fill(first, 0.0)
+        beta = rho * n / tm1
+        if beta_factor is not None:
+            beta = beta * beta_factor
+        beta = beta.clamp(0.0, beta_max)
+    beta = torch.where(live, beta, torch.zeros_like(beta))
     # u = ‖k̃‖ ṽ/(t β): the write term stays exactly ṽ k̃ᵀ/t whatever clipping did to β
-    coef = torch.where(beta > 0, n / (t * beta.clamp_min(eps)), torch.zeros_like(beta))
+    coef = torch.where(beta > 0, n / (t_safe * beta.clamp_min(eps)), torch.zeros_like(beta))
     u = coef[..., None] * v_c
-    alpha = torch.where(first, torch.ones_like(t), 1.0 - 1.0 / t).expand(B, T, H)
-    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean)
+    alpha = torch.where(live, 1.0 - 1.0 / t_safe, torch.ones_like(t_safe)).expand(B, T, H)
+    sums = RunningSums(k=sum_k[:, -1], v=sum_v[:, -1], count=t[:, -1, 0]) if T else initial
+    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=sums)
 
 
 def taylor_back(o: torch.Tensor, v_mean: torch.Tensor) -> torch.Tensor:

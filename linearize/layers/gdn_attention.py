@@ -1,0 +1,150 @@
+"""GDN attention: a drop-in for a transformers attention module (Llama, Mistral, Qwen2/3, Gemma 3).
+
+It keeps the teacher's ``q_proj/k_proj/v_proj/o_proj`` (plain ``nn.Linear``, so peft finds them by
+name), its ``q_norm/k_norm`` and its RoPE (``position_embeddings`` from the model), and replaces
+softmax by the stable Taylor form of SPEC §2 run through the GDN operator. At initialization it
+computes that form exactly; training moves away from it through new parameters that start at the
+identity:
+
+- ``rho``: per-KV-head query-norm scale of the bounded ``c_t = ρ k̂_t`` (calibrated at convert);
+- ``gate_proj``: a data-dependent exponent on the decay, ``α_t ← α_t^{exp(w·x_t + b)}`` (zero init);
+- ``beta_proj``: a bounded factor on β, ``2σ(w·x_t + b)`` ∈ (0, 2) (zero init → 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from ..compat import attention_cache
+from ..models.adapters import project_qkv
+from ..ops import gated_delta_rule, gated_delta_rule_step
+from ..ops.taylor import DEFAULT_BETA_MAX, taylor_back, taylor_front
+from .cache import gdn_cache_layer
+
+
+@dataclass
+class GDNOptions:
+    """How a converted block computes; saved in config.json under ``linearize``."""
+
+    form: str = "stable"  # "stable" or "taylor-seed" (the literal seed form, diverges on real models)
+    beta_max: float = DEFAULT_BETA_MAX
+    backend: str = "auto"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
+    """``(B, T)`` bool, False for padding, from whatever mask the model passed down (or None).
+
+    4-D masks (bool: True = attend; float: 0 = attend) are read on their last query row, which in
+    left-padded generation is always a real token and sees exactly the real keys; 2-D masks are
+    the user's padding mask itself.
+    """
+    if attention_mask is None:
+        return None
+    m = attention_mask
+    if m.dim() == 4:
+        m = m[:, 0, -1, -T:]
+    elif m.dim() == 2:
+        m = m[:, -T:]
+    else:
+        return None
+    m = m if m.dtype == torch.bool else m == 0
+    if m.shape != (B, T) or bool(m.all()):
+        return None
+    return m
+
+
+class GDNAttention(nn.Module):
+    """Gated DeltaNet attention initialized from a softmax attention module's weights."""
+
+    def __init__(self, teacher: nn.Module, options: GDNOptions | None = None):
+        super().__init__()
+        self.options = options or GDNOptions()
+        if self.options.form not in ("stable", "taylor-seed"):
+            raise ValueError(f"GDN form must be 'stable' or 'taylor-seed'; got {self.options.form!r}")
+        self.config = teacher.config
+        self.layer_idx = teacher.layer_idx
+        self.head_dim = teacher.head_dim
+        self.scaling = float(teacher.scaling)
+        self.num_heads = teacher.q_proj.out_features // self.head_dim
+        self.num_kv_heads = teacher.k_proj.out_features // self.head_dim
+        self.is_causal = True
+        # the teacher's own modules, reused as they are
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
+        if getattr(teacher, "q_norm", None) is not None:
+            self.q_norm, self.k_norm = teacher.q_norm, teacher.k_norm
+        # new parameters, identity at init
+        hidden = self.q_proj.in_features
+        p = self.q_proj.weight
+        self.rho = nn.Parameter(torch.ones(self.num_kv_heads, dtype=torch.float32, device=p.device))
+        self.gate_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
+        self.beta_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
+        for lin in (self.gate_proj, self.beta_proj):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
+
+    @torch.no_grad()
+    def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
+        """Set ρ per KV head to the mean norm of the scaled queries on calibration activations."""
+        q, _, _ = project_qkv(self, hidden_states, position_embeddings)
+        q = (q.float() * self.scaling).view(*q.shape[:2], self.num_kv_heads, -1, self.head_dim)
+        self.rho.copy_(q.norm(dim=-1).mean(dim=(0, 1, 3)))
+
+    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None):
+        """q (scaled) and the Taylor front's GDN inputs, in float32 (float64 if the model is)."""
+        q, k, v = project_qkv(self, hidden_states, position_embeddings)
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q, k, v = q.to(dt) * self.scaling, k.to(dt), v.to(dt)
+        form = "seed" if self.options.form == "taylor-seed" else "stable"
+        front = taylor_front(
+            q, k, v, form=form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
+            beta_factor=2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt)), mask=mask, initial=initial,
+        )
+        front.g = front.g * torch.exp(self.gate_proj(hidden_states).to(dt))
+        return q, front
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        cache=None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        B, T, _ = hidden_states.shape
+        cache = attention_cache(past_key_values, cache)
+        use_cache = cache is not None and kwargs.get("use_cache", True) is not False
+        layer = gdn_cache_layer(cache, self.layer_idx) if use_cache else None
+        initial = layer.sums if layer is not None and layer.state is not None else None
+        h0 = layer.state if initial is not None else None
+
+        mask = token_mask(attention_mask, B, T)
+        o, state, sums = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache)
+        if layer is not None:
+            layer.set_state(state, sums, T)
+        return self.o_proj(o), None
+
+    def attention_output(self, hidden_states: torch.Tensor, position_embeddings, mask=None) -> torch.Tensor:
+        """The block's output before ``o_proj``, ``(B, T, Hq·D)``, from a fresh state: what the
+        teacher's attention computes before its ``o_proj``."""
+        return self._attend(hidden_states, position_embeddings, mask, None, None, False)[0]
+
+    def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state):
+        B, T, _ = hidden_states.shape
+        q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial)
+        if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head
+            o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
+            o = o[:, None]
+        else:
+            o, state = gated_delta_rule(
+                q=q, k=front.k, v=front.v, g=front.g, beta=front.beta, initial_state=h0,
+                output_final_state=output_final_state, backend=self.options.backend,
+            )
+        o = taylor_back(o, front.v_mean)  # (B, T, Hq, V)
+        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums

@@ -40,15 +40,19 @@ class GDNOptions:
 def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
     """``(B, T)`` bool, False for padding, from whatever mask the model passed down (or None).
 
-    4-D masks (bool: True = attend; float: 0 = attend) are read on their last query row, which in
-    left-padded generation is always a real token and sees exactly the real keys; 2-D masks are
-    the user's padding mask itself.
+    4-D masks (bool: True = attend; float: 0 = attend) are read on their diagonal — does token t
+    attend to itself? — which holds for full and sliding-window masks alike and is False only for
+    padding; 2-D masks are the user's padding mask itself.
     """
     if attention_mask is None:
         return None
     m = attention_mask
     if m.dim() == 4:
-        m = m[:, 0, -1, -T:]
+        if m.shape[-2] < T:
+            return None
+        S = m.shape[-1]
+        rows = torch.arange(m.shape[-2] - T, m.shape[-2], device=m.device)
+        m = m[:, 0, rows, S - T + torch.arange(T, device=m.device)]
     elif m.dim() == 2:
         m = m[:, -T:]
     else:

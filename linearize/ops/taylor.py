@@ -37,7 +37,7 @@ class TaylorInputs:
     g: torch.Tensor  # (B, T, H): log α
     beta: torch.Tensor  # (B, T, H)
     v_mean: torch.Tensor  # (B, T, H, V): v̄_t
-    sums: "RunningSums"  # Σk, Σv and t after the last token (for decoding on)
+    sums: RunningSums  # Σk, Σv and t after the last token (for decoding on)
 
 
 @dataclass

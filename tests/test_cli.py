@@ -1,0 +1,142 @@
+"""The ``linearize`` command line: the main job on a small model, generate, and every bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import tiny_model
+from typer.testing import CliRunner
+
+from linearize.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as a local model directory."""
+    _, tok = smollm2
+    d = tmp_path_factory.mktemp("models") / "tiny-llama"
+    model = tiny_model("llama", vocab_size=len(tok), num_hidden_layers=3)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d
+
+
+def run(*args):
+    result = runner.invoke(app, list(map(str, args)))
+    return result.exit_code, result.output
+
+
+def assert_one_line_error(code, output, needle):
+    assert code == 2, output
+    err = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and needle in err[0], output
+    assert "Traceback" not in output
+
+
+def test_cli_version():
+    code, out = run("--version")
+    assert code == 0 and out.startswith("linearize ")
+
+
+def test_cli_convert_and_generate(tiny_dir, tmp_path):
+    out = tmp_path / "gdn"
+    code, text = run("convert", "--model", tiny_dir, "--output", out, "--tokens", 64, "--calibration-tokens", 64,
+                     "--keep-softmax", "1")
+    assert code == 0, text
+    assert "held-out perplexity" in text and "stable" in text
+    report = json.loads((out / "fidelity.json").read_text())
+    assert [r["block"] for r in report["layers"]].count("softmax") == 1
+    assert (out / "fidelity.png").stat().st_size > 0 and (out / "config.json").is_file()
+    code, text = run("generate", "--model", out, "-n", 5, "Hello")
+    assert code == 0, text
+
+
+def test_cli_convert_missing_path(tmp_path):
+    assert_one_line_error(*run("convert", "--model", tmp_path / "nope", "-o", tmp_path / "o"), "not found")
+
+
+def test_cli_convert_directory_that_is_not_a_model(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert_one_line_error(*run("convert", "--model", tmp_path / "empty", "-o", tmp_path / "o"), "not a model directory")
+
+
+def test_cli_convert_truncated_weights(tiny_dir, tmp_path):
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_dir, bad)
+    w = bad / "model.safetensors"
+    w.write_bytes(w.read_bytes()[: w.stat().st_size // 3])
+    assert_one_line_error(*run("convert", "--model", bad, "-o", tmp_path / "o"), "could not load")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_convert_unsupported_architecture(tmp_path, smollm2):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    d = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=len(smollm2[1]))).save_pretrained(d)
+    smollm2[1].save_pretrained(d)
+    assert_one_line_error(*run("convert", "--model", d, "-o", tmp_path / "o"), "supported: llama, mistral")
+
+
+def test_cli_convert_bad_target(tmp_path):
+    assert_one_line_error(*run("convert", "--to", "mamba", "-o", tmp_path / "o"), "supported targets: gdn")
+
+
+def test_cli_convert_layer_out_of_range(tiny_dir, tmp_path):
+    assert_one_line_error(*run("convert", "--model", tiny_dir, "-o", tmp_path / "o", "--layers", "0-7"), "out of range")
+    assert not (tmp_path / "o").exists()
+
+
+def test_cli_convert_refuses_existing_output_unless_force(tiny_dir, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "keep.txt").write_text("mine")
+    assert_one_line_error(*run("convert", "--model", tiny_dir, "-o", out), "--force")
+    assert (out / "keep.txt").read_text() == "mine"
+    code, text = run("convert", "--model", tiny_dir, "-o", out, "--force", "--tokens", 32, "--calibration-tokens", 32)
+    assert code == 0, text
+    assert not (out / "keep.txt").exists() and (out / "config.json").is_file()
+
+
+def test_cli_convert_unwritable_output(tiny_dir, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")  # a file where the parent directory should be
+    assert_one_line_error(*run("convert", "--model", tiny_dir, "-o", blocker / "o"), "cannot write")
+
+
+def test_save_killed_halfway_leaves_no_output(tmp_path):
+    """SIGKILL while the model is being written: the output directory never appears."""
+    out, flag = tmp_path / "out", tmp_path / "writing"
+    script = f"""
+import time, torch, linearize, sys
+sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from conftest import tiny_model
+m = linearize.convert(tiny_model("llama"), calibration_ids=torch.ones(1, 16, dtype=torch.long))
+def slow(folder):
+    open({str(flag)!r}, "w").close()
+    time.sleep(60)
+linearize.save(m, None, {str(out)!r}, extra=slow)
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        for _ in range(600):
+            if flag.exists():
+                break
+            time.sleep(0.1)
+        assert flag.exists(), "the writer never started"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not out.exists()

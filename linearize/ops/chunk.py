@@ -91,19 +91,21 @@ def gated_delta_rule_chunk(
     dt, out_dtype = compute_dtype(q.dtype), v.dtype
     q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
     q = q * scale
+    if cu_seqlens is None:
+        # all rows at once: fold the batch into the head axis, (B, T, H, D) -> (T, B·H, D)
+        fold = lambda x: x.transpose(0, 1).reshape(T, B * x.shape[2], *x.shape[3:])
+        h = initial_state.to(dt).reshape(B * H, K, V) if initial_state is not None else q.new_zeros(B * H, K, V)
+        o, h = _chunk_one(fold(q), fold(k), fold(v), fold(g), fold(beta), h, chunk_size)
+        o = o.view(T, B, Hq, V).transpose(0, 1)  # (B, T, Hq, V)
+        final = h.view(B, H, K, V) if output_final_state else None
+        return o.to(out_dtype), final
     outs, finals = [], []
-    for n, (b, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
-        if initial_state is not None:
-            h = initial_state[n].to(dt)
-        else:
-            h = q.new_zeros(H, K, V)
+    for n, (_, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
+        h = initial_state[n].to(dt) if initial_state is not None else q.new_zeros(H, K, V)
         sl = slice(start, end)
-        o, h = _chunk_one(q[b, sl], k[b, sl], v[b, sl], g[b, sl], beta[b, sl], h, chunk_size)
+        o, h = _chunk_one(q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl], h, chunk_size)
         outs.append(o)
         finals.append(h)
-    if cu_seqlens is not None:
-        o = torch.cat(outs, dim=0)[None]
-    else:
-        o = torch.stack(outs, dim=0)  # (B, T, Hq, V)
+    o = torch.cat(outs, dim=0)[None]
     final = torch.stack(finals) if output_final_state else None
     return o.to(out_dtype), final

@@ -143,7 +143,8 @@ def taylor_front(
     coef = torch.where(beta > 0, n / (t_safe * beta.clamp_min(eps)), torch.zeros_like(beta))
     u = coef[..., None] * v_c
     alpha = torch.where(live, 1.0 - 1.0 / t_safe, torch.ones_like(t_safe)).expand(B, T, H)
-    sums = RunningSums(k=sum_k[:, -1], v=sum_v[:, -1], count=t[:, -1, 0]) if T else initial
+    # clone: a view of the last position would keep the whole (B, T, ...) cumsum alive in the cache
+    sums = RunningSums(k=sum_k[:, -1].clone(), v=sum_v[:, -1].clone(), count=t[:, -1, 0].clone()) if T else initial
     return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=sums)
 
 

@@ -12,6 +12,7 @@ from .models.adapters import project_qkv
 from .ops import softmax_attention, taylor_attention, uniform_attention, vala_attention
 
 INITS = ("uniform", "vala", "seed", "stable")
+COLORS = {"uniform": "tab:blue", "vala": "tab:orange", "seed": "tab:green", "stable": "tab:red"}
 
 
 def builtin_text(split: str = "heldout") -> str:
@@ -127,16 +128,19 @@ def plot_fidelity(rows: list[dict], path, title: str, inits=INITS) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4))
+    # left: every form (the seed form's blow-up needs the log axis); right: the finite ones, linear
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     layers = [r["layer"] for r in rows]
-    for name in inits:
-        ax.plot(layers, [min(r[name], 1e30) for r in rows], marker="o", ms=3, label=name)
-    ax.set_yscale("log")
-    ax.set_xlabel("layer")
-    ax.set_ylabel("relative error vs teacher attention")
-    ax.set_title(title)
-    ax.legend()
-    ax.grid(alpha=0.3)
+    for ax, names, log in ((axes[0], inits, True), (axes[1], [n for n in inits if n != "seed"], False)):
+        for name in names:
+            ax.plot(layers, [min(r[name], 1e30) for r in rows], marker="o", ms=3, label=name, color=COLORS.get(name))
+        if log:
+            ax.set_yscale("log")
+        ax.set_xlabel("layer")
+        ax.set_ylabel("relative error vs teacher attention")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

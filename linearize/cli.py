@@ -35,11 +35,9 @@ def fail(message: str, code: int = 2):
 
 def run_guarded(fn, *args, **kwargs):
     """Call ``fn``; turn the errors a user can fix into one clear line and a non-zero exit."""
-    from .models.loading import ModelSourceError
-
     try:
         return fn(*args, **kwargs)
-    except (UserError, ModelSourceError, ValueError, FileNotFoundError, PermissionError, OSError) as e:
+    except (UserError, ValueError, OSError) as e:  # ModelSourceError is a ValueError
         if DEBUG:
             raise
         fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
@@ -145,8 +143,8 @@ def convert(
         check_output_dir(out, force)  # before the slow part: refuse early
         try:
             lm, tok = load_teacher(model)
-        except (UserError, ValueError, FileNotFoundError, PermissionError) as e:
-            raise UserError(str(e)) from e
+        except (ValueError, OSError):
+            raise  # already a clear message (missing path, not a model directory, ...)
         except Exception as e:  # truncated/corrupt weights surface as many exception types
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UserError(f"could not load {model}: {first}. Is the checkpoint complete?") from e
@@ -192,6 +190,7 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
 ):
     """Generate text with a converted model (constant-size recurrent state, greedy)."""
+    import torch
     from transformers import AutoTokenizer
 
     from .convert import load
@@ -204,17 +203,11 @@ def generate(
                                           return_tensors="pt", return_dict=True)["input_ids"]
         else:
             ids = tok(prompt, return_tensors="pt").input_ids
-        out = lm.generate(ids, attention_mask=torch_ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         typer.echo(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
     run_guarded(go)
-
-
-def torch_ones_like(x):
-    import torch
-
-    return torch.ones_like(x)
 
 
 def entry():

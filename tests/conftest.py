@@ -1,4 +1,8 @@
 import importlib.util
+import os
+
+# Triton kernels run on the CPU through the interpreter; it must be on before triton.jit runs
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 import torch

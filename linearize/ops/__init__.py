@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import gated_delta_rule_chunk
+from .common import check_inputs
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
 from .taylor import (
     TaylorInputs,
@@ -22,7 +23,22 @@ from .taylor import (
     vala_attention,
 )
 
-BACKENDS = ("auto", "torch", "reference")
+BACKENDS = ("auto", "torch", "triton", "reference")
+
+
+def _triton_usable(x: torch.Tensor) -> bool:
+    """Triton on CUDA, or anywhere under TRITON_INTERPRET=1 (the CPU tests); fp16/bf16/fp32 only."""
+    import os
+
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False
+    if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def gated_delta_rule(
@@ -48,8 +64,8 @@ def gated_delta_rule(
         output_final_state: also return the ``[N, H, K, V]`` state after the last token.
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
             starts from its own initial state (zero by default).
-        backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise), or
-            ``"auto"`` (the fastest available for the device).
+        backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise PyTorch),
+            ``"triton"`` (the kernels of ``ops/triton``), or ``"auto"`` (Triton on CUDA, else torch).
     Returns:
         ``(o [B, T, G·H, V] in v's dtype, final_state or None)``; states are float32 (float64 for
         float64 inputs).
@@ -64,7 +80,17 @@ def gated_delta_rule(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and _triton_usable(q) else "torch"
+    if backend == "triton":
+        check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"the Triton backend takes float16, bfloat16 or float32; got {q.dtype} (use backend='torch')")
+        if not _triton_usable(q):
+            raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch'")
+        from .triton import chunk_gated_delta_rule_triton as fn
+    else:
+        fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
     return fn(
         q, k, v, g, beta,
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,

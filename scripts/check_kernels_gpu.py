@@ -1,0 +1,132 @@
+"""Correctness of the Triton GDN backend on a CUDA GPU: forward, final state and every gradient
+against a float64 reference, on fresh random inputs, with NaN-poisoned outputs.
+
+    python scripts/check_kernels_gpu.py --output results/kernels_gpu_errors.json
+
+The float64 reference is the chunkwise PyTorch operator run in float64 on the GPU (CI checks it
+against the recurrent definition to 1e-10); it gets the *same* (rounded) inputs, so the error is
+the kernels' own. Tolerances (SPEC §7): fp32 ≤ 1e-5, bf16 ≤ 1e-2, NaN/Inf never.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from linearize.ops import gated_delta_rule  # noqa: E402
+from linearize.ops.triton import chunk_fwd  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+
+
+def poison():
+    """Every torch.empty in the kernels' host code comes back NaN-filled."""
+
+    class NaNTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, **kw):
+            return torch.empty(*a, **kw).fill_(float("nan"))
+
+        @staticmethod
+        def empty_like(*a, **kw):
+            return torch.empty_like(*a, **kw).fill_(float("nan"))
+
+    chunk_fwd.torch = NaNTorch()
+
+
+def make_inputs(B, T, H, G, K, V, dtype, seed, beta_mode, N):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+    q = r(B, T, H * G, K)
+    k = F.normalize(r(B, T, H, K), dim=-1)  # unit keys, as the Taylor form feeds them
+    v = r(B, T, H, V)
+    g = -torch.rand(B, T, H, device="cuda", generator=gen) * 0.2
+    beta = {"uniform": torch.rand(B, T, H, device="cuda", generator=gen),
+            "bound": torch.ones(B, T, H, device="cuda"),  # β at the stable form's bound β_max = 1
+            "bound2": 2 * torch.ones(B, T, H, device="cuda")}[beta_mode]  # erase eigenvalue −1
+    h0 = r(N, H, K, V) * 0.1
+    return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
+
+
+def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, seed=0):
+    N = B if cu is None else len(cu) - 1
+    cu_t = torch.tensor(cu, device="cuda") if cu is not None else None
+    inputs = make_inputs(B, T, H, G, K, V, dtype, seed, beta_mode, N)
+    scale = K**-0.5
+    res = {}
+    outs = {}
+    for name, dt, backend in (("ref", torch.float64, "torch"), ("ours", dtype, "triton")):
+        leaves = [x.detach().to(dt if i < 5 else (torch.float64 if name == "ref" else torch.float32)).clone()
+                  .requires_grad_(grads) for i, x in enumerate(inputs)]
+        o, ht = gated_delta_rule(*leaves[:5], scale=scale, initial_state=leaves[5], output_final_state=True,
+                                 cu_seqlens=cu_t, backend=backend)
+        got = [o.detach(), ht.detach()]
+        if grads:
+            gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+            do = torch.randn(o.shape, device="cuda", generator=gen, dtype=torch.float64)
+            dht = torch.randn(ht.shape, device="cuda", generator=gen, dtype=torch.float64)
+            ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
+            got += [x.grad for x in leaves]
+        outs[name] = got
+    for n, a, b in zip(NAMES, outs["ours"], outs["ref"]):
+        finite = bool(torch.isfinite(a).all())
+        err = ((a.double() - b).norm() / b.norm()).item() if finite else math.inf
+        res[n] = err
+    worst = max(res.values())
+    return {"B": B, "T": T, "q_heads": H * G, "kv_heads": H, "K": K, "V": V, "dtype": str(dtype).split(".")[-1],
+            "beta": beta_mode, "cu_seqlens": cu, "errors": res, "max_error": worst,
+            "tolerance": TOL[dtype], "pass": worst <= TOL[dtype]}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--quick", action="store_true", help="small shapes only")
+    args = p.parse_args()
+    poison()
+    cases = []
+    std = [(8, 2048), (4, 4096), (2, 8192), (1, 16384), (1, 32768)]
+    if args.quick:
+        std = [(2, 1000)]
+    for B, T in std:
+        cases.append(dict(B=B, T=T, H=16, G=1, K=128, V=128, dtype=torch.bfloat16, grads=T <= 8192))
+    for dtype in (torch.bfloat16, torch.float32):
+        cases.append(dict(B=2, T=4096, H=3, G=3, K=64, V=64, dtype=dtype))  # SmolLM2
+        cases.append(dict(B=1, T=4096, H=8, G=4, K=128, V=128, dtype=dtype))  # Llama-3-8B
+        cases.append(dict(B=1, T=3000, H=1, G=4, K=256, V=256, dtype=dtype))  # Gemma 3 270M
+        cases.append(dict(B=1, T=5000, H=4, G=2, K=64, V=64, dtype=dtype, cu=[0, 1, 63, 64, 65, 2000, 4999, 5000]))
+        cases.append(dict(B=2, T=1000, H=4, G=1, K=128, V=128, dtype=dtype, beta_mode="bound"))
+        cases.append(dict(B=2, T=1000, H=4, G=1, K=128, V=128, dtype=dtype, beta_mode="bound2"))
+    cases.append(dict(B=1, T=65536, H=16, G=1, K=128, V=128, dtype=torch.bfloat16, grads=False))
+    rows = []
+    meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
+            "torch": torch.__version__, "triton": __import__("triton").__version__,
+            "reference": "chunkwise PyTorch operator in float64 on the GPU, same rounded inputs"}
+    for c in cases:
+        row = check(**c)
+        rows.append(row)
+        if args.output:  # written after every case, so a crash keeps what ran
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
+        print(f"{row['B']}x{row['T']:>6} q{row['q_heads']:>2}/kv{row['kv_heads']:>2} K{row['K']:>3} {row['dtype']:>8} "
+              f"beta={row['beta']:<7} packed={'y' if row['cu_seqlens'] else 'n'} max err {row['max_error']:.2e} "
+              f"({'ok' if row['pass'] else 'FAIL'}) " + " ".join(f"{k}={v:.1e}" for k, v in row["errors"].items()),
+              flush=True)
+    ok = all(r["pass"] for r in rows)
+    print(f"{sum(r['pass'] for r in rows)} passed, {sum(not r['pass'] for r in rows)} failed")
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

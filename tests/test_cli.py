@@ -9,24 +9,11 @@ import subprocess
 import sys
 import time
 
-import pytest
-from conftest import tiny_model
 from typer.testing import CliRunner
 
 from linearize.cli import app
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory, smollm2):
-    """A tiny random Llama with SmolLM2's tokenizer, saved as a local model directory."""
-    _, tok = smollm2
-    d = tmp_path_factory.mktemp("models") / "tiny-llama"
-    model = tiny_model("llama", vocab_size=len(tok), num_hidden_layers=3)
-    model.save_pretrained(d)
-    tok.save_pretrained(d)
-    return d
 
 
 def run(*args):
@@ -120,7 +107,6 @@ def test_save_killed_halfway_leaves_no_output(tmp_path):
     script = f"""
 import time, torch, linearize, sys
 sys.path.insert(0, {str(os.path.dirname(__file__))!r})
-from conftest import tiny_model
 m = linearize.convert(tiny_model("llama"), calibration_ids=torch.ones(1, 16, dtype=torch.long))
 def slow(folder):
     open({str(flag)!r}, "w").close()

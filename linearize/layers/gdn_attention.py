@@ -63,6 +63,21 @@ def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Ten
     return m
 
 
+def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Document offsets of the flattened ``(B·T)`` tokens when rows pack several documents.
+
+    A document starts at every row start and wherever the position does not follow the previous
+    one (the rule transformers uses for packed sequences); None when each row is one document.
+    """
+    B, T = position_ids.shape
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    if int(starts.sum()) == B:
+        return None
+    idx = starts.flatten().nonzero().flatten()
+    return torch.cat([idx, idx.new_tensor([B * T])])
+
+
 class GDNAttention(nn.Module):
     """Gated DeltaNet attention initialized from a softmax attention module's weights."""
 
@@ -98,7 +113,7 @@ class GDNAttention(nn.Module):
         q, _, _ = project_qkv(self, hidden_states, position_embeddings)
         self.rho.copy_(calibrate_rho(q.float() * self.scaling, self.num_kv_heads))
 
-    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None):
+    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None):
         """q (scaled) and the Taylor front's GDN inputs, in float32 (float64 if the model is)."""
         q, k, v = project_qkv(self, hidden_states, position_embeddings)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -107,6 +122,7 @@ class GDNAttention(nn.Module):
         front = taylor_front(
             q, k, v, form=form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
             beta_factor=2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt)), mask=mask, initial=initial,
+            cu_seqlens=cu_seqlens,
         )
         front.g = front.g * torch.exp(self.gate_proj(hidden_states).to(dt))
         return q, front
@@ -128,26 +144,38 @@ class GDNAttention(nn.Module):
         h0 = layer.state if initial is not None else None
 
         mask = token_mask(attention_mask, B, T)
+        if layer is None and mask is None:  # training/scoring: packed documents restart the state
+            return self.o_proj(self.attention_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
         o, state, sums = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache)
         if layer is not None:
             layer.set_state(state, sums, T)
         return self.o_proj(o), None
 
-    def attention_output(self, hidden_states: torch.Tensor, position_embeddings, mask=None) -> torch.Tensor:
+    def attention_output(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None,
+                         mask=None) -> torch.Tensor:
         """The block's output before ``o_proj``, ``(B, T, Hq·D)``, from a fresh state: what the
-        teacher's attention computes before its ``o_proj``."""
-        return self._attend(hidden_states, position_embeddings, mask, None, None, False)[0]
-
-    def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state):
+        teacher's attention computes before its ``o_proj``. Documents packed in a row (positions
+        restarting, as in transformers' packed format) each start from a fresh state and fresh means."""
         B, T, _ = hidden_states.shape
-        q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial)
+        cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
+        if cu is None:
+            return self._attend(hidden_states, position_embeddings, mask, None, None, False)[0]
+        flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # (B, T, ...) -> (1, B·T, ...)
+        cos, sin = position_embeddings
+        o = self._attend(flat(hidden_states), (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1))),
+                         None, None, None, False, cu)[0]
+        return o.view(B, T, -1)
+
+    def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
+        B, T, _ = hidden_states.shape
+        q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
             o = o[:, None]
         else:
             o, state = gated_delta_rule(
                 q=q, k=front.k, v=front.v, g=front.g, beta=front.beta, initial_state=h0,
-                output_final_state=output_final_state, backend=self.options.backend,
+                output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=self.options.backend,
             )
         o = taylor_back(o, front.v_mean)  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums

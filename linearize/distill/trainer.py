@@ -1,0 +1,404 @@
+"""``linearize distill``: the recipe runner. setup → train (stages) → save → cleanup.
+
+Stages run in order over one global step counter:
+- ``align``: one teacher forward per batch (no grad) captures every converted layer's attention
+  input and output; each GDN block, run on the teacher's input, learns to reproduce the teacher's
+  output (per-layer MSE or normalized MSE). Layers are independent graphs: no full-model graph.
+- ``distill``: the student model against the teacher's logits: KL(teacher ‖ student) at a
+  temperature, computed chunk by chunk through the LM head so vocabulary-sized logits never exist
+  for the whole batch, plus optional cross-entropy.
+Checkpoints (atomic, last K kept) hold the trained parameters, optimizer, scheduler, RNG and the
+step; resuming replays the same batches, so a killed run resumed gives the uninterrupted losses.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+import random
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..config import RecipeConfig, RecipeError, StageConfig, to_yaml
+from .data import PackedData, build_data
+
+CKPT_DIR = "checkpoints"
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss); the message names the last good checkpoint."""
+
+
+@dataclass
+class Run:
+    cfg: RecipeConfig
+    out: Path
+    device: torch.device
+    dtype: torch.dtype
+    teacher: torch.nn.Module
+    student: torch.nn.Module
+    tokenizer: object
+    data: PackedData
+
+
+# ---------------------------------------------------------------------------------------- setup
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RecipeError("device=cuda but no CUDA device is available; use device=cpu or auto")
+    return torch.device(name)
+
+
+def check_output(out: Path, resume: bool) -> None:
+    """Refuse another run's directory unless resuming it; refuse resuming nothing."""
+    has_run = (out / "recipe.yaml").is_file()
+    if resume and not has_run:
+        raise RecipeError(f"--resume: {out} holds no run to resume (no recipe.yaml); drop --resume to start one")
+    if not resume and out.exists() and any(out.iterdir()):
+        what = "another run" if has_run else "files"
+        raise RecipeError(f"output.dir {out} already holds {what}; pass --resume to continue it or choose another output.dir")
+
+
+def budget(cfg: RecipeConfig) -> dict:
+    rows = [s.steps * s.batch_size for s in cfg.stages]
+    return {"stages": [{"name": s.name, "steps": s.steps, "tokens": r * cfg.data.seq_len}
+                       for s, r in zip(cfg.stages, rows)],
+            "total_steps": sum(s.steps for s in cfg.stages), "total_tokens": sum(rows) * cfg.data.seq_len}
+
+
+def setup(cfg: RecipeConfig, resume: bool) -> Run:
+    from .. import convert as convert_model
+    from ..layers.gdn_attention import GDNOptions
+    from ..models import load_teacher
+    from ..models.families import family_of
+
+    out = Path(cfg.output.dir)
+    check_output(out, resume)
+    if resume:
+        saved = (out / "recipe.yaml").read_text()
+        if saved != to_yaml(cfg):
+            raise RecipeError(f"--resume: the recipe differs from the one saved in {out / 'recipe.yaml'}; resume with that recipe")
+    device = resolve_device(cfg.device)
+    dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
+    seed_everything(cfg.seed)
+    teacher, tok = load_teacher(cfg.teacher.model)
+    family_of(teacher.config)
+    data = build_data(cfg.data, tok, getattr(teacher.config, "max_position_embeddings", None))
+    student = copy.deepcopy(teacher)
+    convert_model(student, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
+                  calibration_tokens=cfg.convert.calibration_tokens,
+                  options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max))
+    teacher.to(device=device, dtype=dtype).requires_grad_(False)
+    student.to(device=device, dtype=dtype)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recipe.yaml").write_text(to_yaml(cfg))
+    return Run(cfg, out, device, dtype, teacher, student, tok, data)
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+# ---------------------------------------------------------------------------------------- batches
+
+
+def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
+    """Rows of global step ``step``: a fixed permutation per epoch, so resume replays exactly."""
+    per_epoch = max(1, num_rows // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    idx = perm[(i * batch_size) % num_rows:][:batch_size]
+    if idx.numel() < batch_size:  # fewer rows than a batch: wrap around
+        idx = torch.cat([idx, perm[: batch_size - idx.numel()]])
+    return idx
+
+
+# ---------------------------------------------------------------------------------------- losses
+
+
+def gdn_layers(model):
+    from ..layers.gdn_attention import GDNAttention
+
+    return {i: layer.self_attn for i, layer in enumerate(model.model.layers) if isinstance(layer.self_attn, GDNAttention)}
+
+
+def align_loss(run: Run, ids, pos, kind: str) -> tuple[torch.Tensor, dict]:
+    from ..eval import capture_attention
+
+    layers = gdn_layers(run.student)
+    caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos)
+    per_layer = {}
+    total = 0.0
+    for i, gdn in layers.items():
+        cap = caps[i]
+        out = gdn.attention_output(cap.hidden_states, cap.position_embeddings, pos)
+        err = (out.float() - cap.output.float()).pow(2).mean()
+        if kind == "nmse":
+            err = err / cap.output.float().pow(2).mean().clamp_min(1e-12)
+        per_layer[i] = err.item()
+        total = total + err
+    return total / len(layers), per_layer
+
+
+def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, ce_weight: float):
+    """KL(teacher ‖ student) per token at temperature T (× T²), and optional CE, chunk by chunk."""
+    s_flat, t_flat = student_h.flatten(0, 1), teacher_h.flatten(0, 1)
+    n = s_flat.shape[0]
+    kl_sum, ce_sum = 0.0, 0.0
+    for a in range(0, n, chunk):
+        ls = lm_s(s_flat[a:a + chunk]).float()
+        with torch.no_grad():
+            lt = lm_t(t_flat[a:a + chunk]).float()
+        logp_s = torch.log_softmax(ls / T, -1)
+        logp_t = torch.log_softmax(lt / T, -1)
+        kl_sum = kl_sum + (logp_t.exp() * (logp_t - logp_s)).sum() * T * T
+        if ce_weight:
+            y = labels.flatten()[a:a + chunk]
+            ce_sum = ce_sum + torch.nn.functional.cross_entropy(ls, y, ignore_index=-100, reduction="sum")
+    n_ce = max(int((labels != -100).sum()), 1)
+    return kl_sum / n + (ce_weight * ce_sum / n_ce if ce_weight else 0.0)
+
+
+def next_token_labels(ids, pos):
+    """Labels for next-token prediction; no target across a document boundary or at a row end."""
+    labels = ids.roll(-1, dims=1)
+    labels[:, -1] = -100
+    labels[:, :-1][pos[:, 1:] == 0] = -100
+    return labels
+
+
+def distill_loss(run: Run, ids, pos, st: StageConfig) -> torch.Tensor:
+    with torch.no_grad():
+        th = run.teacher.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    sh = run.student.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+    return chunked_kl(sh, th, run.student.lm_head, run.teacher.lm_head, next_token_labels(ids, pos),
+                      st.temperature, st.kl_chunk, st.ce_weight)
+
+
+# ---------------------------------------------------------------------------------------- evaluation
+
+
+@torch.no_grad()
+def evaluate(run: Run) -> dict:
+    ids, pos = run.data.heldout_ids, run.data.heldout_pos
+    rows = max(1, min(ids.shape[0], run.cfg.data.eval_tokens // ids.shape[1]))
+    ids, pos = ids[:rows].to(run.device), pos[:rows].to(run.device)
+    labels = next_token_labels(ids, pos)
+    res = {}
+    logits = {}
+    for name, m in (("teacher", run.teacher), ("student", run.student)):
+        lg = m(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
+        logits[name] = lg
+        ce = torch.nn.functional.cross_entropy(lg.flatten(0, 1), labels.flatten(), ignore_index=-100)
+        res[f"ppl_{name}"] = math.exp(ce.item())
+    lt, ls = logits["teacher"].log_softmax(-1), logits["student"].log_softmax(-1)
+    res["kl"] = (lt.exp() * (lt - ls)).sum(-1).mean().item()
+    res["top1_agreement"] = (logits["teacher"].argmax(-1) == logits["student"].argmax(-1)).float().mean().item()
+    return res
+
+
+# ---------------------------------------------------------------------------------------- checkpoints
+
+
+def trainable_names(model, st: StageConfig) -> list[str]:
+    keys = [k.strip() for k in st.trainable.split(",") if k.strip()]
+    names = [n for n, _ in model.named_parameters() if keys == ["all"] or any(k in n for k in keys)]
+    if not names:
+        raise RecipeError(f"stage {st.name}: trainable={st.trainable!r} matches no parameter of the student")
+    return names
+
+
+def save_checkpoint(run: Run, step: int, stage_idx: int, stage_step: int, opt, sched, names_union) -> Path:
+    params = dict(run.student.named_parameters())
+    state = {
+        "step": step, "stage": stage_idx, "stage_step": stage_step,
+        "params": {n: params[n].detach().cpu() for n in names_union},
+        "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
+    }
+    d = run.out / CKPT_DIR
+    d.mkdir(exist_ok=True)
+    final = d / f"step_{step:08d}.pt"
+    fd, tmp = tempfile.mkstemp(prefix="partial-", suffix=".pt", dir=d)  # torch.save needs a stem
+    os.close(fd)
+    try:
+        torch.save(state, tmp)
+        os.replace(tmp, final)  # atomic: a kill leaves either the old set or the new file, never half of one
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    for old in sorted(d.glob("step_*.pt"))[: -run.cfg.output.keep_last]:
+        old.unlink()
+    return final
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = sorted((out / CKPT_DIR).glob("step_*.pt"))
+    return found[-1] if found else None
+
+
+def load_checkpoint(run: Run, path: Path) -> dict:
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    params = dict(run.student.named_parameters())
+    with torch.no_grad():
+        for n, t in state["params"].items():
+            params[n].copy_(t.to(params[n].device, params[n].dtype))
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state
+
+
+# ---------------------------------------------------------------------------------------- training
+
+
+def make_optimizer(run: Run, st: StageConfig):
+    names = trainable_names(run.student, st)
+    run.student.requires_grad_(False)
+    params = dict(run.student.named_parameters())
+    for n in names:
+        params[n].requires_grad_(True)
+    opt = torch.optim.AdamW([params[n] for n in names], lr=st.lr, weight_decay=run.cfg.optim.weight_decay)
+    warm = run.cfg.optim.warmup_steps
+
+    def lr_at(s):  # linear warm-up, then cosine to 10%
+        if s < warm:
+            return (s + 1) / warm
+        frac = (s - warm) / max(1, st.steps - warm)
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at), names
+
+
+def log_metrics(run: Run, record: dict) -> None:
+    with open(run.out / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def truncate_metrics(out: Path, step: int) -> None:
+    """After a resume from ``step``, drop records the killed run wrote past it."""
+    p = out / "metrics.jsonl"
+    if p.is_file():
+        keep = [line for line in p.read_text().splitlines() if line and json.loads(line).get("step", 0) <= step]
+        p.write_text("".join(line + "\n" for line in keep))
+
+
+def train(run: Run, resume: bool, progress=None) -> dict:
+    cfg = run.cfg
+    names_union = sorted({n for st in cfg.stages for n in trainable_names(run.student, st)})
+    start_stage, start_step, state = 0, 0, None
+    if resume and (ckpt := latest_checkpoint(run.out)) is not None:
+        state = load_checkpoint(run, ckpt)
+        start_stage, start_step = state["stage"], state["stage_step"]
+        truncate_metrics(run.out, state["step"])
+    elif resume:
+        truncate_metrics(run.out, 0)
+    step = 0 if state is None else state["step"]
+    last_ckpt = None
+    for si, st in enumerate(cfg.stages):
+        if si < start_stage:
+            continue
+        opt, sched, _ = make_optimizer(run, st)
+        first = start_step if si == start_stage else 0
+        if state is not None and si == start_stage and first < st.steps:
+            opt.load_state_dict(state["optimizer"])
+            sched.load_state_dict(state["scheduler"])
+        run.student.train()
+        for s in range(first, st.steps):
+            t0 = time.perf_counter()
+            rows = batch_rows(run.data.train_ids.shape[0], st.batch_size, step, cfg.seed)
+            ids = run.data.train_ids[rows].to(run.device)
+            pos = run.data.train_pos[rows].to(run.device)
+            if st.name == "align":
+                loss, per_layer = align_loss(run, ids, pos, st.loss)
+            else:
+                loss, per_layer = distill_loss(run, ids, pos, st), None
+            if not torch.isfinite(loss):
+                where = f"last good checkpoint: {last_ckpt or latest_checkpoint(run.out) or 'none'}"
+                raise TrainingError(f"loss became {loss.item()} at stage {st.name} step {s}; stopped ({where})")
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if cfg.optim.grad_clip:
+                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.optim.grad_clip)
+            opt.step()
+            sched.step()
+            step += 1
+            dt = time.perf_counter() - t0
+            rec = {"step": step, "stage": st.name, "stage_step": s + 1, "loss": loss.item(),
+                   "lr": sched.get_last_lr()[0], "tokens_per_s": ids.numel() / dt}
+            if per_layer is not None:
+                rec["layer_loss"] = per_layer
+            if (s + 1) % cfg.output.eval_every == 0 or s + 1 == st.steps:
+                run.student.eval()
+                rec.update({f"eval_{k}": v for k, v in evaluate(run).items()})
+                run.student.train()
+            if (s + 1) % cfg.output.log_every == 0 or "eval_kl" in rec:
+                log_metrics(run, rec)
+            if progress is not None:
+                progress(rec, step)
+            if step % cfg.output.checkpoint_every == 0 or s + 1 == st.steps:
+                nxt_stage, nxt_step = (si, s + 1) if s + 1 < st.steps else (si + 1, 0)
+                last_ckpt = save_checkpoint(run, step, nxt_stage, nxt_step, opt, sched, names_union)
+        start_step = 0
+    run.student.eval()
+    return evaluate(run)
+
+
+def finish(run: Run, final_eval: dict, initial_eval: dict | None) -> Path:
+    """Save the student in the convert format, the loss plot and a summary."""
+    from .. import save
+
+    def extra(folder: Path):
+        (folder / "distill_summary.json").write_text(json.dumps({"initial": initial_eval, "final": final_eval}, indent=1))
+
+    model_dir = save(run.student, run.tokenizer, run.out / "model", force=True, extra=extra)
+    plot_losses(run.out)
+    return model_dir
+
+
+def plot_losses(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    p = out / "metrics.jsonl"
+    if not p.is_file():
+        return
+    recs = [json.loads(line) for line in p.read_text().splitlines() if line]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for stage in dict.fromkeys(r["stage"] for r in recs):
+        rs = [r for r in recs if r["stage"] == stage]
+        ax.plot([r["step"] for r in rs], [r["loss"] for r in rs], label=f"{stage} loss")
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out / "losses.png", dpi=110)
+    plt.close(fig)
+
+
+def run_recipe(cfg: RecipeConfig, resume: bool = False, progress=None) -> dict:
+    """setup → evaluate at init → train → save. Returns the summary."""
+    run = setup(cfg, resume)
+    initial = None
+    if not resume:
+        run.student.eval()
+        initial = evaluate(run)
+        (run.out / "initial_eval.json").write_text(json.dumps(initial, indent=1))
+    elif (run.out / "initial_eval.json").is_file():
+        initial = json.loads((run.out / "initial_eval.json").read_text())
+    final = train(run, resume, progress)
+    model_dir = finish(run, final, initial)
+    return {"initial": initial, "final": final, "model": str(model_dir), "budget": budget(cfg)}

@@ -1,0 +1,221 @@
+"""linearize distill: recipe schema, data packing, losses, checkpoints with exact resume, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from linearize.cli import app
+from linearize.config import RecipeError, load_recipe
+from linearize.distill import TrainingError, run_recipe
+from linearize.distill.data import pack
+from linearize.distill.trainer import chunked_kl, next_token_labels
+
+runner = CliRunner()
+
+
+def overrides(tiny_dir, out, **kw):
+    base = {"teacher.model": str(tiny_dir), "output.dir": str(out), "data.seq_len": 64, "data.eval_tokens": 256,
+            "stages.0.steps": 6, "stages.0.batch_size": 2, "output.checkpoint_every": 2, "output.eval_every": 3,
+            "convert.calibration_tokens": 64}
+    base.update(kw)
+    return [f"{k}={v}" for k, v in base.items()]
+
+
+def losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# schema -----------------------------------------------------------------------------------------
+
+
+def test_load_recipe_unknown_key_names_path_and_closest():
+    with pytest.raises(RecipeError, match=r"unknown recipe key 'data.seqlen'; did you mean 'data.seq_len'"):
+        load_recipe(None, ["data.seqlen=3"])
+    with pytest.raises(RecipeError, match=r"'stages.0.nme'; did you mean 'stages.0.name'"):
+        load_recipe(None, ["stages.0.nme=x"])
+
+
+def test_load_recipe_wrong_type_names_key():
+    with pytest.raises(RecipeError, match=r"data.seq_len.*could not be converted"):
+        load_recipe(None, ["data.seq_len=abc"])
+
+
+def test_load_recipe_yaml_and_overrides(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("data:\n  seq_len: 32\nstages:\n  - name: align\n  - name: distill\n    lr: 0.5\n")
+    cfg = load_recipe(p, ["stages.1.steps=7"])
+    assert cfg.data.seq_len == 32 and [s.name for s in cfg.stages] == ["align", "distill"]
+    assert cfg.stages[1].lr == 0.5 and cfg.stages[1].steps == 7
+
+
+# data and losses --------------------------------------------------------------------------------
+
+
+def test_pack_restarts_positions_at_documents_and_rows():
+    ids, pos = pack([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]], 4)
+    assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert pos.tolist() == [[0, 1, 2, 0], [0, 1, 2, 3]]
+    labels = next_token_labels(ids, pos)
+    assert labels.tolist() == [[2, 3, -100, -100], [6, 7, 8, -100]]  # no target across a document start
+
+
+def test_chunked_kl_equals_full_kl():
+    torch.manual_seed(0)
+    head_s, head_t = torch.nn.Linear(8, 50), torch.nn.Linear(8, 50)
+    hs, ht = torch.randn(2, 7, 8), torch.randn(2, 7, 8)
+    labels = torch.randint(0, 50, (2, 7))
+    T = 2.0
+    got = chunked_kl(hs, ht, head_s, head_t, labels, T, chunk=3, ce_weight=0.5)
+    ls, lt = head_s(hs) / T, head_t(ht) / T
+    kl = torch.nn.functional.kl_div(ls.log_softmax(-1), lt.log_softmax(-1), log_target=True, reduction="sum") / 14
+    ce = torch.nn.functional.cross_entropy((ls * T).flatten(0, 1), labels.flatten())
+    torch.testing.assert_close(got, kl * T * T + 0.5 * ce)
+
+
+# training, checkpoints, resume ------------------------------------------------------------------
+
+
+def test_distill_runs_and_saves_a_loadable_model(tiny_dir, tmp_path):
+    import linearize
+
+    out = tmp_path / "run"
+    cfg = load_recipe(None, overrides(tiny_dir, out, **{"stages.0.trainable": "self_attn"}) + [
+        "stages=[{name: align, steps: 3, batch_size: 2, trainable: self_attn}, {name: distill, steps: 3, batch_size: 2, trainable: self_attn, ce_weight: 0.1}]"])
+    summary = run_recipe(cfg)
+    assert [r["stage"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == ["align"] * 3 + ["distill"] * 3
+    assert (out / "losses.png").is_file() and (out / "recipe.yaml").is_file()
+    model = linearize.load(out / "model")
+    assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    assert set(summary["final"]) == {"ppl_teacher", "ppl_student", "kl", "top1_agreement"}
+
+
+def test_distill_killed_and_resumed_gives_uninterrupted_losses(tiny_dir, tmp_path):
+    whole = tmp_path / "whole"
+    run_recipe(load_recipe(None, overrides(tiny_dir, whole)))
+    reference = losses(whole)
+
+    out = tmp_path / "killed"
+    args = overrides(tiny_dir, out)
+    code = f"""
+import sys, time
+from linearize.config import load_recipe
+from linearize.distill import trainer
+orig = trainer.save_checkpoint
+def slow(*a, **k):  # give the test time to kill the run right after step 4's checkpoint
+    path = orig(*a, **k)
+    if a[1] == 4:
+        time.sleep(60)
+    return path
+trainer.save_checkpoint = slow
+trainer.run_recipe(load_recipe(None, {args!r}))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    ckpt = out / "checkpoints" / "step_00000004.pt"
+    try:
+        for _ in range(1200):
+            if ckpt.exists():
+                break
+            time.sleep(0.1)
+        assert ckpt.exists(), "the run never reached its step-4 checkpoint"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    run_recipe(load_recipe(None, args), resume=True)
+    assert losses(out) == pytest.approx(reference, rel=1e-6)
+
+
+def test_distill_nan_loss_stops_with_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch):
+    from linearize.distill import trainer
+
+    real = trainer.align_loss
+    calls = {"n": 0}
+
+    def poisoned(*a, **k):
+        calls["n"] += 1
+        loss, per = real(*a, **k)
+        return (loss * float("nan") if calls["n"] == 5 else loss), per
+
+    monkeypatch.setattr(trainer, "align_loss", poisoned)
+    out = tmp_path / "nan"
+    with pytest.raises(TrainingError, match=r"loss became nan at stage align .*last good checkpoint: .*step_00000004\.pt"):
+        run_recipe(load_recipe(None, overrides(tiny_dir, out)))
+    state = torch.load(out / "checkpoints" / "step_00000004.pt", weights_only=False)
+    assert state["step"] == 4 and all(torch.isfinite(t).all() for t in state["params"].values())
+
+
+# bad input through the CLI ----------------------------------------------------------------------
+
+
+def cli(*args):
+    r = runner.invoke(app, ["distill", *map(str, args)])
+    return r.exit_code, r.output
+
+
+def one_line(code, output, needle):
+    assert code == 2, output
+    errs = [line for line in output.splitlines() if line.startswith("error:")]
+    assert len(errs) == 1 and needle in errs[0], output
+
+
+def recipe_file(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("seed: 0\n")
+    return p
+
+
+def test_cli_distill_dry_run_prints_budget(tmp_path):
+    code, out = cli(recipe_file(tmp_path), "--dry-run", "stages.0.steps=7", "data.seq_len=128", "stages.0.batch_size=2")
+    assert code == 0 and '"total_tokens": 1792' in out and "seq_len: 128" in out
+
+
+def test_cli_distill_unknown_key(tmp_path):
+    one_line(*cli(recipe_file(tmp_path), "optim.lr=1"), "unknown recipe key 'optim.lr'")
+
+
+def test_cli_distill_wrong_type(tmp_path):
+    one_line(*cli(recipe_file(tmp_path), "seed=abc"), "seed")
+
+
+def test_cli_distill_missing_data_file(tiny_dir, tmp_path):
+    one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, tmp_path / "o", **{"data.source": tmp_path / "none.jsonl"})),
+             "file not found")
+
+
+def test_cli_distill_empty_dataset(tiny_dir, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n   \n")
+    one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, tmp_path / "o", **{"data.source": empty})), "no non-empty text")
+
+
+def test_cli_distill_seq_len_beyond_teacher(tiny_dir, tmp_path):
+    one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, tmp_path / "o", **{"data.seq_len": 100000})),
+             "exceeds the teacher's 512 positions")
+
+
+def test_cli_distill_refuses_other_runs_directory(tiny_dir, tmp_path):
+    out = tmp_path / "o"
+    out.mkdir()
+    (out / "recipe.yaml").write_text("seed: 1\n")
+    one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, out)), "--resume")
+    one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, tmp_path / "fresh"), "--resume"), "no run to resume")
+
+
+def test_distill_local_jsonl_data(tiny_dir, tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"body": f"document number {i} " * 20}) + "\n" for i in range(20)))
+    cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "o", **{"data.source": data, "data.text_field": "body",
+                                                                  "stages.0.steps": 2}))
+    run_recipe(cfg)
+    assert len(losses(tmp_path / "o")) == 2

@@ -219,3 +219,19 @@ def test_distill_local_jsonl_data(tiny_dir, tmp_path):
                                                                   "stages.0.steps": 2}))
     run_recipe(cfg)
     assert len(losses(tmp_path / "o")) == 2
+
+
+def test_distill_two_gloo_processes_match_one_process(tiny_dir, tmp_path):
+    """torchrun with 2 CPU processes (gloo) on the same global batch gives the 1-process losses."""
+    args = overrides(tiny_dir, tmp_path / "one", **{"stages.0.steps": 4, "output.checkpoint_every": 4})
+    run_recipe(load_recipe(None, args))
+    two = tmp_path / "two"
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("seed: 0\n")
+    args2 = overrides(tiny_dir, two, **{"stages.0.steps": 4, "output.checkpoint_every": 4})
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", "29517", "-m", "linearize", "distill", str(recipe), *args2],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)

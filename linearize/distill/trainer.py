@@ -47,15 +47,47 @@ class Run:
     data: PackedData
 
 
+# ---------------------------------------------------------------------------------------- processes
+
+
+def world() -> tuple[int, int]:
+    """``(rank, world_size)``; several under ``torchrun``, which sets the environment."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def init_distributed(device: torch.device) -> None:
+    import torch.distributed as dist
+
+    if world()[1] > 1 and not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+
+
+def barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_mean(t: torch.Tensor) -> torch.Tensor:
+    """Average over processes (a no-op for one)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        t /= dist.get_world_size()
+    return t
+
+
 # ---------------------------------------------------------------------------------------- setup
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name == "cuda" and not torch.cuda.is_available():
         raise RecipeError("device=cuda but no CUDA device is available; use device=cpu or auto")
-    return torch.device(name)
+    if name == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
 
 
 def check_output(out: Path, resume: bool) -> None:
@@ -82,12 +114,18 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
     from ..models.families import family_of
 
     out = Path(cfg.output.dir)
+    rank, size = world()
+    for i, st in enumerate(cfg.stages):
+        if st.batch_size % size:
+            raise RecipeError(f"stages.{i}.batch_size={st.batch_size} must divide among {size} processes")
     check_output(out, resume)
     if resume:
         saved = (out / "recipe.yaml").read_text()
         if saved != to_yaml(cfg):
             raise RecipeError(f"--resume: the recipe differs from the one saved in {out / 'recipe.yaml'}; resume with that recipe")
     device = resolve_device(cfg.device)
+    init_distributed(device)
+    barrier()  # every process has checked the output directory before rank 0 writes into it
     dtype = torch.bfloat16 if cfg.precision == "bf16" else torch.float32
     seed_everything(cfg.seed)
     teacher, tok = load_teacher(cfg.teacher.model)
@@ -99,8 +137,10 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
                   options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max))
     teacher.to(device=device, dtype=dtype).requires_grad_(False)
     student.to(device=device, dtype=dtype)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "recipe.yaml").write_text(to_yaml(cfg))
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "recipe.yaml").write_text(to_yaml(cfg))
+    barrier()
     return Run(cfg, out, device, dtype, teacher, student, tok, data)
 
 
@@ -142,9 +182,10 @@ def align_loss(run: Run, ids, pos, kind: str) -> tuple[torch.Tensor, dict]:
     for i, gdn in layers.items():
         cap = caps[i]
         out = gdn.attention_output(cap.hidden_states, cap.position_embeddings, pos)
-        err = (out.float() - cap.output.float()).pow(2).mean()
+        err = (out.float() - cap.output.float()).pow(2).mean(dim=(1, 2))  # per row, so shards average exactly
         if kind == "nmse":
-            err = err / cap.output.float().pow(2).mean().clamp_min(1e-12)
+            err = err / cap.output.float().pow(2).mean(dim=(1, 2)).clamp_min(1e-12)
+        err = err.mean()
         per_layer[i] = err.item()
         total = total + err
     return total / len(layers), per_layer
@@ -300,10 +341,11 @@ def train(run: Run, resume: bool, progress=None) -> dict:
     if resume and (ckpt := latest_checkpoint(run.out)) is not None:
         state = load_checkpoint(run, ckpt)
         start_stage, start_step = state["stage"], state["stage_step"]
-        truncate_metrics(run.out, state["step"])
-    elif resume:
-        truncate_metrics(run.out, 0)
+    if resume and world()[0] == 0:
+        truncate_metrics(run.out, state["step"] if state else 0)
+    barrier()
     step = 0 if state is None else state["step"]
+    rank, size = world()
     last_ckpt = None
     for si, st in enumerate(cfg.stages):
         if si < start_stage:
@@ -316,39 +358,44 @@ def train(run: Run, resume: bool, progress=None) -> dict:
         run.student.train()
         for s in range(first, st.steps):
             t0 = time.perf_counter()
-            rows = batch_rows(run.data.train_ids.shape[0], st.batch_size, step, cfg.seed)
+            rows = batch_rows(run.data.train_ids.shape[0], st.batch_size, step, cfg.seed)[rank::size]
             ids = run.data.train_ids[rows].to(run.device)
             pos = run.data.train_pos[rows].to(run.device)
             if st.name == "align":
                 loss, per_layer = align_loss(run, ids, pos, st.loss)
             else:
                 loss, per_layer = distill_loss(run, ids, pos, st), None
-            if not torch.isfinite(loss):
-                where = f"last good checkpoint: {last_ckpt or latest_checkpoint(run.out) or 'none'}"
-                raise TrainingError(f"loss became {loss.item()} at stage {st.name} step {s}; stopped ({where})")
             opt.zero_grad(set_to_none=True)
             loss.backward()
+            loss_value = all_mean(loss.detach().clone()).item()
+            if not math.isfinite(loss_value):
+                where = f"last good checkpoint: {last_ckpt or latest_checkpoint(run.out) or 'none'}"
+                raise TrainingError(f"loss became {loss_value} at stage {st.name} step {s}; stopped ({where})")
+            for p in (p for g in opt.param_groups for p in g["params"] if p.grad is not None):
+                all_mean(p.grad)  # data parallel: the gradient of the global batch's mean loss
             if cfg.optim.grad_clip:
                 torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.optim.grad_clip)
             opt.step()
             sched.step()
             step += 1
             dt = time.perf_counter() - t0
-            rec = {"step": step, "stage": st.name, "stage_step": s + 1, "loss": loss.item(),
-                   "lr": sched.get_last_lr()[0], "tokens_per_s": ids.numel() / dt}
+            rec = {"step": step, "stage": st.name, "stage_step": s + 1, "loss": loss_value,
+                   "lr": sched.get_last_lr()[0], "tokens_per_s": ids.numel() * size / dt}
             if per_layer is not None:
                 rec["layer_loss"] = per_layer
             if (s + 1) % cfg.output.eval_every == 0 or s + 1 == st.steps:
                 run.student.eval()
                 rec.update({f"eval_{k}": v for k, v in evaluate(run).items()})
                 run.student.train()
-            if (s + 1) % cfg.output.log_every == 0 or "eval_kl" in rec:
+            if rank == 0 and ((s + 1) % cfg.output.log_every == 0 or "eval_kl" in rec):
                 log_metrics(run, rec)
-            if progress is not None:
+            if progress is not None and rank == 0:
                 progress(rec, step)
             if step % cfg.output.checkpoint_every == 0 or s + 1 == st.steps:
                 nxt_stage, nxt_step = (si, s + 1) if s + 1 < st.steps else (si + 1, 0)
-                last_ckpt = save_checkpoint(run, step, nxt_stage, nxt_step, opt, sched, names_union)
+                if rank == 0:
+                    last_ckpt = save_checkpoint(run, step, nxt_stage, nxt_step, opt, sched, names_union)
+                barrier()
         start_step = 0
     run.student.eval()
     return evaluate(run)
@@ -396,9 +443,13 @@ def run_recipe(cfg: RecipeConfig, resume: bool = False, progress=None) -> dict:
     if not resume:
         run.student.eval()
         initial = evaluate(run)
-        (run.out / "initial_eval.json").write_text(json.dumps(initial, indent=1))
+        if world()[0] == 0:
+            (run.out / "initial_eval.json").write_text(json.dumps(initial, indent=1))
     elif (run.out / "initial_eval.json").is_file():
         initial = json.loads((run.out / "initial_eval.json").read_text())
     final = train(run, resume, progress)
-    model_dir = finish(run, final, initial)
+    model_dir = run.out / "model"
+    if world()[0] == 0:
+        finish(run, final, initial)
+    barrier()
     return {"initial": initial, "final": final, "model": str(model_dir), "budget": budget(cfg)}

@@ -53,6 +53,8 @@ class StageConfig:
     temperature: float = 1.0  # distill: KL temperature
     ce_weight: float = 0.0  # distill: weight of next-token cross-entropy added to the KL
     kl_chunk: int = 1024  # distill: tokens per chunk of the vocabulary-sized KL
+    lora_rank: int = 0  # > 0: LoRA adapters (peft) on lora_targets; train them with trainable: lora_
+    lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
 
 
 @dataclass
@@ -69,6 +71,7 @@ class OutputConfig:
     keep_last: int = 2
     eval_every: int = 25
     log_every: int = 1
+    keep_adapter: bool = False  # LoRA: also save the adapter (the model is always saved merged)
 
 
 @dataclass

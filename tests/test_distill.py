@@ -235,3 +235,31 @@ def test_distill_two_gloo_processes_match_one_process(tiny_dir, tmp_path):
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+
+
+def test_distill_lora_trains_adapters_and_saves_merged(tiny_dir, tmp_path):
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    import linearize
+
+    out = tmp_path / "lora"
+    cfg = load_recipe(None, overrides(tiny_dir, out, **{
+        "stages.0.name": "distill", "stages.0.steps": 3, "stages.0.lora_rank": 4, "stages.0.lr": 0.05,
+        "stages.0.trainable": "lora_", "output.keep_adapter": True}))
+    run_recipe(cfg)
+    adapter = load_file(out / "model" / "lora_adapter.safetensors")
+    assert adapter and all("lora_" in k for k in adapter)
+    assert any(("lora_B" in k) and v.abs().max() > 0 for k, v in adapter.items())  # B starts at zero: it trained
+    model = linearize.load(out / "model")
+    names = [n for n, _ in model.named_parameters()]
+    assert not any("lora_" in n for n in names)  # merged: plain q/k/v/o Linear layers again
+    base = AutoModelForCausalLM.from_pretrained(tiny_dir)
+    q_new = model.model.layers[0].self_attn.q_proj.weight
+    assert not torch.equal(q_new, base.model.layers[0].self_attn.q_proj.weight)  # the merge changed the weight
+
+
+def test_recipes_in_the_repository_load():
+    for path in sorted(Path(__file__).resolve().parents[1].glob("recipes/*.yaml")):
+        cfg = load_recipe(path)
+        assert cfg.stages, path

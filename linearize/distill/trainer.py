@@ -135,6 +135,7 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
     convert_model(student, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
                   calibration_tokens=cfg.convert.calibration_tokens,
                   options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max))
+    add_lora(student, cfg)
     teacher.to(device=device, dtype=dtype).requires_grad_(False)
     student.to(device=device, dtype=dtype)
     if rank == 0:
@@ -142,6 +143,34 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
         (out / "recipe.yaml").write_text(to_yaml(cfg))
     barrier()
     return Run(cfg, out, device, dtype, teacher, student, tok, data)
+
+
+def add_lora(model, cfg: RecipeConfig) -> bool:
+    """Inject peft LoRA layers (largest rank any stage asks for) in place; names keep their paths."""
+    stages = [st for st in cfg.stages if st.lora_rank > 0]
+    if not stages:
+        return False
+    from peft import LoraConfig, inject_adapter_in_model
+
+    rank = max(st.lora_rank for st in stages)
+    targets = sorted({t.strip() for st in stages for t in st.lora_targets.split(",") if t.strip()})
+    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets), model)
+    return True
+
+
+def merge_lora(model) -> dict | None:
+    """Fold every LoRA layer into its base ``nn.Linear`` and put the plain layer back; returns the adapter."""
+    from peft.tuners.lora import LoraLayer
+
+    adapter = {n: p.detach().cpu().clone() for n, p in model.named_parameters() if "lora_" in n}
+    if not adapter:
+        return None
+    for name, module in list(model.named_modules()):
+        if isinstance(module, LoraLayer):
+            module.merge()
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent), child, module.get_base_layer())
+    return adapter
 
 
 def seed_everything(seed: int) -> None:
@@ -324,6 +353,22 @@ def make_optimizer(run: Run, st: StageConfig):
 def log_metrics(run: Run, record: dict) -> None:
     with open(run.out / "metrics.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
+    writer = tensorboard(run)
+    for key, value in record.items():
+        if isinstance(value, (int, float)) and key not in ("step", "stage_step"):
+            writer.add_scalar(f"{record['stage']}/{key}" if not key.startswith("eval_") else key, value, record["step"])
+    writer.flush()
+
+
+_WRITERS: dict[Path, object] = {}
+
+
+def tensorboard(run: Run):
+    from torch.utils.tensorboard import SummaryWriter
+
+    if run.out not in _WRITERS:
+        _WRITERS[run.out] = SummaryWriter(str(run.out / "tensorboard"))
+    return _WRITERS[run.out]
 
 
 def truncate_metrics(out: Path, step: int) -> None:
@@ -402,11 +447,17 @@ def train(run: Run, resume: bool, progress=None) -> dict:
 
 
 def finish(run: Run, final_eval: dict, initial_eval: dict | None) -> Path:
-    """Save the student in the convert format, the loss plot and a summary."""
+    """Save the student in the convert format (LoRA merged), the loss plot and a summary."""
+    from safetensors.torch import save_file
+
     from .. import save
+
+    adapter = merge_lora(run.student)
 
     def extra(folder: Path):
         (folder / "distill_summary.json").write_text(json.dumps({"initial": initial_eval, "final": final_eval}, indent=1))
+        if adapter is not None and run.cfg.output.keep_adapter:
+            save_file({k: v.contiguous() for k, v in adapter.items()}, folder / "lora_adapter.safetensors")
 
     model_dir = save(run.student, run.tokenizer, run.out / "model", force=True, extra=extra)
     plot_losses(run.out)

@@ -1,0 +1,101 @@
+"""Training throughput of the distill stages against the teacher's own forward+backward, same run.
+
+    python scripts/bench_distill.py --batch 16 --seq-len 2048 --output results/bench_distill.json
+
+SmolLM2-135M architecture (random weights: throughput does not depend on their values), bf16, on
+CUDA. Timed per step with CUDA events (median after warm-up):
+- teacher: full-model forward + backward of next-token cross-entropy, every parameter trainable;
+- align: one teacher forward (no grad) + every GDN block on the teacher's input, backward;
+- distill: teacher forward (no grad) + student forward + chunked KL, backward into the attention blocks.
+Targets (issue 5): align ≥ 2×, distill ≥ 0.7× the teacher's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import linearize  # noqa: E402
+from linearize.config import RecipeConfig, StageConfig  # noqa: E402
+from linearize.distill.trainer import Run, align_loss, distill_loss, make_optimizer  # noqa: E402
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
+               rms_norm_eps=1e-5, tie_word_embeddings=True)
+
+
+def timed(step, iters: int) -> float:
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        step()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--seq-len", type=int, default=2048)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--output", type=Path, default=None)
+    args = p.parse_args()
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    cfg = LlamaConfig(**SMOLLM2)
+    cfg._attn_implementation = "sdpa"
+    teacher = LlamaForCausalLM(cfg).to(dev, dt)
+    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 49152, (1, 512), device=dev))
+    teacher.eval()
+    B, T = args.batch, args.seq_len
+    ids = torch.randint(0, 49152, (B, T), device=dev)
+    pos = torch.arange(T, device=dev).expand(B, T)
+    tokens = B * T
+
+    def teacher_step():
+        loss = teacher(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        teacher.zero_grad(set_to_none=True)
+
+    rows = {"teacher_fwd_bwd_s": timed(teacher_step, args.iters)}
+    teacher.requires_grad_(False)
+    recipe = RecipeConfig()
+    run = Run(recipe, Path("."), dev, dt, teacher, student, None, None)
+    for name in ("align", "distill"):
+        st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)
+        opt, _, _ = make_optimizer(run, st)
+
+        def step(st=st, opt=opt):
+            loss = align_loss(run, ids, pos, "nmse")[0] if st.name == "align" else distill_loss(run, ids, pos, st)
+            loss.backward()
+            opt.zero_grad(set_to_none=True)
+
+        rows[f"{name}_s"] = timed(step, args.iters)
+    res = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "B": B, "T": T,
+           "dtype": "bfloat16", "model": "SmolLM2-135M architecture, random weights", **rows}
+    for k in ("teacher_fwd_bwd", "align", "distill"):
+        res[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s" if k != "teacher_fwd_bwd" else "teacher_fwd_bwd_s"]
+    res["align_vs_teacher"] = res["align_tokens_per_s"] / res["teacher_fwd_bwd_tokens_per_s"]
+    res["distill_vs_teacher"] = res["distill_tokens_per_s"] / res["teacher_fwd_bwd_tokens_per_s"]
+    print(json.dumps(res, indent=1))
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

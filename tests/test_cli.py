@@ -107,6 +107,7 @@ def test_save_killed_halfway_leaves_no_output(tmp_path):
     script = f"""
 import time, torch, linearize, sys
 sys.path.insert(0, {str(os.path.dirname(__file__))!r})
+from conftest import tiny_model
 m = linearize.convert(tiny_model("llama"), calibration_ids=torch.ones(1, 16, dtype=torch.long))
 def slow(folder):
     open({str(flag)!r}, "w").close()

@@ -363,11 +363,23 @@ def log_metrics(run: Run, record: dict) -> None:
 _WRITERS: dict[Path, object] = {}
 
 
-def tensorboard(run: Run):
-    from torch.utils.tensorboard import SummaryWriter
+class _NoWriter:
+    def add_scalar(self, *a, **k):
+        pass
 
+    def flush(self):
+        pass
+
+
+def tensorboard(run: Run):
+    """A SummaryWriter in ``output.dir/tensorboard`` (a no-op where the tensorboard package is missing)."""
     if run.out not in _WRITERS:
-        _WRITERS[run.out] = SummaryWriter(str(run.out / "tensorboard"))
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            _WRITERS[run.out] = SummaryWriter(str(run.out / "tensorboard"))
+        except ImportError:
+            _WRITERS[run.out] = _NoWriter()
     return _WRITERS[run.out]
 
 

@@ -1,5 +1,10 @@
 import importlib.util
 import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 # Triton kernels run on the CPU through the interpreter; it must be on before triton.jit runs
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -74,3 +79,18 @@ def tiny_dir(tmp_path_factory, smollm2):
     model.save_pretrained(d)
     tok.save_pretrained(d)
     return d
+
+
+def run_and_kill_when(code: str, marker: Path, timeout_s: float = 120.0) -> None:
+    """Run ``python -c code``; SIGKILL it as soon as ``marker`` exists (fail if it never does)."""
+    proc = subprocess.Popen([sys.executable, "-c", code])
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.1)
+        assert marker.exists(), f"the child process never produced {marker}"
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
+from conftest import run_and_kill_when
 from typer.testing import CliRunner
 
 from linearize.cli import app
@@ -114,16 +111,5 @@ def slow(folder):
     time.sleep(60)
 linearize.save(m, None, {str(out)!r}, extra=slow)
 """
-    proc = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        for _ in range(600):
-            if flag.exists():
-                break
-            time.sleep(0.1)
-        assert flag.exists(), "the writer never started"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_and_kill_when(script, flag)
     assert not out.exists()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_and_kill_when
 from typer.testing import CliRunner
 
 from linearize.cli import app
@@ -119,19 +118,7 @@ def slow(*a, **k):  # give the test time to kill the run right after step 4's ch
 trainer.save_checkpoint = slow
 trainer.run_recipe(load_recipe(None, {args!r}))
 """
-    proc = subprocess.Popen([sys.executable, "-c", code])
-    ckpt = out / "checkpoints" / "step_00000004.pt"
-    try:
-        for _ in range(1200):
-            if ckpt.exists():
-                break
-            time.sleep(0.1)
-        assert ckpt.exists(), "the run never reached its step-4 checkpoint"
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    run_and_kill_when(code, out / "checkpoints" / "step_00000004.pt")
     run_recipe(load_recipe(None, args), resume=True)
     assert losses(out) == pytest.approx(reference, rel=1e-6)
 

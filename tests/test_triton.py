@@ -19,23 +19,12 @@ CASES = [  # (B, T, H, G, K, V, cu_seqlens)
 
 
 @pytest.fixture
-def poisoned(monkeypatch):
+def poisoned():
     """torch.empty/empty_like return NaN-filled tensors inside the Triton host code."""
-    from linearize.ops.triton import chunk_fwd
+    from linearize.ops.triton.testing import poisoned_outputs
 
-    class NaNTorch:
-        def __getattr__(self, name):
-            return getattr(torch, name)
-
-        @staticmethod
-        def empty(*a, **kw):
-            return torch.empty(*a, **kw).fill_(float("nan"))
-
-        @staticmethod
-        def empty_like(*a, **kw):
-            return torch.empty_like(*a, **kw).fill_(float("nan"))
-
-    monkeypatch.setattr(chunk_fwd, "torch", NaNTorch())
+    with poisoned_outputs():
+        yield
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import typer
@@ -123,8 +124,6 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
 ):
     """Convert a model's softmax attention to Taylor-initialized GDN; report fidelity; save."""
-    import time
-
     from . import convert as convert_model
     from . import save
     from .convert import TARGETS, check_output_dir
@@ -231,10 +230,10 @@ def distill(
             return
         console = Console()
         total = budget(cfg)["total_steps"]
-        t0 = __import__("time").perf_counter()
+        t0 = time.perf_counter()
 
         def progress(rec, step):
-            eta = (__import__("time").perf_counter() - t0) / max(step, 1) * (total - step)
+            eta = (time.perf_counter() - t0) / max(step, 1) * (total - step)
             extra = "".join(f" {k[5:]}={v:.3g}" for k, v in rec.items() if k.startswith("eval_"))
             console.print(f"[{step}/{total}] {rec['stage']} loss {rec['loss']:.4g} "
                           f"{rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s{extra}")

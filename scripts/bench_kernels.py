@@ -124,10 +124,16 @@ def main():
 
     shapes = [("std", B, T, 16, 16, 128, 128) for B, T in [(8, 2048), (4, 4096), (2, 8192), (1, 16384), (1, 32768)]]
     shapes += [("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
+    meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
+            "note": "ours backward = hand-written chunkwise backward in PyTorch (ops/chunk_bwd.py), no Triton backward yet"}
     for shape in shapes:
         rows.append(bench_shape(*shape, fla=fla, bw=bw))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
+        if args.output:  # after every shape, so a run cut short keeps what it measured
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
     head = "| shape | B×T | heads q/kv | ours fwd | fla fwd | SDPA fwd | ours f+b | fla f+b | SDPA f+b | fwd vs fla | f+b vs fla | peak ours/fla MiB |"
     lines = [head, "|" + "---|" * 12]
@@ -140,12 +146,6 @@ def main():
     md = "\n".join(lines)
     print(md)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; fla guard on gated backward was {'on (disabled here)' if guard else 'off'}")
-    meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": "ours backward = recompute through the chunkwise PyTorch operator (no Triton backward yet)"}
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     if args.markdown:
         args.markdown.write_text(md + "\n")
 

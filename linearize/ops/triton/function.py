@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..chunk import gated_delta_rule_chunk
+from ..chunk_bwd import gated_delta_rule_chunk_bwd
 from .chunk_fwd import chunk_gated_delta_rule_fwd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -20,22 +20,10 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        # recompute through the chunkwise PyTorch form and differentiate it (fp32 inside)
+        # hand-written chunkwise backward (PyTorch, batched over chunks; ops/chunk_bwd.py)
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
-        inputs = [x.detach().requires_grad_(x.requires_grad) if x is not None else None for x in (q, k, v, g, beta, h0)]
-        with torch.enable_grad():
-            o, ht = gated_delta_rule_chunk(
-                *inputs[:5], scale=ctx.scale, initial_state=inputs[5], output_final_state=dht is not None,
-                cu_seqlens=cu_seqlens,
-            )
-            outs, grads = [o], [do]
-            if dht is not None:
-                outs.append(ht)
-                grads.append(dht)
-            wrt = [x for x in inputs if x is not None and x.requires_grad]
-            got = iter(torch.autograd.grad(outs, wrt, grads, allow_unused=True)) if wrt else iter(())
-        dx = [next(got) if x is not None and x.requires_grad else None for x in inputs]
-        return (*dx, None, None, None)
+        dq, dk, dv, dg, dbeta, dh0 = gated_delta_rule_chunk_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 
 def chunk_gated_delta_rule_triton(

@@ -115,6 +115,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
     args = p.parse_args()
     fla, guard = load_fla()
     rows = []
@@ -127,6 +128,9 @@ def main():
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
             "note": "ours backward = hand-written chunkwise backward in PyTorch (ops/chunk_bwd.py), no Triton backward yet"}
+    if args.only:
+        keep = set(args.only.split(","))
+        shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]
     for shape in shapes:
         rows.append(bench_shape(*shape, fla=fla, bw=bw))
         print(json.dumps(rows[-1]), flush=True)

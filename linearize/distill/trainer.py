@@ -197,8 +197,9 @@ def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> torch.Te
 
 def gdn_layers(model):
     from ..layers.gdn_attention import GDNAttention
+    from ..models.adapters import decoder_layers
 
-    return {i: layer.self_attn for i, layer in enumerate(model.model.layers) if isinstance(layer.self_attn, GDNAttention)}
+    return {i: layer.self_attn for i, layer in enumerate(decoder_layers(model)) if isinstance(layer.self_attn, GDNAttention)}
 
 
 def align_loss(run: Run, ids, pos, kind: str) -> tuple[torch.Tensor, dict]:
@@ -259,22 +260,28 @@ def distill_loss(run: Run, ids, pos, st: StageConfig) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(run: Run) -> dict:
+def evaluate(run: Run, chunk: int = 1024) -> dict:
+    """Held-out perplexity of teacher and student, KL(teacher ‖ student), top-1 agreement — logits
+    made ``chunk`` tokens at a time through each LM head, never for the whole batch."""
     ids, pos = run.data.heldout_ids, run.data.heldout_pos
     rows = max(1, min(ids.shape[0], run.cfg.data.eval_tokens // ids.shape[1]))
     ids, pos = ids[:rows].to(run.device), pos[:rows].to(run.device)
-    labels = next_token_labels(ids, pos)
-    res = {}
-    logits = {}
-    for name, m in (("teacher", run.teacher), ("student", run.student)):
-        lg = m(input_ids=ids, position_ids=pos, use_cache=False).logits.float()
-        logits[name] = lg
-        ce = torch.nn.functional.cross_entropy(lg.flatten(0, 1), labels.flatten(), ignore_index=-100)
-        res[f"ppl_{name}"] = math.exp(ce.item())
-    lt, ls = logits["teacher"].log_softmax(-1), logits["student"].log_softmax(-1)
-    res["kl"] = (lt.exp() * (lt - ls)).sum(-1).mean().item()
-    res["top1_agreement"] = (logits["teacher"].argmax(-1) == logits["student"].argmax(-1)).float().mean().item()
-    return res
+    labels = next_token_labels(ids, pos).flatten()
+    hidden = {name: m.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state.flatten(0, 1)
+              for name, m in (("teacher", run.teacher), ("student", run.student))}
+    ce = {"teacher": 0.0, "student": 0.0}
+    kl, agree = 0.0, 0.0
+    n, valid = labels.numel(), int((labels != -100).sum())
+    for a in range(0, n, chunk):
+        lt = run.teacher.lm_head(hidden["teacher"][a:a + chunk]).float().log_softmax(-1)
+        ls = run.student.lm_head(hidden["student"][a:a + chunk]).float().log_softmax(-1)
+        y = labels[a:a + chunk]
+        for name, lp in (("teacher", lt), ("student", ls)):
+            ce[name] += torch.nn.functional.nll_loss(lp, y, ignore_index=-100, reduction="sum").item()
+        kl += (lt.exp() * (lt - ls)).sum().item()
+        agree += (lt.argmax(-1) == ls.argmax(-1)).sum().item()
+    return {"ppl_teacher": math.exp(ce["teacher"] / max(valid, 1)), "ppl_student": math.exp(ce["student"] / max(valid, 1)),
+            "kl": kl / n, "top1_agreement": agree / n}
 
 
 # ---------------------------------------------------------------------------------------- checkpoints

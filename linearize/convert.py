@@ -67,6 +67,8 @@ def linearize_layer(
     ``position_embeddings``), ρ is set from the queries they produce; otherwise ρ = 1.
     """
     family_of(attention.config)
+    if isinstance(attention, GDNAttention):
+        raise ValueError("this attention module is already a GDN block; pass a softmax attention module")
     gdn = GDNAttention(attention, options)
     if hidden_states is not None:
         gdn.calibrate(hidden_states, position_embeddings)

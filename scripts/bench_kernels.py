@@ -127,7 +127,7 @@ def main():
     shapes += [("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": "ours backward = hand-written chunkwise backward in PyTorch (ops/chunk_bwd.py), no Triton backward yet"}
+            "note": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py), recomputing the forward intermediates"}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

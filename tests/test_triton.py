@@ -44,20 +44,43 @@ def test_gated_delta_rule_triton_equals_reference(poisoned, case, dtype, tol):
     assert rel(o, ref_o) < tol and rel(h, ref_h) < tol
 
 
-def test_gated_delta_rule_triton_gradients_equal_reference():
-    B, T, H, G, K, V = 1, 80, 2, 2, 16, 16
-    inputs = gdn_inputs(B, T, H, G, K, V, seed=3, dtype=torch.float64)
-    h0 = torch.randn(B, H, K, V, dtype=torch.float64)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+def test_gated_delta_rule_triton_gradients_equal_reference(poisoned, case, dtype, tol):
+    """The Triton backward kernels: every gradient (q, k, v, g, β, initial state) against float64
+    autograd through the reference loop, with a loss on both the output and the final state."""
+    B, T, H, G, K, V, cu = case
+    inputs = gdn_inputs(B, T, H, G, K, V, seed=T + 7, dtype=torch.float64, beta_scale=2.0)
+    cu = torch.tensor(cu) if cu else None
+    N = B if cu is None else len(cu) - 1
+    h0 = torch.randn(N, H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
     grads = {}
-    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
-        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (*inputs, h0)]
-        o, h = gated_delta_rule(*leaves[:5], initial_state=leaves[5], output_final_state=True, backend=backend)
+    for backend, dt in (("reference", torch.float64), ("triton", dtype)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in inputs]
+        leaves.append(h0.to(torch.float64 if dt == torch.float64 else torch.float32).detach().clone().requires_grad_(True))
+        o, h = gated_delta_rule(*leaves[:5], scale=0.7, initial_state=leaves[5], output_final_state=True,
+                                cu_seqlens=cu, backend=backend)
         gen = torch.Generator().manual_seed(5)
         loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
         loss = loss + (h.double() * torch.randn(h.shape, generator=gen, dtype=torch.float64)).sum()
         loss.backward()
         grads[backend] = [x.grad for x in leaves]
     for name, a, b in zip("q k v g beta h0".split(), grads["triton"], grads["reference"]):
+        assert a.dtype == (dtype if name != "h0" else torch.float32), name
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
+def test_gated_delta_rule_triton_gradients_without_state_inputs(poisoned):
+    """No initial state and no final-state gradient: the kernels' other branch."""
+    inputs = gdn_inputs(2, 70, 2, 2, 16, 16, seed=11, dtype=torch.float64)
+    grads = {}
+    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in inputs]
+        o, _ = gated_delta_rule(*leaves, backend=backend)
+        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)).sum().backward()
+        grads[backend] = [x.grad for x in leaves]
+    for name, a, b in zip("q k v g beta".split(), grads["triton"], grads["reference"]):
         assert rel(a, b) < 1e-5, name
 
 

@@ -131,10 +131,23 @@ def _store_wu(w, u, v, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, kg0, kg
 
 
 @triton.jit
+def _store_t_row(tm, t0, t1, t2, t3, row0, T, bos, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Store one 16-row band of T (its four 16×16 tiles) to ``tm[token, head, 0:BT]``."""
+    o_t = row0 + tl.arange(0, BC)
+    o_c = tl.arange(0, BC)
+    m = (o_t < T)[:, None] & (o_c < BC)[None, :]
+    base = tm + (bos + o_t)[:, None] * (H * BT) + i_h * BT + o_c[None, :]
+    tl.store(base, t0, mask=m)
+    tl.store(base + BC, t1, mask=m)
+    tl.store(base + 2 * BC, t2, mask=m)
+    tl.store(base + 3 * BC, t3, mask=m)
+
+
+@triton.jit
 def _prepare_kernel(
-    k, v, g, beta, gcum, w, u, chunk_indices, cu_seqlens,
+    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, STORE_T: tl.constexpr,
 ):
     """Per (chunk, KV head). The 64×64 solve is blocked in 16×16 tiles (BC): the four diagonal
     tiles by forward substitution, the rest from T_ij = −T_ii Σ_{j≤m<i} A_im T_mj with matrix products."""
@@ -173,6 +186,13 @@ def _prepare_kernel(
     T32 = -_dot(T33, _dot(A32, T22, IEEE), IEEE)
     T31 = -_dot(T33, _dot(A31, T11, IEEE) + _dot(A32, T21, IEEE), IEEE)
     T30 = -_dot(T33, _dot(A30, T00, IEEE) + _dot(A31, T10, IEEE) + _dot(A32, T20, IEEE), IEEE)
+
+    if STORE_T:  # the backward reads T = (I + A)⁻¹ back, row by row: tm[token, head, 0:BT]
+        zero = tl.zeros([BC, BC], dtype=tl.float32)
+        _store_t_row(tm, T00, zero, zero, zero, row0, T, bos, i_h, H, BT, BC)
+        _store_t_row(tm, T10, T11, zero, zero, row0 + BC, T, bos, i_h, H, BT, BC)
+        _store_t_row(tm, T20, T21, T22, zero, row0 + 2 * BC, T, bos, i_h, H, BT, BC)
+        _store_t_row(tm, T30, T31, T32, T33, row0 + 3 * BC, T, bos, i_h, H, BT, BC)
 
     kg0 = (k0.to(tl.float32) * (b0 * tl.exp(g0))[:, None]).to(k0.dtype)
     kg1 = (k1.to(tl.float32) * (b1 * tl.exp(g1))[:, None]).to(k0.dtype)
@@ -290,44 +310,84 @@ def _chunk_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return chunk_indices, torch.tensor(offsets, dtype=torch.int32, device=dev), len(idx)
 
 
-def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """Host launcher. Inputs ``[B, T, H(q), D]`` contiguous; returns ``(o, final_state)``."""
-    B, T, HQ, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    G = HQ // H
-    if cu_seqlens is None:  # a dense batch is B packed documents of length T
-        cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-    cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
-    N = cu_seqlens.numel() - 1
-    q, k, v = (x.contiguous().view(B * T, -1, x.shape[-1]) for x in (q, k, v))
-    g, beta = g.contiguous().view(B * T, H), beta.contiguous().view(B * T, H)
-    chunk_indices, chunk_offsets, NC = _chunk_tables(cu_seqlens)
-    ieee = q.dtype == torch.float32
-    BK = max(16, triton.next_power_of_2(K))
-    # V blocks: the state kernel keeps a (BK, BV) fp32 state; wide keys (Gemma's 256) need narrower blocks
-    BV = min(64 if BK <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
-    BV_O = min(128 if BK <= 128 else 64, max(16, triton.next_power_of_2(V)))  # output: fewer q·kᵀ recomputes
-    stages = 1 if BK > 128 else 2
+def _block_k(K: int) -> int:
+    return max(16, triton.next_power_of_2(K))
+
+
+def _state_bv(K: int, V: int, ieee: bool, programs: int, device: torch.device) -> int:
+    """V block of the sequential state kernels: at most 64 (narrower for Gemma's 256-wide keys, whose
+    fp32 state must fit in registers), and narrower still when few (sequence, head) pairs would leave
+    SMs idle — at long T with a small batch the sequential loop is the whole cost."""
+    bv = min(64 if _block_k(K) <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        while bv > 16 and programs * triton.cdiv(V, bv) < 2 * sms:
+            bv //= 2
+    return bv
+
+
+class Layout:
+    """The packed view every kernel works on: tokens flattened, documents given by ``cu_seqlens``."""
+
+    def __init__(self, q, v, cu_seqlens):
+        B, T, self.HQ, self.K = q.shape
+        self.H, self.V = v.shape[2], v.shape[3]
+        self.G = self.HQ // self.H
+        self.tokens = B * T
+        if cu_seqlens is None:  # a dense batch is B packed documents of length T
+            cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
+        self.cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+        self.N = self.cu_seqlens.numel() - 1
+        self.chunk_indices, self.chunk_offsets, self.NC = _chunk_tables(self.cu_seqlens)
+        self.ieee = q.dtype == torch.float32
+        self.BK = _block_k(self.K)
+        self.device = q.device
+
+    @staticmethod
+    def flat(*xs):
+        """[B, T, H, D] → [B·T, H, D] and [B, T, H] → [B·T, H], contiguous."""
+        return [x.contiguous().view(x.shape[0] * x.shape[1], *x.shape[2:]) for x in xs]
+
+
+def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, store_t=False):
+    """Kernels 1 and 2: cumulative g, W, U (and T when ``store_t``), the state entering every chunk
+    and Δ. Inputs flat (``Layout.flat``). Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
+    H, K, V, ieee, dev = L.H, L.K, L.V, L.ieee, L.device
     f32 = torch.float32
-    gcum = torch.empty(B * T, H, dtype=f32, device=q.device)
+    BV_P = min(64 if L.BK <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
+    BV = _state_bv(K, V, ieee, L.N * H, dev)
+    stages = 1 if L.BK > 128 else 2
+    gcum = torch.empty(L.tokens, H, dtype=f32, device=dev)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
+    tm = torch.empty(L.tokens, H, BT, dtype=f32, device=dev) if store_t else None
     v_new = torch.empty_like(v)
-    hs = torch.empty(max(NC, 1), H, K, V, dtype=q.dtype if not ieee else f32, device=q.device)
-    o = torch.empty(B * T, HQ, V, dtype=v.dtype, device=q.device)
-    ht = torch.empty(N, H, K, V, dtype=f32, device=q.device) if output_final_state else None
-    if NC:
-        _prepare_kernel[(NC, H)](k, v, g, beta, gcum, w, u, chunk_indices, cu_seqlens,
-                                 H=H, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=4)
+    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else f32, device=dev)
+    ht = torch.empty(L.N, H, K, V, dtype=f32, device=dev) if output_final_state else None
+    if L.NC:
+        _prepare_kernel[(L.NC, H)](k, v, g, beta, gcum, w, u, tm if store_t else gcum, L.chunk_indices, L.cu_seqlens,
+                                   H=H, K=K, V=V, BT=BT, BK=L.BK, BV=BV_P, IEEE=ieee, STORE_T=store_t, num_warps=4)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _state_kernel[(triton.cdiv(V, BV), N * H)](
+    _state_kernel[(triton.cdiv(V, BV), L.N * H)](
         k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
-        cu_seqlens, chunk_offsets, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
+        L.cu_seqlens, L.chunk_offsets, H=H, K=K, V=V, BT=BT, BK=L.BK, BV=BV,
         USE_H0=h0 is not None, STORE_HT=ht is not None, IEEE=ieee, num_warps=4, num_stages=stages,
     )
-    if NC:
-        _output_kernel[(triton.cdiv(V, BV_O), NC, HQ)](
-            q, k, v_new, gcum, hs, o, chunk_indices, cu_seqlens, chunk_offsets, scale,
-            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV_O, IEEE=ieee, num_warps=4, num_stages=stages,
+    return gcum, w, u, tm, hs, v_new, ht
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+    """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state)``."""
+    B, T = q.shape[:2]
+    L = Layout(q, v, cu_seqlens)
+    q, k, v, g, beta = Layout.flat(q, k, v, g, beta)
+    gcum, _, _, _, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state)
+    o = torch.empty(L.tokens, L.HQ, L.V, dtype=v.dtype, device=q.device)
+    if L.NC:
+        BV_O = min(128 if L.BK <= 128 else 64, max(16, triton.next_power_of_2(L.V)))  # fewer q·kᵀ recomputes
+        _output_kernel[(triton.cdiv(L.V, BV_O), L.NC, L.HQ)](
+            q, k, v_new, gcum, hs, o, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale,
+            H=L.H, G=L.G, K=L.K, V=L.V, BT=BT, BK=L.BK, BV=BV_O, IEEE=L.ieee, num_warps=4,
+            num_stages=1 if L.BK > 128 else 2,
         )
-    return o.view(B, T, HQ, V), ht
+    return o.view(B, T, L.HQ, L.V), ht

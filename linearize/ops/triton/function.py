@@ -1,10 +1,10 @@
-"""``torch.autograd.Function`` around the Triton forward."""
+"""``torch.autograd.Function`` around the Triton forward and backward kernels."""
 
 from __future__ import annotations
 
 import torch
 
-from ..chunk_bwd import gated_delta_rule_chunk_bwd
+from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import chunk_gated_delta_rule_fwd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -20,9 +20,9 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        # hand-written chunkwise backward (PyTorch, batched over chunks; ops/chunk_bwd.py)
+        # the forward's intermediates are recomputed by the backward launcher (memory, not time, is scarce)
         q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = gated_delta_rule_chunk_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 

@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from . import chunk_fwd
+from . import chunk_bwd, chunk_fwd
 
 
 class _NaNTorch:
@@ -27,9 +27,12 @@ class _NaNTorch:
 @contextlib.contextmanager
 def poisoned_outputs():
     """Inside the block, every buffer the Triton launcher allocates starts as NaN."""
-    saved = chunk_fwd.torch
-    chunk_fwd.torch = _NaNTorch()
+    modules = (chunk_fwd, chunk_bwd)
+    saved = [m.torch for m in modules]
+    for m in modules:
+        m.torch = _NaNTorch()
     try:
         yield
     finally:
-        chunk_fwd.torch = saved
+        for m, t in zip(modules, saved):
+            m.torch = t

@@ -1,0 +1,311 @@
+"""Triton backward of the chunkwise gated delta rule: the kernels of ``linearize/ops/chunk_bwd.py``.
+
+Read that file's docstring first: it derives every term below, and its PyTorch code is the spec these
+kernels are tested against (besides the float64 reference). The forward's intermediates are not kept;
+the backward recomputes them with the forward's own kernels (``prepare_and_states``, which also
+stores ``T = (I + A)⁻¹`` this time), then runs four kernels:
+
+1. ``_dv_local_kernel``  per (V block, chunk, KV head): ``Pᵀ do`` summed over the G query heads that
+   read this KV head (the in-chunk part of ``dΔ``).
+2. ``_state_bwd_kernel`` per (V block, sequence, KV head): the only sequential part, in reverse over
+   chunks: ``dΔ = Pᵀdo + K̃ dh₁``, ``dh₀ = γ_C dh₁ + (γ⊙q)ᵀ do − Wᵀ dΔ``; stores ``dh₁`` per chunk and ``dΔ``.
+3. ``_dqk_kernel``       per (chunk, query head): ``dq`` and this query head's share of ``dk`` and of the
+   log-decay gradient (through ``P`` and ``γ ⊙ (q h₀)``).
+4. ``_wy_bwd_kernel``    per (chunk, KV head): through ``K̃``, ``γ_C``, ``Δ = U − W h₀``, ``T`` and ``A``;
+   sums the query heads' shares, writes ``dk``, ``dv``, ``dβ`` and ``dg`` (reverse cumsum in the chunk).
+
+GQA: KV head ``h`` is read by query heads ``h·G … h·G+G−1``; kernels 1, 2 and 4 loop over them, so K/V
+are never repeated. Dots run in the input dtype with fp32 accumulation (IEEE fp32 for fp32 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_fwd import BT, Layout, _state_bv, prepare_and_states
+
+
+@triton.jit
+def _mm(a, b, ref, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation: IEEE fp32 operands, or both cast to ``ref``'s dtype (bf16/fp16)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(ref.dtype), b.to(ref.dtype))
+
+
+@triton.jit
+def _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t):
+    """(bos, T, boh, i_c): start token and length of the chunk's sequence, its first chunk, the chunk's index in it."""
+    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return bos, T, boh, i_c
+
+
+@triton.jit
+def _dv_local_kernel(
+    q, k, gcum, do, dvl, chunk_indices, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    HQ: tl.constexpr = H * G
+    bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_r = tl.arange(0, BT)
+    m_t = i_c * BT + o_r < T
+    row = bos + i_c * BT + o_r
+    o_k = tl.arange(0, BK)
+    m_qk = m_t[:, None] & (o_k < K)[None, :]
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_qv = m_t[:, None] & (o_v < V)[None, :]
+
+    b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_qk, other=0.0)
+    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+    up = o_r[:, None] <= o_r[None, :]  # [j, r]: r ≥ j
+    dec_t = tl.where(up, tl.exp(tl.where(up, b_g[None, :] - b_g[:, None], 0.0)), 0.0)  # γ_r/γ_j
+    acc = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_g in range(G):
+        i_hq = i_h * G + i_g
+        b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_qk, other=0.0)
+        b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_qv, other=0.0)
+        p_t = _mm(b_k, tl.trans(b_q), b_k, IEEE) * dec_t * scale  # Pᵀ
+        acc += _mm(p_t, b_do, b_k, IEEE)
+    tl.store(dvl + row[:, None] * (H * V) + i_h * V + o_v[None, :], acc, mask=m_qv)
+
+
+@triton.jit
+def _state_bwd_kernel(
+    q, k, w, gcum, do, dvl, dhs, ddl, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    HQ: tl.constexpr = H * G
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    NT = tl.cdiv(T, BT)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    m_kv = m_k[:, None] & m_v[None, :]
+    p_state = (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh += tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        # the gradient of the state leaving chunk i_t, for the parallel kernels
+        tl.store(dhs + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                 b_dh.to(dhs.dtype.element_ty), mask=m_kv)
+        o_t = i_t * BT + tl.arange(0, BT)
+        m_t = o_t < T
+        row = bos + o_t
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        last = tl.minimum(i_t * BT + BT, T) - 1
+        g_last = tl.load(gcum + (bos + last) * H + i_h)
+        b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_kt = b_k.to(tl.float32) * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]  # K̃
+        b_dd = tl.load(dvl + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_dd += _mm(b_kt, b_dh, b_k, IEEE)
+        tl.store(ddl + row[:, None] * (H * V) + i_h * V + o_v[None, :], b_dd, mask=m_tv)
+        b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        upd = -_mm(tl.trans(b_w), b_dd, b_k, IEEE)
+        gs = tl.exp(b_g) * scale
+        for i_g in range(G):
+            i_hq = i_h * G + i_g
+            b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_tv, other=0.0)
+            upd += _mm(tl.trans(b_q.to(tl.float32) * gs[:, None]), b_do, b_k, IEEE)
+        b_dh = b_dh * tl.exp(g_last) + upd
+    if STORE_DH0:
+        tl.store(dh0 + p_state, b_dh.to(dh0.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def _dqk_kernel(
+    q, k, v_new, gcum, hs, do, dq, dkq, dgq, chunk_indices, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_t, i_hq = tl.program_id(0), tl.program_id(1)
+    i_h = i_hq // G
+    HQ: tl.constexpr = H * G
+    bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_r = tl.arange(0, BT)
+    m_t = i_c * BT + o_r < T
+    row = bos + i_c * BT + o_r
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+
+    b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_qs = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
+    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+    acc_dp = tl.zeros([BT, BT], dtype=tl.float32)  # do Δᵀ
+    acc_dqh = tl.zeros([BT, BK], dtype=tl.float32)  # do h₀ᵀ
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_dl = tl.load(v_new + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        acc_dp += _mm(b_do, tl.trans(b_dl), b_k, IEEE)
+        acc_dqh += _mm(b_do, tl.trans(b_h), b_k, IEEE)
+    causal = o_r[:, None] >= o_r[None, :]
+    decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_p = _mm(b_qs, tl.trans(b_k), b_k, IEEE) * decay  # P
+    b_dpd = acc_dp * decay  # dP ⊙ D (causal)
+    gam = tl.exp(b_g)
+    b_dq = acc_dqh * gam[:, None] + _mm(b_dpd, b_k, b_k, IEEE)
+    tl.store(dq + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
+    b_dk = _mm(tl.trans(b_dpd), b_qs, b_k, IEEE)
+    tl.store(dkq + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_dk, mask=m_tk)
+    b_m = acc_dp * b_p  # ∂/∂ log D_rj
+    b_dg = tl.sum(b_m, axis=1) - tl.sum(b_m, axis=0) + gam * tl.sum(acc_dqh * b_qs, axis=1)
+    tl.store(dgq + row * HQ + i_hq, b_dg, mask=m_t)
+
+
+@triton.jit
+def _wy_bwd_kernel(
+    k, v, beta, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg,
+    chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    HQ: tl.constexpr = H * G
+    bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_r = tl.arange(0, BT)
+    o_t = i_c * BT + o_r
+    m_t = o_t < T
+    row = bos + o_t
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_state = ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V
+
+    b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_beta = tl.load(beta + row * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+    b_t = tl.load(tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    last = tl.minimum(i_c * BT + BT, T) - 1
+    g_last = tl.load(gcum + (bos + last) * H + i_h)
+    gam = tl.exp(b_g)
+    e = tl.where(m_t, tl.exp(g_last - b_g), 0.0)  # γ_C/γ_j
+
+    acc_dkt = tl.zeros([BT, BK], dtype=tl.float32)  # Δ dh₁ᵀ = ∂/∂K̃
+    acc_dw = tl.zeros([BT, BK], dtype=tl.float32)  # −dΔ h₀ᵀ = ∂/∂W
+    acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # Tᵀ dU Uᵀ + Tᵀ dW Wᵀ = −∂/∂A (before masking)
+    b_dbeta = tl.zeros([BT], dtype=tl.float32)
+    acc_hdh = tl.zeros([BK], dtype=tl.float32)  # Σ h₀ ⊙ dh₁, row sums
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        p_tv = row[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_dl = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_dd = tl.load(ddl + p_tv, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
+        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0)
+        b_h = tl.load(hs + p_state + o_v[None, :], mask=m_kv, other=0.0)
+        b_dh = tl.load(dhs + p_state + o_v[None, :], mask=m_kv, other=0.0)
+        acc_dkt += _mm(b_dl, tl.trans(b_dh), b_k, IEEE)
+        acc_dw -= _mm(b_dd, tl.trans(b_h), b_k, IEEE)
+        b_ttdu = _mm(tl.trans(b_t), b_dd, b_k, IEEE)  # Tᵀ dU, dU = dΔ
+        tl.store(dv + p_tv, (b_beta[:, None] * b_ttdu).to(dv.dtype.element_ty), mask=m_tv)
+        b_dbeta += tl.sum(b_ttdu * b_v.to(tl.float32), axis=1)
+        acc_da += _mm(b_ttdu, tl.trans(b_u), b_k, IEEE)
+        acc_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
+    b_ttdw = _mm(tl.trans(b_t), acc_dw, b_k, IEEE)  # Tᵀ dW
+    acc_da += _mm(b_ttdw, tl.trans(b_w), b_k, IEEE)
+    strict = o_r[:, None] > o_r[None, :]
+    b_da = tl.where(strict, -acc_da, 0.0)  # dA = −strict-lower(Tᵀ dT Tᵀ)
+    decay = tl.where(strict, tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_kb = b_k.to(tl.float32) * b_beta[:, None]
+    b_a = _mm(b_kb, tl.trans(b_k), b_k, IEEE) * decay  # A
+    b_m2 = b_da * b_a
+    b_ds = b_da * decay
+    b_dkb = _mm(b_ds, b_k, b_k, IEEE)
+    b_dk = acc_dkt * e[:, None] + (b_beta * gam)[:, None] * b_ttdw + _mm(tl.trans(b_ds), b_kb, b_k, IEEE)
+    b_dk += b_beta[:, None] * b_dkb
+    b_dG = tl.zeros([BT], dtype=tl.float32)
+    for i_g in range(G):
+        i_hq = i_h * G + i_g
+        b_dk += tl.load(dkq + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_dG += tl.load(dgq + row * HQ + i_hq, mask=m_t, other=0.0)
+    kf = b_k.to(tl.float32)
+    ktw = tl.sum(b_ttdw * kf, axis=1)
+    b_dbeta += gam * ktw + tl.sum(b_dkb * kf, axis=1)
+    de = tl.sum(acc_dkt * kf, axis=1) * e  # ∂/∂ log e_j
+    b_dG += b_beta * gam * ktw - de + tl.sum(b_m2, axis=1) - tl.sum(b_m2, axis=0)
+    extra = tl.sum(de, axis=0) + tl.exp(g_last) * tl.sum(acc_hdh, axis=0)  # through γ_C
+    b_dG += tl.where(o_t == last, extra, 0.0)
+    b_dG = tl.where(m_t, b_dG, 0.0)
+    b_dg = tl.sum(b_dG, axis=0) - tl.cumsum(b_dG, axis=0) + b_dG  # G = cumsum(g) in the chunk
+    tl.store(dk + row[:, None] * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dbeta + row * H + i_h, b_dbeta, mask=m_t)
+    tl.store(dg + row * H + i_h, b_dg, mask=m_t)
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens):
+    """Gradients w.r.t. ``(q, k, v, g, beta, initial_state)`` (the last ``None`` without an initial state),
+    each in its input's dtype. Inputs as the forward's, ``do`` like the output, ``dht`` like the final state or None."""
+    B, T = q.shape[:2]
+    L = Layout(q, v, cu_seqlens)
+    H, HQ, G, K, V, BK, ieee, dev = L.H, L.HQ, L.G, L.K, L.V, L.BK, L.ieee, L.device
+    qf, kf, vf, gf, bf, dof = Layout.flat(q, k, v, g, beta, do)
+    gcum, w, u, tm, hs, v_new, _ = prepare_and_states(L, kf, vf, gf, bf, initial_state, False, store_t=True)
+    f32 = torch.float32
+    warps = 8 if BK >= 128 else 4
+    stages = 1 if BK > 128 else 2
+    BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
+    tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
+
+    dvl = torch.empty(L.tokens, H, V, dtype=f32, device=dev)
+    if L.NC:
+        _dv_local_kernel[(triton.cdiv(V, BV), L.NC, H)](
+            qf, kf, gcum, dof, dvl, *tables, scale,
+            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=4, num_stages=stages)
+
+    BVs = _state_bv(K, V, ieee, L.N * H, dev)
+    dhs = torch.empty_like(hs)
+    ddl = torch.empty(L.tokens, H, V, dtype=f32, device=dev)
+    dh0 = torch.empty(L.N, H, K, V, dtype=initial_state.dtype, device=dev) if initial_state is not None else None
+    dht = dht.contiguous() if dht is not None else None
+    _state_bwd_kernel[(triton.cdiv(V, BVs), L.N * H)](
+        qf, kf, w, gcum, dof, dvl, dhs, ddl, dht if dht is not None else hs, dh0 if dh0 is not None else hs,
+        L.cu_seqlens, L.chunk_offsets, scale, H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BVs,
+        USE_DHT=dht is not None, STORE_DH0=dh0 is not None, IEEE=ieee, num_warps=4, num_stages=stages)
+
+    dq = torch.empty_like(qf)
+    dk = torch.empty_like(kf)
+    dv = torch.empty_like(vf)
+    dbeta = torch.empty(L.tokens, H, dtype=f32, device=dev)
+    dg = torch.empty(L.tokens, H, dtype=f32, device=dev)
+    if L.NC:
+        dkq = torch.empty(L.tokens, HQ, K, dtype=f32, device=dev)
+        dgq = torch.empty(L.tokens, HQ, dtype=f32, device=dev)
+        _dqk_kernel[(L.NC, HQ)](
+            qf, kf, v_new, gcum, hs, dof, dq, dkq, dgq, *tables, scale,
+            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=warps, num_stages=stages)
+        _wy_bwd_kernel[(L.NC, H)](
+            kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
+            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=warps, num_stages=stages)
+    return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape).to(g.dtype),
+            dbeta.view(beta.shape).to(beta.dtype), dh0)

@@ -59,6 +59,8 @@ def init_distributed(device: torch.device) -> None:
     import torch.distributed as dist
 
     if world()[1] > 1 and not dist.is_initialized():
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's context on this process's own GPU, not GPU 0
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
 
 

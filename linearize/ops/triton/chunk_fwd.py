@@ -15,6 +15,8 @@ equal-length documents, so one code path serves both.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 import triton.language as tl
@@ -298,16 +300,36 @@ def _output_kernel(
 
 
 def _chunk_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(chunk_indices [NC, 2] = (sequence, chunk in sequence), chunk_offsets [N+1], NC)``."""
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    counts = [triton.cdiv(n, BT) for n in lens]
-    idx = [(s, c) for s, n in enumerate(counts) for c in range(n)]
-    offsets = [0]
-    for n in counts:
-        offsets.append(offsets[-1] + n)
+    """``(chunk_indices [NC, 2] = (sequence, chunk in sequence), chunk_offsets [N+1], NC)``.
+    One device→host copy of ``cu_seqlens`` (the grid size depends on it); the rest is vectorized."""
     dev = cu_seqlens.device
-    chunk_indices = torch.tensor(idx if idx else [(0, 0)], dtype=torch.int32, device=dev)
-    return chunk_indices, torch.tensor(offsets, dtype=torch.int32, device=dev), len(idx)
+    cu = cu_seqlens.to("cpu", torch.int64)
+    counts = (cu[1:] - cu[:-1] + BT - 1) // BT
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    NC = int(offsets[-1])
+    seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
+    idx = torch.stack([seq, torch.arange(NC) - offsets[seq]], 1) if NC else torch.zeros(1, 2, dtype=torch.int64)
+    return idx.to(dev, torch.int32), offsets.to(dev, torch.int32), NC
+
+
+def _dense_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """The tables of B documents of length T, built without reading anything back from the GPU."""
+    key = (B, T, str(device))
+    if key not in _DENSE:
+        n = triton.cdiv(T, BT)
+        cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
+        seq = torch.arange(B, dtype=torch.int32, device=device).repeat_interleave(n)
+        idx = torch.stack([seq, torch.arange(n, dtype=torch.int32, device=device).repeat(B)], 1)
+        if B * n == 0:
+            idx = torch.zeros(1, 2, dtype=torch.int32, device=device)
+        off = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=device) if n else torch.zeros(B + 1, dtype=torch.int32, device=device)
+        _DENSE.clear()  # one shape at a time is what training and benchmarks use
+        _DENSE[key] = (cu, idx, off, B * n)
+    return _DENSE[key]
+
+
+_DENSE: dict = {}
+_PACKED: list = [None, None]  # (weakref to the last cu_seqlens tensor, its tables): every layer passes the same one
 
 
 def _block_k(K: int) -> int:
@@ -335,10 +357,15 @@ class Layout:
         self.G = self.HQ // self.H
         self.tokens = B * T
         if cu_seqlens is None:  # a dense batch is B packed documents of length T
-            cu_seqlens = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=q.device)
-        self.cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
+            self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = _dense_tables(B, T, q.device)
+        else:
+            ref, tables = _PACKED
+            if ref is None or ref() is not cu_seqlens or cu_seqlens._version != tables[-1]:
+                cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
+                tables = (cu, *_chunk_tables(cu), cu_seqlens._version)
+                _PACKED[:] = [weakref.ref(cu_seqlens), tables]
+            self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = tables[:4]
         self.N = self.cu_seqlens.numel() - 1
-        self.chunk_indices, self.chunk_offsets, self.NC = _chunk_tables(self.cu_seqlens)
         self.ieee = q.dtype == torch.float32
         self.BK = _block_k(self.K)
         self.device = q.device

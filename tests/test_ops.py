@@ -161,6 +161,19 @@ def test_taylor_front_packed_restarts_every_document():
         torch.testing.assert_close(packed[:, s:e], alone, rtol=1e-10, atol=1e-10)
 
 
+def test_prefix_mean_packed_float32_keeps_late_documents_exact():
+    """Packed means come from one cumsum over the row minus its value at each document start; done
+    in float32 that subtraction would lose ~1e-3 on late documents of a long pack (sums ~3e6)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 30000, 2, dtype=f64, generator=gen) + 100.0
+    cu = torch.tensor([0, 7, 5000, 5001, 17000, 29990, 30000])
+    packed = prefix_mean(x.float(), cu)
+    assert packed.dtype == torch.float32
+    for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
+        exact = prefix_mean(x[:, s:e])
+        assert ((packed[:, s:e].double() - exact).abs() / exact.abs()).max() < 1e-6
+
+
 def test_taylor_front_terms_match_definitions():
     q, k, v = qkv(1, 12, 1, 1, 4, 4)
     front = taylor_front(q, k, v, rho=0.5)

@@ -49,15 +49,34 @@ class RunningSums:
     count: torch.Tensor
 
 
+def _documents(T: int, cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(doc, start)``: the document of every token ``(T,)`` and where each document starts ``(N,)``.
+    Built on the device without reading ``cu_seqlens`` back, so packed batches cost no host sync."""
+    cu = cu_seqlens.to(device=device, dtype=torch.long)
+    lens = cu[1:] - cu[:-1]
+    doc = torch.repeat_interleave(torch.arange(lens.numel(), device=device), lens, output_size=T)
+    return doc, cu[:-1]
+
+
 def positions(B: int, T: int, cu_seqlens: torch.Tensor | None, device=None, dtype=torch.float32) -> torch.Tensor:
     """``t`` of every token, counting from 1 at each sequence/document start: ``(B, T)``."""
-    spans = [torch.arange(1, e - s + 1, dtype=dtype, device=device) for s, e in time_spans(T, cu_seqlens)]
-    return torch.cat(spans).expand(B, T)
+    t = torch.arange(1, T + 1, device=device)
+    if cu_seqlens is not None:
+        doc, start = _documents(T, cu_seqlens, device)
+        t = t - start[doc]
+    return t.to(dtype).expand(B, T)
 
 
 def _cumsum_docs(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
-    # per-document cumsum: no cross-document subtraction, so no cancellation on long packs
-    return torch.cat([x[:, s:e].cumsum(1) for s, e in time_spans(x.shape[1], cu_seqlens)], dim=1)
+    """Cumulative sum along time (dim 1), restarting at each document. Packed: one float64 cumsum
+    over the row minus its value before each document's start — float64 keeps the subtraction free
+    of cancellation on long packs — with no loop over documents."""
+    if cu_seqlens is None:
+        return x.cumsum(1)
+    doc, start = _documents(x.shape[1], cu_seqlens, x.device)
+    c = x.to(torch.float64).cumsum(1)
+    before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], 1)  # exclusive cumsum
+    return (c - before[:, start][:, doc]).to(x.dtype)
 
 
 def prefix_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

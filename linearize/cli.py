@@ -6,6 +6,7 @@ Bad input ends with one line on stderr and exit code 2 (``--debug`` shows the tr
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -242,6 +243,8 @@ def distill(
             summary = run_recipe(cfg, resume=resume, progress=progress)
         except TrainingError as e:
             raise UserError(str(e)) from None
+        if int(os.environ.get("RANK", 0)) != 0:  # under torchrun, one summary
+            return
         ini, fin = summary["initial"] or {}, summary["final"]
         typer.echo(f"held-out perplexity: teacher {fin['ppl_teacher']:.2f}, student at init "
                    f"{ini.get('ppl_student', float('nan')):.2f} -> after training {fin['ppl_student']:.2f}; "

@@ -85,6 +85,7 @@ class RecipeConfig:
     seed: int = 0
     precision: str = "fp32"  # "fp32" or "bf16"
     device: str = "auto"  # "auto", "cpu", "cuda"
+    parallel: str = "ddp"  # under torchrun: "ddp" (whole model on every process) or "fsdp" (FSDP2 shards layers)
 
 
 def _valid_keys(cls) -> list[str]:

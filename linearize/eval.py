@@ -74,7 +74,7 @@ def capture_attention(
         handles.append(mods[i].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mods[i].o_proj.register_forward_pre_hook(o_in))
     try:
-        model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1)  # no (B, T, V) logits
     finally:
         for h in handles:
             h.remove()

@@ -224,6 +224,51 @@ def test_distill_two_gloo_processes_match_one_process(tiny_dir, tmp_path):
     assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 
+def torchrun(recipe: Path, args: list[str], port: int, *extra: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                           "--master-port", str(port), "-m", "linearize", "distill", str(recipe), *args, *extra],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_distill_fsdp_two_processes_match_one_process_and_resume(tiny_dir, tmp_path):
+    """parallel=fsdp: FSDP2-sharded layers on 2 gloo processes give the 1-process losses (align, then
+    distill, gradient clipping on), save the same model, and resume from a sharded run's checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize  # noqa: F401  (registers the Linearized* classes)
+
+    stages = ("stages:\n"
+              "  - {name: align, steps: 3, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
+              "  - {name: distill, steps: 2, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
+              "optim: {grad_clip: 0.05}\nseed: 0\n")
+    one_recipe, recipe = tmp_path / "one.yaml", tmp_path / "fsdp.yaml"
+    one_recipe.write_text(stages)
+    recipe.write_text(stages + "parallel: fsdp\n")
+    keys = {"stages.0.steps": 3, "output.checkpoint_every": 2}
+    run_recipe(load_recipe(one_recipe, overrides(tiny_dir, tmp_path / "one", **keys)))
+    two = tmp_path / "two"
+    proc = torchrun(recipe, overrides(tiny_dir, two, **keys), 29519)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(losses(two)) == 5
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    a, b = (AutoModelForCausalLM.from_pretrained(d / "model") for d in (tmp_path / "one", two))
+    with torch.no_grad():
+        torch.testing.assert_close(b(ids).logits, a(ids).logits, rtol=1e-4, atol=1e-4)
+    # resume a sharded run: drop the last checkpoint and the model, run again with --resume
+    ckpts = sorted((two / "checkpoints").glob("step_*.pt"))
+    ckpts[-1].unlink()
+    proc = torchrun(recipe, overrides(tiny_dir, two, **keys), 29521, "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+
+
+def test_parallel_must_be_ddp_or_fsdp(tiny_dir, tmp_path):
+    with pytest.raises(RecipeError, match="parallel must be"):
+        run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "x", parallel="zero3")))
+
+
 def test_distill_lora_trains_adapters_and_saves_merged(tiny_dir, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

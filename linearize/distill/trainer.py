@@ -9,6 +9,13 @@ Stages run in order over one global step counter:
   for the whole batch, plus optional cross-entropy.
 Checkpoints (atomic, last K kept) hold the trained parameters, optimizer, scheduler, RNG and the
 step; resuming replays the same batches, so a killed run resumed gives the uninterrupted losses.
+
+Under ``torchrun`` the global batch is split across processes. ``parallel: ddp`` keeps the whole
+model on every process and averages gradients; ``parallel: fsdp`` shards every decoder layer of
+teacher and student with FSDP2 (``fully_shard``), gathering a layer's weights only while it runs —
+for models whose teacher + student do not fit one GPU. Embeddings, final norm and LM head stay
+whole; each attention block is its own unit, which the align stage calls alone. Checkpoints and the
+saved model are gathered to full tensors.
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ class Run:
     student: torch.nn.Module
     tokenizer: object
     data: PackedData
+    fsdp: bool = False  # decoder layers sharded with FSDP2 (parallel: fsdp under torchrun)
+    skeleton: torch.nn.Module | None = None  # FSDP, rank 0: an unsharded CPU copy to save the model into
 
 
 # ---------------------------------------------------------------------------------------- processes
@@ -120,6 +129,8 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
     for i, st in enumerate(cfg.stages):
         if st.batch_size % size:
             raise RecipeError(f"stages.{i}.batch_size={st.batch_size} must divide among {size} processes")
+    if cfg.parallel not in ("ddp", "fsdp"):
+        raise RecipeError(f"parallel must be 'ddp' or 'fsdp'; got {cfg.parallel!r}")
     check_output(out, resume)
     if resume:
         saved = (out / "recipe.yaml").read_text()
@@ -140,11 +151,50 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
     add_lora(student, cfg)
     teacher.to(device=device, dtype=dtype).requires_grad_(False)
     student.to(device=device, dtype=dtype)
+    fsdp, skeleton = cfg.parallel == "fsdp" and size > 1, None
+    if fsdp:
+        skeleton = copy.deepcopy(student).cpu() if rank == 0 else None
+        # FSDP2 fixes which parameters take gradients when it first gathers them: every parameter any
+        # stage trains keeps requires_grad for the whole run; each stage's optimizer holds its own
+        union = {n for st in cfg.stages for n in trainable_names(student, st)}
+        for n, p in student.named_parameters():
+            p.requires_grad_(n in union)
+        shard_layers(teacher, device)
+        shard_layers(student, device)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         (out / "recipe.yaml").write_text(to_yaml(cfg))
     barrier()
-    return Run(cfg, out, device, dtype, teacher, student, tok, data)
+    return Run(cfg, out, device, dtype, teacher, student, tok, data, fsdp, skeleton)
+
+
+def shard_layers(model, device: torch.device) -> None:
+    """FSDP2: each decoder layer one unit, its parameters sharded over all processes."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ..models.adapters import decoder_layers
+
+    mesh = init_device_mesh(device.type, (world()[1],))
+    for layer in decoder_layers(model):
+        fully_shard(layer.self_attn, mesh=mesh)  # its own unit: the align stage calls it alone
+        fully_shard(layer, mesh=mesh)
+    # the model itself is the root unit (FSDP's end-of-backward hook lives there) but owns no shards:
+    # embeddings, final norm and LM head stay whole, so the LM head can run chunk by chunk afterwards
+    fully_shard(model, mesh=mesh, ignored_params={p for p in model.parameters() if not is_sharded(p)})
+    with torch.no_grad():  # FSDP sets its units up at the root's first forward; align calls blocks directly
+        model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=False, logits_to_keep=1)
+
+
+def is_sharded(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an FSDP shard (a collective: every process calls it), or ``t`` itself."""
+    return t.full_tensor() if is_sharded(t) else t
 
 
 def add_lora(model, cfg: RecipeConfig) -> bool:
@@ -213,7 +263,8 @@ def align_loss(run: Run, ids, pos, kind: str) -> tuple[torch.Tensor, dict]:
     total = 0.0
     for i, gdn in layers.items():
         cap = caps[i]
-        out = gdn.attention_output(cap.hidden_states, cap.position_embeddings, pos)
+        # through the block's forward (not attention_output), so FSDP gathers its weights when sharded
+        out = gdn(cap.hidden_states, cap.position_embeddings, position_ids=pos, pre_o_proj=True)
         err = (out.float() - cap.output.float()).pow(2).mean(dim=(1, 2))  # per row, so shards average exactly
         if kind == "nmse":
             err = err / cap.output.float().pow(2).mean(dim=(1, 2)).clamp_min(1e-12)
@@ -250,10 +301,17 @@ def next_token_labels(ids, pos):
     return labels
 
 
+def last_hidden(model, ids, pos) -> torch.Tensor:
+    """The final (normed) hidden states, through the model's own forward — which FSDP needs — with
+    logits for one position only: the LM head then runs chunk by chunk."""
+    out = model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    return out.hidden_states[-1]
+
+
 def distill_loss(run: Run, ids, pos, st: StageConfig) -> torch.Tensor:
     with torch.no_grad():
-        th = run.teacher.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
-    sh = run.student.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state
+        th = last_hidden(run.teacher, ids, pos)
+    sh = last_hidden(run.student, ids, pos)
     return chunked_kl(sh, th, run.student.lm_head, run.teacher.lm_head, next_token_labels(ids, pos),
                       st.temperature, st.kl_chunk, st.ce_weight)
 
@@ -269,8 +327,7 @@ def evaluate(run: Run, chunk: int = 1024) -> dict:
     rows = max(1, min(ids.shape[0], run.cfg.data.eval_tokens // ids.shape[1]))
     ids, pos = ids[:rows].to(run.device), pos[:rows].to(run.device)
     labels = next_token_labels(ids, pos).flatten()
-    hidden = {name: m.model(input_ids=ids, position_ids=pos, use_cache=False).last_hidden_state.flatten(0, 1)
-              for name, m in (("teacher", run.teacher), ("student", run.student))}
+    hidden = {name: last_hidden(m, ids, pos).flatten(0, 1) for name, m in (("teacher", run.teacher), ("student", run.student))}
     ce = {"teacher": 0.0, "student": 0.0}
     kl, agree = 0.0, 0.0
     n, valid = labels.numel(), int((labels != -100).sum())
@@ -297,12 +354,21 @@ def trainable_names(model, st: StageConfig) -> list[str]:
     return names
 
 
-def save_checkpoint(run: Run, step: int, stage_idx: int, stage_step: int, opt, sched, names_union) -> Path:
+def save_checkpoint(run: Run, step: int, stage_idx: int, stage_step: int, opt, sched, names_union) -> Path | None:
+    """Every process calls this (FSDP gathers shards); rank 0 writes. Returns the path on rank 0."""
     params = dict(run.student.named_parameters())
+    full = {n: full_tensor(params[n].detach()).cpu() for n in names_union}
+    if run.fsdp:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        optim = get_optimizer_state_dict(run.student, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        optim = opt.state_dict()
+    if world()[0] != 0:
+        return None
     state = {
-        "step": step, "stage": stage_idx, "stage_step": stage_step,
-        "params": {n: params[n].detach().cpu() for n in names_union},
-        "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
+        "step": step, "stage": stage_idx, "stage_step": stage_step, "params": full,
+        "optimizer": optim, "scheduler": sched.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
                 "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None},
     }
@@ -332,7 +398,13 @@ def load_checkpoint(run: Run, path: Path) -> dict:
     params = dict(run.student.named_parameters())
     with torch.no_grad():
         for n, t in state["params"].items():
-            params[n].copy_(t.to(params[n].device, params[n].dtype))
+            p = params[n]
+            t = t.to(p.device, p.dtype)
+            if is_sharded(p):  # this process's shard of the whole tensor
+                from torch.distributed.tensor import distribute_tensor
+
+                t = distribute_tensor(t, p.device_mesh, p.placements)
+            p.copy_(t)
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     return state
@@ -343,10 +415,11 @@ def load_checkpoint(run: Run, path: Path) -> dict:
 
 def make_optimizer(run: Run, st: StageConfig):
     names = trainable_names(run.student, st)
-    run.student.requires_grad_(False)
     params = dict(run.student.named_parameters())
-    for n in names:
-        params[n].requires_grad_(True)
+    if not run.fsdp:  # under FSDP every stage's parameters keep requires_grad (see setup)
+        run.student.requires_grad_(False)
+        for n in names:
+            params[n].requires_grad_(True)
     opt = torch.optim.AdamW([params[n] for n in names], lr=st.lr, weight_decay=run.cfg.optim.weight_decay)
     warm = run.cfg.optim.warmup_steps
 
@@ -357,6 +430,22 @@ def make_optimizer(run: Run, st: StageConfig):
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0)))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_at), names
+
+
+def clip_gradients(params: list, max_norm: float) -> None:
+    """``clip_grad_norm_`` that also takes FSDP shards: their squared norms are summed over processes."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(is_sharded(g) for g in grads):
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return
+    import torch.distributed as dist
+
+    sharded = sum(g.to_local().float().pow(2).sum() for g in grads if is_sharded(g))
+    dist.all_reduce(sharded)
+    whole = sum((g.float().pow(2).sum() for g in grads if not is_sharded(g)), torch.zeros_like(sharded))
+    coef = (max_norm / ((sharded + whole).sqrt() + 1e-6)).clamp(max=1.0)
+    for g in grads:
+        (g.to_local() if is_sharded(g) else g).mul_(coef.to(g.dtype))
 
 
 def log_metrics(run: Run, record: dict) -> None:
@@ -419,7 +508,12 @@ def train(run: Run, resume: bool, progress=None) -> dict:
         opt, sched, _ = make_optimizer(run, st)
         first = start_step if si == start_stage else 0
         if state is not None and si == start_stage and first < st.steps:
-            opt.load_state_dict(state["optimizer"])
+            if run.fsdp:
+                from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+                set_optimizer_state_dict(run.student, opt, state["optimizer"], options=StateDictOptions(full_state_dict=True))
+            else:
+                opt.load_state_dict(state["optimizer"])
             sched.load_state_dict(state["scheduler"])
         run.student.train()
         for s in range(first, st.steps):
@@ -431,16 +525,17 @@ def train(run: Run, resume: bool, progress=None) -> dict:
                 loss, per_layer = align_loss(run, ids, pos, st.loss)
             else:
                 loss, per_layer = distill_loss(run, ids, pos, st), None
-            opt.zero_grad(set_to_none=True)
+            run.student.zero_grad(set_to_none=True)
             loss.backward()
             loss_value = all_mean(loss.detach().clone()).item()
             if not math.isfinite(loss_value):
                 where = f"last good checkpoint: {last_ckpt or latest_checkpoint(run.out) or 'none'}"
                 raise TrainingError(f"loss became {loss_value} at stage {st.name} step {s}; stopped ({where})")
             for p in (p for g in opt.param_groups for p in g["params"] if p.grad is not None):
-                all_mean(p.grad)  # data parallel: the gradient of the global batch's mean loss
+                if not is_sharded(p.grad):  # FSDP has already averaged the shards' gradients
+                    all_mean(p.grad)  # data parallel: the gradient of the global batch's mean loss
             if cfg.optim.grad_clip:
-                torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], cfg.optim.grad_clip)
+                clip_gradients([p for g in opt.param_groups for p in g["params"]], cfg.optim.grad_clip)
             opt.step()
             sched.step()
             step += 1
@@ -459,8 +554,7 @@ def train(run: Run, resume: bool, progress=None) -> dict:
                 progress(rec, step)
             if step % cfg.output.checkpoint_every == 0 or s + 1 == st.steps:
                 nxt_stage, nxt_step = (si, s + 1) if s + 1 < st.steps else (si + 1, 0)
-                if rank == 0:
-                    last_ckpt = save_checkpoint(run, step, nxt_stage, nxt_step, opt, sched, names_union)
+                last_ckpt = save_checkpoint(run, step, nxt_stage, nxt_step, opt, sched, names_union) or last_ckpt
                 barrier()
         start_step = 0
     run.student.eval()
@@ -473,14 +567,23 @@ def finish(run: Run, final_eval: dict, initial_eval: dict | None) -> Path:
 
     from .. import save
 
-    adapter = merge_lora(run.student)
+    model = run.student
+    if run.fsdp:  # gather the whole model (every process), save it from rank 0's unsharded copy
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        whole = get_model_state_dict(run.student, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if world()[0] != 0:
+            return run.out / "model"
+        run.skeleton.load_state_dict(whole)
+        model = run.skeleton
+    adapter = merge_lora(model)
 
     def extra(folder: Path):
         (folder / "distill_summary.json").write_text(json.dumps({"initial": initial_eval, "final": final_eval}, indent=1))
         if adapter is not None and run.cfg.output.keep_adapter:
             save_file({k: v.contiguous() for k, v in adapter.items()}, folder / "lora_adapter.safetensors")
 
-    model_dir = save(run.student, run.tokenizer, run.out / "model", force=True, extra=extra)
+    model_dir = save(model, run.tokenizer, run.out / "model", force=True, extra=extra)
     plot_losses(run.out)
     return model_dir
 
@@ -521,7 +624,7 @@ def run_recipe(cfg: RecipeConfig, resume: bool = False, progress=None) -> dict:
         initial = json.loads((run.out / "initial_eval.json").read_text())
     final = train(run, resume, progress)
     model_dir = run.out / "model"
-    if world()[0] == 0:
+    if world()[0] == 0 or run.fsdp:  # FSDP: every process takes part in gathering the model
         finish(run, final, initial)
     barrier()
     return {"initial": initial, "final": final, "model": str(model_dir), "budget": budget(cfg)}

@@ -146,6 +146,8 @@ class GDNAttention(nn.Module):
         cache=None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
+        if kwargs.get("pre_o_proj"):  # the distill align stage: the output before o_proj, from a fresh state
+            return self.attention_output(hidden_states, position_embeddings, kwargs.get("position_ids"))
         B, T, _ = hidden_states.shape
         cache = attention_cache(past_key_values, cache)
         use_cache = cache is not None and kwargs.get("use_cache", True) is not False

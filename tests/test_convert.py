@@ -63,6 +63,33 @@ def test_convert_block_equals_taylor_equations(family):
         assert ((out.double() - ref.flatten(2)).norm() / ref.norm()).item() < 1e-5
 
 
+def test_gdn_block_fused_front_equals_pytorch_front():
+    """GDNOptions(fused_front=True): the block's output on packed positions and the gradients of its
+    parameters (q/k/v projections, ρ, gate, β correction) equal those of the PyTorch front."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("llama")
+    x = ids(teacher, B=2, T=40)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)  # two documents per row
+    caps = capture_attention(teacher, x, [0], position_ids=pos)
+    results = []
+    for fused in (False, True):
+        model = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher),
+                                  options=GDNOptions(fused_front=fused))
+        gdn = model.model.layers[0].self_attn
+        with torch.no_grad():  # trained-looking corrections, so every path carries gradient
+            gdn.beta_proj.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+            gdn.gate_proj.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(1))
+        out = gdn.attention_output(caps[0].hidden_states, caps[0].position_embeddings, pos)
+        (out * torch.randn(out.shape, generator=torch.Generator().manual_seed(3))).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in gdn.named_parameters() if p.grad is not None}))
+    (ref, ref_g), (got, got_g) = results
+    assert ((got - ref).norm() / ref.norm()).item() < 1e-5
+    assert ref_g.keys() == got_g.keys() and {"rho", "gate_proj.weight", "beta_proj.weight", "k_proj.weight"} <= ref_g.keys()
+    for n in ref_g:
+        assert ((got_g[n] - ref_g[n]).norm() / ref_g[n].norm()).item() < 1e-4, n
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_convert_save_load_round_trip(tmp_path, family):
     model = linearize.convert(tiny_model(family), calibration_ids=calib(tiny_model(family)))

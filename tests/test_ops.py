@@ -174,6 +174,23 @@ def test_prefix_mean_packed_float32_keeps_late_documents_exact():
         assert ((packed[:, s:e].double() - exact).abs() / exact.abs()).max() < 1e-6
 
 
+def test_taylor_front_float32_gradients_match_float64():
+    """k̃ ≡ 0 at each document's first token; its normalization must not leak 1/eps into the gradient
+    (it did: float32 gradients of k were garbage at document starts, float64 ones off in the 4th digit)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 90, 2, 8, dtype=f64, generator=gen) for _ in range(3))
+    cu = torch.tensor([0, 1, 30, 90])
+    rho, w = torch.tensor([0.3, 0.8], dtype=f64), torch.randn(1, 90, 2, 8, dtype=f64, generator=gen)
+    grads = {}
+    for dt in (f64, torch.float32):
+        kk, vv = (x.to(dt).detach().clone().requires_grad_(True) for x in (k, v))
+        fr = taylor_front(q.to(dt), kk, vv, rho=rho.to(dt), cu_seqlens=cu)
+        ((fr.k.double() * w).sum() + (fr.v.double() * w).sum() + fr.beta.double().sum()).backward()
+        grads[dt] = (kk.grad.double(), vv.grad.double())
+    for a, b in zip(grads[torch.float32], grads[f64]):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+
+
 def test_taylor_front_terms_match_definitions():
     q, k, v = qkv(1, 12, 1, 1, 4, 4)
     front = taylor_front(q, k, v, rho=0.5)

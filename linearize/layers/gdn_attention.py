@@ -21,7 +21,7 @@ from torch import nn
 
 from ..compat import attention_cache
 from ..models.adapters import project_qkv
-from ..ops import gated_delta_rule, gated_delta_rule_step
+from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.taylor import DEFAULT_BETA_MAX, calibrate_rho, taylor_back, taylor_front
 from .cache import gdn_cache_layer
 
@@ -33,6 +33,9 @@ class GDNOptions:
     form: str = "stable"  # "stable" or "taylor-seed" (the literal seed form, diverges on real models)
     beta_max: float = DEFAULT_BETA_MAX
     backend: str = "auto"
+    # training/scoring on CUDA: the Taylor front as one Triton kernel each way (ops/triton/front.py).
+    # Tested against the PyTorch front under the interpreter; off until checked on the GPU.
+    fused_front: bool = False
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -123,17 +126,26 @@ class GDNAttention(nn.Module):
         q, _, _ = project_qkv(self, hidden_states, position_embeddings)
         self.rho.copy_(calibrate_rho(q.float() * self.scaling, self.num_kv_heads))
 
-    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None):
-        """q (scaled) and the Taylor front's GDN inputs, in float32 (float64 if the model is)."""
+    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False):
+        """q (scaled) and the Taylor front's GDN inputs, in float32 (float64 if the model is).
+        ``fused``: the Triton front (no padding mask, no carried sums; ``front.sums`` is then None)."""
         q, k, v = project_qkv(self, hidden_states, position_embeddings)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q, k, v = q.to(dt) * self.scaling, k.to(dt), v.to(dt)
         form = "seed" if self.options.form == "taylor-seed" else "stable"
-        front = taylor_front(
-            q, k, v, form=form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
-            beta_factor=2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt)), mask=mask, initial=initial,
-            cu_seqlens=cu_seqlens,
-        )
+        beta_factor = 2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt))
+        if fused and form == "stable" and mask is None and initial is None and dt == torch.float32:
+            from ..ops.taylor import TaylorInputs
+            from ..ops.triton.front import taylor_front_triton
+
+            kh, u, g, beta, v_mean = taylor_front_triton(k, v, self.rho.to(dt), self.options.beta_max,
+                                                         beta_factor=beta_factor, cu_seqlens=cu_seqlens)
+            front = TaylorInputs(k=kh, v=u, g=g, beta=beta, v_mean=v_mean, sums=None)
+        else:
+            front = taylor_front(
+                q, k, v, form=form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
+                beta_factor=beta_factor, mask=mask, initial=initial, cu_seqlens=cu_seqlens,
+            )
         front.g = front.g * torch.exp(self.gate_proj(hidden_states).to(dt))
         return q, front
 
@@ -180,7 +192,8 @@ class GDNAttention(nn.Module):
 
     def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
         B, T, _ = hidden_states.shape
-        q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens)
+        fused = self.options.fused_front and not output_final_state and _triton_usable(hidden_states)
+        q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
             o = o[:, None]

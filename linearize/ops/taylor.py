@@ -141,11 +141,13 @@ def taylor_front(
     valid = m[..., None] > 0  # (B, T, 1)
     v_mean = sum_v / t_safe[..., None]  # v̄_t
     prev_mean = (sum_v - vm) / (t_safe - 1).clamp_min(1)[..., None]  # v̄_{t−1} (0 when t = 1)
-    k_c = (k - sum_k / t_safe[..., None]) * valid[..., None]  # k̃_t
+    live = valid & (t > 1)  # where the state moves at all
+    # k̃_t; identically 0 at a document's first token (k − k): `where` keeps the 0/0 of its
+    # normalization out of the gradient, which would otherwise pour ~1/eps into the prefix-sum backward
+    k_c = torch.where(live[..., None], k - sum_k / t_safe[..., None], 0.0)
     v_c = v - prev_mean  # ṽ_t
     n = k_c.norm(dim=-1)  # (B, T, H)
     k_hat = k_c / n.clamp_min(eps)[..., None]
-    live = valid & (t > 1)  # where the state moves at all
     tm1 = (t - 1).clamp_min(1)
     if form == "seed":
         beta = n * n / tm1

@@ -51,19 +51,27 @@ def main():
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="pack documents of this many tokens in each row (positions restart), as real data is")
+    p.add_argument("--fused-front", action="store_true", help="GDNOptions(fused_front=True): the Triton Taylor front")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linearize.layers import GDNOptions
 
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16
     cfg = LlamaConfig(**SMOLLM2)
     cfg._attn_implementation = "sdpa"
     teacher = LlamaForCausalLM(cfg).to(dev, dt)
-    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 49152, (1, 512), device=dev))
+    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 49152, (1, 512), device=dev),
+                                options=GDNOptions(fused_front=args.fused_front))
     teacher.eval()
     B, T = args.batch, args.seq_len
     ids = torch.randint(0, 49152, (B, T), device=dev)
     pos = torch.arange(T, device=dev).expand(B, T)
+    if args.doc_len:
+        pos = pos % args.doc_len
     tokens = B * T
 
     def teacher_step():
@@ -86,7 +94,8 @@ def main():
 
         rows[f"{name}_s"] = timed(step, args.iters)
     res = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "B": B, "T": T,
-           "dtype": "bfloat16", "model": "SmolLM2-135M architecture, random weights", **rows}
+           "dtype": "bfloat16", "model": "SmolLM2-135M architecture, random weights",
+           "doc_len": args.doc_len or T, "fused_front": args.fused_front, **rows}
     for k in ("teacher_fwd_bwd", "align", "distill"):
         res[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s" if k != "teacher_fwd_bwd" else "teacher_fwd_bwd_s"]
     res["align_vs_teacher"] = res["align_tokens_per_s"] / res["teacher_fwd_bwd_tokens_per_s"]

@@ -71,10 +71,42 @@ def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, see
             "tolerance": TOL[dtype], "pass": worst <= TOL[dtype]}
 
 
+def check_front(B, T, H, K, V, cu=None, seed=0):
+    """The fused Taylor front (fp32) against the PyTorch front in float64: outputs and gradients."""
+    from linearize.ops.taylor import taylor_front
+    from linearize.ops.triton.front import taylor_front_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    k = torch.randn(B, T, H, K, device="cuda", generator=gen) + 0.3
+    v = torch.randn(B, T, H, V, device="cuda", generator=gen)
+    rho = torch.rand(H, device="cuda", generator=gen) + 0.5
+    f = 2 * torch.sigmoid(torch.randn(B, T, H, device="cuda", generator=gen))
+    cu_t = torch.tensor(cu, device="cuda") if cu is not None else None
+    got = {}
+    for name, dt in (("ref", torch.float64), ("ours", torch.float32)):
+        leaves = [x.to(dt).clone().requires_grad_(True) for x in (k, v, rho, f)]
+        if name == "ref":
+            fr = taylor_front(torch.zeros_like(leaves[0]), *leaves[:2], rho=leaves[2], beta_factor=leaves[3], cu_seqlens=cu_t)
+            outs = (fr.k, fr.v, fr.g, fr.beta, fr.v_mean)
+        else:
+            outs = taylor_front_triton(*leaves[:3], 1.0, beta_factor=leaves[3], cu_seqlens=cu_t)
+        g2 = torch.Generator(device="cuda").manual_seed(seed + 1)
+        sum((o.double() * torch.randn(o.shape, device="cuda", generator=g2, dtype=torch.float64)).sum() for o in outs).backward()
+        got[name] = [o.detach() for o in outs] + [x.grad for x in leaves]
+    names = ("khat", "u", "g", "beta", "vbar", "dk", "dv", "drho", "dbeta_factor")
+    res = {}
+    for n, a, b in zip(names, got["ours"], got["ref"]):
+        res[n] = ((a.double() - b).norm() / b.norm()).item() if torch.isfinite(a).all() else math.inf
+    worst = max(res.values())
+    return {"kind": "taylor_front", "B": B, "T": T, "q_heads": H, "kv_heads": H, "K": K, "V": V, "dtype": "float32",
+            "beta": "front", "cu_seqlens": cu, "errors": res, "max_error": worst, "tolerance": 1e-5, "pass": worst <= 1e-5}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="three cases only (bf16 2x8192, fp32 GQA, fp32 packed)")
+    p.add_argument("--front", action="store_true", help="the fused Taylor front only (ops/triton/front.py)")
     args = p.parse_args()
     cases = []
     std = [(8, 2048), (4, 4096), (2, 8192), (1, 16384), (1, 32768)]
@@ -90,13 +122,17 @@ def main():
     cases.append(dict(B=1, T=65536, H=16, G=1, K=128, V=128, dtype=torch.bfloat16, grads=False))
     if args.quick:  # a few cases with gradients: bf16 standard, fp32 GQA, fp32 packed
         cases = [cases[2], cases[11], cases[14]]
+    if args.front:  # SmolLM2 training rows, packed documents, Llama-3-8B and Gemma head sizes
+        cases = [dict(front=True, B=16, T=2048, H=3, K=64, V=64),
+                 dict(front=True, B=1, T=32768, H=3, K=64, V=64, cu=[0, 1, 700, 5000, 5001, 20000, 32768]),
+                 dict(front=True, B=2, T=4096, H=8, K=128, V=128), dict(front=True, B=1, T=3000, H=1, K=256, V=256)]
     rows = []
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "reference": "chunkwise PyTorch operator in float64 on the GPU, same rounded inputs"}
     for c in cases:
         with poisoned_outputs():  # every buffer the kernels' launcher allocates starts as NaN
-            row = check(**c)
+            row = check_front(**{k: v for k, v in c.items() if k != "front"}) if c.get("front") else check(**c)
         rows.append(row)
         if args.output:  # written after every case, so a crash keeps what ran
             args.output.parent.mkdir(parents=True, exist_ok=True)

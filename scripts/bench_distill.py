@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import linearize  # noqa: E402
 from linearize.config import RecipeConfig, StageConfig  # noqa: E402
-from linearize.distill.trainer import Run, align_loss, distill_loss, make_optimizer  # noqa: E402
+from linearize.distill.trainer import Run, align_loss, distill_loss, float32_trainables, make_optimizer, trainable_names  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
@@ -82,6 +82,7 @@ def main():
     rows = {"teacher_fwd_bwd_s": timed(teacher_step, args.iters)}
     teacher.requires_grad_(False)
     recipe = RecipeConfig()
+    float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
     run = Run(recipe, Path("."), dev, dt, teacher, student, None, None)
     for name in ("align", "distill"):
         st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)

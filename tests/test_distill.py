@@ -269,6 +269,34 @@ def test_parallel_must_be_ddp_or_fsdp(tiny_dir, tmp_path):
         run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "x", parallel="zero3")))
 
 
+def test_bf16_run_keeps_float32_master_weights(tiny_dir, tmp_path):
+    """precision=bf16: trainable parameters live in float32 (an lr-1e-4 AdamW step is below bf16's
+    resolution of ρ ≈ 1, so a bf16 ρ would never move); the saved model is plain again."""
+    import linearize
+
+    out = tmp_path / "bf16"
+    cfg = load_recipe(None, overrides(tiny_dir, out, precision="bf16", device="cpu", **{
+        "stages.0.steps": 3, "stages.0.lr": 1e-4, "stages.0.trainable": "rho,q_proj", "optim.warmup_steps": 1}))
+    run_recipe(cfg)
+    state = torch.load(sorted((out / "checkpoints").glob("step_*.pt"))[-1], weights_only=False)
+    assert state["params"] and all(t.dtype == torch.float32 for t in state["params"].values())
+    assert any("q_proj.parametrizations.weight.original" in n for n in state["params"])
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = linearize.convert(AutoModelForCausalLM.from_pretrained(tiny_dir), tokenizer=AutoTokenizer.from_pretrained(tiny_dir),
+                              calibration_tokens=64)
+    model = linearize.load(out / "model")
+    rho0, rho1 = start.model.layers[0].self_attn.rho, model.model.layers[0].self_attn.rho
+    assert not torch.equal(rho1.float(), rho0.float().to(torch.bfloat16).float())  # it trained
+    assert (rho1.float() - rho0.float()).abs().max() < 0.01  # by a few 1e-4 steps
+    assert not any("parametrizations" in n for n, _ in model.named_parameters())
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model" / "model.safetensors"), "pt") as f:
+        saved = {k: f.get_slice(k).get_dtype() for k in f.keys()}
+    assert saved["model.layers.0.self_attn.q_proj.weight"] == "BF16" and saved["model.layers.0.self_attn.rho"] == "F32"
+
+
 def test_distill_lora_trains_adapters_and_saves_merged(tiny_dir, tmp_path):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM

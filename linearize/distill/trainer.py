@@ -151,6 +151,8 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
     add_lora(student, cfg)
     teacher.to(device=device, dtype=dtype).requires_grad_(False)
     student.to(device=device, dtype=dtype)
+    if dtype != torch.float32:
+        float32_trainables(student, {n for st in cfg.stages for n in trainable_names(student, st)}, dtype)
     fsdp, skeleton = cfg.parallel == "fsdp" and size > 1, None
     if fsdp:
         skeleton = copy.deepcopy(student).cpu() if rank == 0 else None
@@ -208,6 +210,48 @@ def add_lora(model, cfg: RecipeConfig) -> bool:
     targets = sorted({t.strip() for st in stages for t in st.lora_targets.split(",") if t.strip()})
     inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.0, target_modules=targets), model)
     return True
+
+
+class _CastTo(torch.nn.Module):
+    """Parametrization: the module sees its float32 parameter in the compute dtype."""
+
+    def __init__(self, dtype: torch.dtype):
+        super().__init__()
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.to(self.dtype)
+
+
+def float32_trainables(model, names: set[str], dtype: torch.dtype) -> None:
+    """Keep every trainable parameter in float32 in a bf16 model (mixed precision with float32 master
+    weights): an AdamW step of lr ~1e-4 is below bf16's resolution of a weight ~0.03 (and of ρ ≈ 1),
+    so bf16 parameters would lose most updates. Modules see them cast to ``dtype`` on each use
+    (``torch.nn.utils.parametrize``; the names gain ``.parametrizations.<name>.original``); ρ is used in
+    float32 by the Taylor front anyway and is simply kept float32."""
+    from torch.nn.utils import parametrize
+
+    from ..layers import GDNAttention
+
+    for name in sorted(names):
+        mod_name, _, attr = name.rpartition(".")
+        mod = model.get_submodule(mod_name)
+        p = getattr(mod, attr)
+        setattr(mod, attr, torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad))
+        if not (isinstance(mod, GDNAttention) and attr == "rho"):
+            parametrize.register_parametrization(mod, attr, _CastTo(dtype), unsafe=True)
+
+
+def remove_casts(model) -> None:
+    """Undo :func:`float32_trainables` before saving: parameters back in the model's dtype."""
+    from torch.nn.utils import parametrize
+
+    for mod in list(model.modules()):
+        if parametrize.is_parametrized(mod):
+            for attr in list(mod.parametrizations):
+                value = getattr(mod, attr).detach().clone()  # the float32 original, cast
+                parametrize.remove_parametrizations(mod, attr, leave_parametrized=False)
+                setattr(mod, attr, torch.nn.Parameter(value, requires_grad=False))
 
 
 def merge_lora(model) -> dict | None:
@@ -576,6 +620,7 @@ def finish(run: Run, final_eval: dict, initial_eval: dict | None) -> Path:
             return run.out / "model"
         run.skeleton.load_state_dict(whole)
         model = run.skeleton
+    remove_casts(model)
     adapter = merge_lora(model)
 
     def extra(folder: Path):

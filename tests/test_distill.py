@@ -264,6 +264,25 @@ def test_distill_fsdp_two_processes_match_one_process_and_resume(tiny_dir, tmp_p
     assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 
+def test_distill_fsdp_bf16_keeps_float32_masters(tiny_dir, tmp_path):
+    """FSDP2 with bf16 compute and the float32 master parametrization (the Llama-3-8B recipe's setup):
+    trains like one bf16 process (bf16 rounding differs with sharding, hence the loose tolerance)
+    and checkpoints float32 masters."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("stages:\n  - {name: align, steps: 3, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
+                      "precision: bf16\ndevice: cpu\nseed: 0\n")
+    keys = {"stages.0.steps": 3, "output.checkpoint_every": 3}
+    run_recipe(load_recipe(recipe, overrides(tiny_dir, tmp_path / "one", **keys)))
+    recipe.write_text(recipe.read_text() + "parallel: fsdp\n")
+    two = tmp_path / "two"
+    proc = torchrun(recipe, overrides(tiny_dir, two, **keys), 29523)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=2e-2)
+    ckpt = torch.load(sorted((two / "checkpoints").glob("step_*.pt"))[-1], weights_only=False)
+    assert any(".parametrizations.weight.original" in n for n in ckpt["params"])
+    assert all(t.dtype == torch.float32 for t in ckpt["params"].values())
+
+
 def test_parallel_must_be_ddp_or_fsdp(tiny_dir, tmp_path):
     with pytest.raises(RecipeError, match="parallel must be"):
         run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "x", parallel="zero3")))

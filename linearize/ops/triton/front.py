@@ -40,6 +40,25 @@ def _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, rho, beta_max, eps):
 
 
 @triton.jit
+def _chunk_rows(k, v, bf, bos, L, c, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+                BK: tl.constexpr, BV: tl.constexpr, USE_BF: tl.constexpr):
+    """Chunk ``c`` of one document and KV head: offsets, masks, t, and k, v, β factor as fp32."""
+    o_t = c * BT + tl.arange(0, BT)
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    m_t = o_t < L
+    row = bos + o_t
+    p_k = row[:, None] * (H * K) + i_h * K + o_k[None, :]
+    p_v = row[:, None] * (H * V) + i_h * V + o_v[None, :]
+    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+    b_f = tl.full([BT], 1.0, tl.float32)
+    if USE_BF:
+        b_f = tl.load(bf + row * H + i_h, mask=m_t, other=1.0).to(tl.float32)
+    return row, m_t, p_k, p_v, m_tk, m_tv, (o_t + 1).to(tl.float32), b_k, b_v, b_f
+
+
+@triton.jit
 def _front_fwd_kernel(
     k, v, bf, khat, u, g, beta_out, vbar, kbar, rho, cu_seqlens, beta_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -48,30 +67,18 @@ def _front_fwd_kernel(
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
     r = tl.load(rho + i_h).to(tl.float32)
     carry_k = tl.zeros([BK], dtype=tl.float32)
     carry_v = tl.zeros([BV], dtype=tl.float32)
     for c in range(tl.cdiv(L, BT)):
-        o_t = c * BT + tl.arange(0, BT)
-        m_t = o_t < L
-        row = bos + o_t
-        p_k = row[:, None] * (H * K) + i_h * K + o_k[None, :]
-        p_v = row[:, None] * (H * V) + i_h * V + o_v[None, :]
-        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
-        t = (o_t + 1).to(tl.float32)
+        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, c, i_h, H, K, V, BT, BK, BV,
+                                                                        USE_BF)
         s_k = tl.cumsum(b_k, axis=0) + carry_k[None, :]
         s_v = tl.cumsum(b_v, axis=0) + carry_v[None, :]
         carry_k += tl.sum(b_k, axis=0)
         carry_v += tl.sum(b_v, axis=0)
         b_kbar = s_k / t[:, None]
         b_vbar = s_v / t[:, None]
-        b_f = tl.full([BT], 1.0, tl.float32)
-        if USE_BF:
-            b_f = tl.load(bf + row * H + i_h, mask=m_t, other=1.0).to(tl.float32)
         tm1, b_kc, n, b_vc, live, b_raw, beta, coef = _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, r, beta_max, eps)
         tl.store(khat + p_k, b_kc / tl.maximum(n, eps)[:, None], mask=m_tk)
         tl.store(u + p_v, coef[:, None] * b_vc, mask=m_tv)
@@ -90,28 +97,15 @@ def _front_bwd_kernel(
     i_n, i_h = tl.program_id(0), tl.program_id(1)
     bos = tl.load(cu_seqlens + i_n).to(tl.int64)
     L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
-    m_k, m_v = o_k < K, o_v < V
     r = tl.load(rho + i_h).to(tl.float32)
     suf_k = tl.zeros([BK], dtype=tl.float32)  # Σ over later chunks of ∂L/∂Σk_t
     suf_v = tl.zeros([BV], dtype=tl.float32)
     NT = tl.cdiv(L, BT)
     for i in range(NT):
-        c = NT - 1 - i
-        o_t = c * BT + tl.arange(0, BT)
-        m_t = o_t < L
-        row = bos + o_t
-        p_k = row[:, None] * (H * K) + i_h * K + o_k[None, :]
-        p_v = row[:, None] * (H * V) + i_h * V + o_v[None, :]
-        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-        b_v = tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32)
+        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, NT - 1 - i, i_h, H, K, V, BT,
+                                                                        BK, BV, USE_BF)
         b_kbar = tl.load(kbar + p_k, mask=m_tk, other=0.0)
         b_vbar = tl.load(vbar + p_v, mask=m_tv, other=0.0)
-        t = (o_t + 1).to(tl.float32)
-        b_f = tl.full([BT], 1.0, tl.float32)
-        if USE_BF:
-            b_f = tl.load(bf + row * H + i_h, mask=m_t, other=1.0).to(tl.float32)
         tm1, b_kc, n, b_vc, live, b_raw, beta, coef = _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, r, beta_max, eps)
 
         b_dkhat = tl.load(dkhat + p_k, mask=m_tk, other=0.0).to(tl.float32)

@@ -182,6 +182,8 @@ def validate(cfg: RecipeConfig) -> None:
             raise RecipeError(f"stages.{i}.loss must be 'mse' or 'nmse'; got {st.loss!r}")
     if cfg.precision not in ("fp32", "bf16"):
         raise RecipeError(f"precision must be 'fp32' or 'bf16'; got {cfg.precision!r}")
+    if cfg.parallel not in ("ddp", "fsdp"):
+        raise RecipeError(f"parallel must be 'ddp' or 'fsdp'; got {cfg.parallel!r}")
     if cfg.device not in ("auto", "cpu", "cuda"):
         raise RecipeError(f"device must be 'auto', 'cpu' or 'cuda'; got {cfg.device!r}")
     if cfg.data.seq_len < 2:

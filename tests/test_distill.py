@@ -284,8 +284,9 @@ def test_distill_fsdp_bf16_keeps_float32_masters(tiny_dir, tmp_path):
 
 
 def test_parallel_must_be_ddp_or_fsdp(tiny_dir, tmp_path):
-    with pytest.raises(RecipeError, match="parallel must be"):
-        run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "x", parallel="zero3")))
+    with pytest.raises(RecipeError, match="parallel must be 'ddp' or 'fsdp'; got 'zero3'"):
+        load_recipe(None, overrides(tiny_dir, tmp_path / "x", parallel="zero3"))
+    assert not (tmp_path / "x").exists()
 
 
 def test_bf16_run_keeps_float32_master_weights(tiny_dir, tmp_path):

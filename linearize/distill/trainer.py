@@ -129,8 +129,6 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
     for i, st in enumerate(cfg.stages):
         if st.batch_size % size:
             raise RecipeError(f"stages.{i}.batch_size={st.batch_size} must divide among {size} processes")
-    if cfg.parallel not in ("ddp", "fsdp"):
-        raise RecipeError(f"parallel must be 'ddp' or 'fsdp'; got {cfg.parallel!r}")
     check_output(out, resume)
     if resume:
         saved = (out / "recipe.yaml").read_text()

@@ -1,6 +1,11 @@
 """Training throughput of the distill stages against the teacher's own forward+backward, same run.
 
     python scripts/bench_distill.py --batch 16 --seq-len 2048 --output results/bench_distill.json
+    python scripts/bench_distill.py --variants --output results/bench_distill_variants.json
+
+``--variants`` times, in one run, rows of one document, packed rows (documents of ``--doc-len`` or 512
+tokens, positions restarting as in real data), and packed rows with the fused Triton front; the teacher
+is timed on the same rows for each.
 
 SmolLM2-135M architecture (random weights: throughput does not depend on their values), bf16, on
 CUDA. Timed per step with CUDA events (median after warm-up):
@@ -17,6 +22,7 @@ import copy
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,13 +42,55 @@ def timed(step, iters: int) -> float:
         step()
     times = []
     for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        step()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+        if torch.cuda.is_available():
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
+        else:  # a smoke run of the script itself on the CPU (--tiny)
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
+
+
+def measure(teacher, ids, pos, fused_front: bool, iters: int) -> dict:
+    """Seconds per step of the teacher's forward+backward and of the align and distill steps."""
+    from linearize.layers import GDNOptions
+
+    dev, dt = ids.device, next(teacher.parameters()).dtype
+    teacher.requires_grad_(True)
+
+    def teacher_step():
+        loss = teacher(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
+        loss.backward()
+        teacher.zero_grad(set_to_none=True)
+
+    rows = {"teacher_fwd_bwd_s": timed(teacher_step, iters)}
+    teacher.requires_grad_(False)
+    vocab = teacher.config.vocab_size
+    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, vocab, (1, 512), device=dev),
+                                options=GDNOptions(fused_front=fused_front))
+    float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
+    run = Run(RecipeConfig(), Path("."), dev, dt, teacher, student, None, None)
+    for name in ("align", "distill"):
+        st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)
+        opt, _, _ = make_optimizer(run, st)
+
+        def step(st=st, opt=opt):
+            loss = align_loss(run, ids, pos, "nmse")[0] if st.name == "align" else distill_loss(run, ids, pos, st)
+            loss.backward()
+            opt.zero_grad(set_to_none=True)
+
+        rows[f"{name}_s"] = timed(step, iters)
+    tokens = ids.numel()
+    for k in ("teacher_fwd_bwd", "align", "distill"):
+        rows[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s"]
+    rows["align_vs_teacher"] = rows["align_tokens_per_s"] / rows["teacher_fwd_bwd_tokens_per_s"]
+    rows["distill_vs_teacher"] = rows["distill_tokens_per_s"] / rows["teacher_fwd_bwd_tokens_per_s"]
+    return rows
 
 
 def main():
@@ -54,54 +102,42 @@ def main():
     p.add_argument("--doc-len", type=int, default=0,
                    help="pack documents of this many tokens in each row (positions restart), as real data is")
     p.add_argument("--fused-front", action="store_true", help="GDNOptions(fused_front=True): the Triton Taylor front")
+    p.add_argument("--variants", action="store_true", help="rows / packed / packed + fused front, in one run")
+    p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from linearize.layers import GDNOptions
-
     torch.manual_seed(0)
-    dev, dt = torch.device("cuda"), torch.bfloat16
-    cfg = LlamaConfig(**SMOLLM2)
+    if args.tiny:
+        dev, dt = torch.device("cpu"), torch.float32
+        cfg = LlamaConfig(**{**SMOLLM2, "vocab_size": 1000, "hidden_size": 48, "intermediate_size": 96,
+                             "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 16})
+    else:
+        dev, dt = torch.device("cuda"), torch.bfloat16
+        cfg = LlamaConfig(**SMOLLM2)
     cfg._attn_implementation = "sdpa"
-    teacher = LlamaForCausalLM(cfg).to(dev, dt)
-    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 49152, (1, 512), device=dev),
-                                options=GDNOptions(fused_front=args.fused_front))
-    teacher.eval()
+    teacher = LlamaForCausalLM(cfg).to(dev, dt).eval()
     B, T = args.batch, args.seq_len
-    ids = torch.randint(0, 49152, (B, T), device=dev)
-    pos = torch.arange(T, device=dev).expand(B, T)
-    if args.doc_len:
-        pos = pos % args.doc_len
-    tokens = B * T
-
-    def teacher_step():
-        loss = teacher(input_ids=ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        teacher.zero_grad(set_to_none=True)
-
-    rows = {"teacher_fwd_bwd_s": timed(teacher_step, args.iters)}
-    teacher.requires_grad_(False)
-    recipe = RecipeConfig()
-    float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
-    run = Run(recipe, Path("."), dev, dt, teacher, student, None, None)
-    for name in ("align", "distill"):
-        st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)
-        opt, _, _ = make_optimizer(run, st)
-
-        def step(st=st, opt=opt):
-            loss = align_loss(run, ids, pos, "nmse")[0] if st.name == "align" else distill_loss(run, ids, pos, st)
-            loss.backward()
-            opt.zero_grad(set_to_none=True)
-
-        rows[f"{name}_s"] = timed(step, args.iters)
-    res = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "B": B, "T": T,
-           "dtype": "bfloat16", "model": "SmolLM2-135M architecture, random weights",
-           "doc_len": args.doc_len or T, "fused_front": args.fused_front, **rows}
-    for k in ("teacher_fwd_bwd", "align", "distill"):
-        res[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s" if k != "teacher_fwd_bwd" else "teacher_fwd_bwd_s"]
-    res["align_vs_teacher"] = res["align_tokens_per_s"] / res["teacher_fwd_bwd_tokens_per_s"]
-    res["distill_vs_teacher"] = res["distill_tokens_per_s"] / res["teacher_fwd_bwd_tokens_per_s"]
-    print(json.dumps(res, indent=1))
+    ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
+    rows_pos = torch.arange(T, device=dev).expand(B, T)
+    doc = args.doc_len or 512
+    if args.variants:
+        plan = [("rows", rows_pos, False), (f"packed {doc}", rows_pos % doc, False),
+                (f"packed {doc} + fused front", rows_pos % doc, True)]
+    else:
+        plan = [("run", rows_pos % args.doc_len if args.doc_len else rows_pos, args.fused_front)]
+    res = {"command": " ".join(["python", *sys.argv]),
+           "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (--tiny: a check of the script)",
+           "B": B, "T": T, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
+    variants = []
+    for name, pos, fused in plan:
+        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters)}
+        variants.append(row)
+        print(json.dumps(row, indent=1), flush=True)
+    if args.variants:
+        res["variants"] = variants
+    else:
+        res.update({k: v for k, v in variants[0].items() if k != "variant"})
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(res, indent=1))

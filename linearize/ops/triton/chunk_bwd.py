@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import BT, Layout, _state_bv, prepare_and_states
+from .chunk_fwd import BT, Layout, _chunk, _sequence_tile, _state_bv, prepare_and_states
 
 
 @triton.jit
@@ -34,17 +34,6 @@ def _mm(a, b, ref, IEEE: tl.constexpr):
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     else:
         return tl.dot(a.to(ref.dtype), b.to(ref.dtype))
-
-
-@triton.jit
-def _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t):
-    """(bos, T, boh, i_c): start token and length of the chunk's sequence, its first chunk, the chunk's index in it."""
-    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    return bos, T, boh, i_c
 
 
 @triton.jit
@@ -85,19 +74,9 @@ def _state_bwd_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
     HQ: tl.constexpr = H * G
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    NT = tl.cdiv(T, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_state = (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    i_n, i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_kv, p_state = _sequence_tile(
+        cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1), H, K, V, BT, BK, BV)
 
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:

@@ -33,6 +33,34 @@ def _dot(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
+def _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t):
+    """(bos, T, boh, i_c): start token and length of the chunk's sequence, its first chunk, the chunk's index in it."""
+    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return bos, T, boh, i_c
+
+
+@triton.jit
+def _sequence_tile(cu_seqlens, chunk_offsets, i_v, i_nh, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    """For the sequential state kernels, one program per (V block, sequence × KV head): the sequence's
+    start, length, first chunk and chunk count, and the (BK, BV) tile of its [K, V] state."""
+    i_n, i_h = i_nh // H, i_nh % H
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    o_k = tl.arange(0, BK)
+    m_k = o_k < K
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    p_state = (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    return i_n, i_h, bos, T, boh, tl.cdiv(T, BT), o_k, m_k, o_v, m_v, m_k[:, None] & m_v[None, :], p_state
+
+
+@triton.jit
 def _tile_ptrs(base, row0, T, bos, i_h, o_d, m_d, H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
     """Pointers and mask of a (BC, len(o_d)) tile of a [tokens, H, D] tensor, rows from row0."""
     o_t = row0 + tl.arange(0, BC)
@@ -147,7 +175,7 @@ def _store_t_row(tm, t0, t1, t2, t3, row0, T, bos, i_h, H: tl.constexpr, BT: tl.
 
 @triton.jit
 def _prepare_kernel(
-    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens,
+    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, STORE_T: tl.constexpr,
 ):
@@ -155,10 +183,7 @@ def _prepare_kernel(
     tiles by forward substitution, the rest from T_ij = −T_ii Σ_{j≤m<i} A_im T_mj with matrix products."""
     BC: tl.constexpr = BT // 4
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     row0 = i_c * BT
     o_t = row0 + tl.arange(0, BT)
     m_t = o_t < T
@@ -211,18 +236,8 @@ def _state_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    NT = tl.cdiv(T, BT)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    m_kv = m_k[:, None] & m_v[None, :]
-    p_state = (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
+    i_n, i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_kv, p_state = _sequence_tile(
+        cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1), H, K, V, BT, BK, BV)
 
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -265,11 +280,7 @@ def _output_kernel(
     i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hq // G
     HQ: tl.constexpr = H * G
-    i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-    i_c = tl.load(chunk_indices + i_t * 2 + 1).to(tl.int64)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
     m_t = o_t < T
@@ -393,6 +404,7 @@ def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_sta
     ht = torch.empty(L.N, H, K, V, dtype=f32, device=dev) if output_final_state else None
     if L.NC:
         _prepare_kernel[(L.NC, H)](k, v, g, beta, gcum, w, u, tm if store_t else gcum, L.chunk_indices, L.cu_seqlens,
+                                   L.chunk_offsets,
                                    H=H, K=K, V=V, BT=BT, BK=L.BK, BV=BV_P, IEEE=ieee, STORE_T=store_t, num_warps=4)
     h0 = initial_state.contiguous() if initial_state is not None else None
     _state_kernel[(triton.cdiv(V, BV), L.N * H)](

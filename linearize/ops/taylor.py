@@ -67,13 +67,13 @@ def positions(B: int, T: int, cu_seqlens: torch.Tensor | None, device=None, dtyp
     return t.to(dtype).expand(B, T)
 
 
-def _cumsum_docs(x: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+def _cumsum_docs(x: torch.Tensor, docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Cumulative sum along time (dim 1), restarting at each document. Packed: one float64 cumsum
     over the row minus its value before each document's start — float64 keeps the subtraction free
     of cancellation on long packs — with no loop over documents."""
-    if cu_seqlens is None:
+    if docs is None:
         return x.cumsum(1)
-    doc, start = _documents(x.shape[1], cu_seqlens, x.device)
+    doc, start = docs  # from _documents
     c = x.to(torch.float64).cumsum(1)
     before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], 1)  # exclusive cumsum
     return (c - before[:, start][:, doc]).to(x.dtype)
@@ -83,7 +83,7 @@ def prefix_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torc
     """Running mean over time, restarting at each document: ``x̄_t = (1/t) Σ_{i≤t} x_i``. x: (B, T, ...)."""
     B, T = x.shape[:2]
     t = positions(B, T, cu_seqlens, x.device, x.dtype).view(B, T, *([1] * (x.dim() - 2)))
-    return _cumsum_docs(x, cu_seqlens) / t
+    return _cumsum_docs(x, _documents(T, cu_seqlens, x.device) if cu_seqlens is not None else None) / t
 
 
 def calibrate_rho(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
@@ -131,8 +131,9 @@ def taylor_front(
     B, T, H, K = k.shape
     m = torch.ones(B, T, dtype=k.dtype, device=k.device) if mask is None else mask.to(k.dtype)
     km, vm = k * m[..., None, None], v * m[..., None, None]
-    t = _cumsum_docs(m, cu_seqlens)  # (B, T): tokens counted so far, this one included
-    sum_k, sum_v = _cumsum_docs(km, cu_seqlens), _cumsum_docs(vm, cu_seqlens)
+    docs = _documents(T, cu_seqlens, k.device) if cu_seqlens is not None else None  # once for the three sums
+    t = _cumsum_docs(m, docs)  # (B, T): tokens counted so far, this one included
+    sum_k, sum_v = _cumsum_docs(km, docs), _cumsum_docs(vm, docs)
     if initial is not None:
         t = t + initial.count[:, None]
         sum_k, sum_v = sum_k + initial.k[:, None], sum_v + initial.v[:, None]

@@ -6,7 +6,6 @@ Bad input ends with one line on stderr and exit code 2 (``--debug`` shows the tr
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import sys
 import time
@@ -222,6 +221,7 @@ def distill(
 
     from .config import load_recipe, to_yaml
     from .distill import TrainingError, budget, run_recipe
+    from .distill.trainer import world
 
     def go():
         cfg = load_recipe(recipe, list(ctx.args))
@@ -243,7 +243,7 @@ def distill(
             summary = run_recipe(cfg, resume=resume, progress=progress)
         except TrainingError as e:
             raise UserError(str(e)) from None
-        if int(os.environ.get("RANK", 0)) != 0:  # under torchrun, one summary
+        if world()[0] != 0:  # under torchrun, one summary
             return
         ini, fin = summary["initial"] or {}, summary["final"]
         typer.echo(f"held-out perplexity: teacher {fin['ppl_teacher']:.2f}, student at init "

@@ -13,7 +13,6 @@ identity:
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from ..compat import attention_cache
 from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
+from ..ops.common import LastTensorMemo
 from ..ops.taylor import DEFAULT_BETA_MAX, calibrate_rho, taylor_back, taylor_front
 from .cache import gdn_cache_layer
 
@@ -73,22 +73,20 @@ def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
     A document starts at every row start and wherever the position does not follow the previous
     one (the rule transformers uses for packed sequences); None when each row is one document.
     """
-    ref, cached = _LAST_PACKING
-    if ref is not None and ref() is position_ids and position_ids._version == cached[0]:
-        return cached[1]  # every layer of one forward passes the same position_ids: read them back once
+    return _LAST_PACKING.get(position_ids, lambda: _document_starts(position_ids))
+
+
+def _document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
     B, T = position_ids.shape
     starts = torch.ones_like(position_ids, dtype=torch.bool)
     starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
     if int(starts.sum()) == B:
-        cu = None
-    else:
-        idx = starts.flatten().nonzero().flatten()
-        cu = torch.cat([idx, idx.new_tensor([B * T])])
-    _LAST_PACKING[:] = [weakref.ref(position_ids), (position_ids._version, cu)]
-    return cu
+        return None
+    idx = starts.flatten().nonzero().flatten()
+    return torch.cat([idx, idx.new_tensor([B * T])])
 
 
-_LAST_PACKING: list = [None, None]
+_LAST_PACKING = LastTensorMemo()  # every layer of one forward passes the same position_ids
 
 
 class GDNAttention(nn.Module):

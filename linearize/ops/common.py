@@ -43,13 +43,7 @@ def check_inputs(
             raise ValueError(f"with cu_seqlens the batch must be 1 (packed documents); got B={B}")
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be a 1-D tensor [0, ..., T]; got shape {tuple(cu_seqlens.shape)}")
-        ref, seen = _CHECKED
-        if ref is None or ref() is not cu_seqlens or seen != (T, cu_seqlens._version):
-            # reading cu_seqlens back syncs with the GPU: once per tensor, not once per layer
-            cs = cu_seqlens.tolist()
-            if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={T}; got {cs}")
-            _CHECKED[:] = [weakref.ref(cu_seqlens), (T, cu_seqlens._version)]
+        _CHECKED.get(cu_seqlens, lambda: _check_rising(cu_seqlens, T), key=T)  # one GPU sync per tensor
         N = cu_seqlens.numel() - 1
     if initial_state is not None:
         want = (N, Hkv, K, v.shape[-1])
@@ -79,4 +73,27 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-_CHECKED: list = [None, None]  # (weakref to the last valid cu_seqlens, (T, its version))
+class LastTensorMemo:
+    """What was computed from the last tensor seen, while that very tensor (unmodified) comes back.
+
+    Every layer of one forward passes the same ``position_ids`` / ``cu_seqlens``; reading them back
+    from the GPU costs a sync, so it is done once per tensor, not once per layer."""
+
+    def __init__(self):
+        self._ref, self._key, self._value = None, None, None
+
+    def get(self, t: torch.Tensor, compute, key=()):
+        k = (t._version, key)
+        if self._ref is None or self._ref() is not t or self._key != k:
+            self._value = compute()  # raises before anything is remembered
+            self._ref, self._key = weakref.ref(t), k
+        return self._value
+
+
+def _check_rising(cu_seqlens: torch.Tensor, T: int) -> None:
+    cs = cu_seqlens.tolist()
+    if cs[0] != 0 or cs[-1] != T or any(b < a for a, b in zip(cs, cs[1:])):
+        raise ValueError(f"cu_seqlens must rise from 0 to T={T}; got {cs}")
+
+
+_CHECKED = LastTensorMemo()

@@ -15,11 +15,11 @@ equal-length documents, so one code path serves both.
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import triton
 import triton.language as tl
+
+from ..common import LastTensorMemo
 
 BT = 64  # chunk size
 
@@ -340,7 +340,7 @@ def _dense_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 _DENSE: dict = {}
-_PACKED: list = [None, None]  # (weakref to the last cu_seqlens tensor, its tables): every layer passes the same one
+_PACKED = LastTensorMemo()  # the tables of the last cu_seqlens: every layer passes the same one
 
 
 def _block_k(K: int) -> int:
@@ -370,12 +370,11 @@ class Layout:
         if cu_seqlens is None:  # a dense batch is B packed documents of length T
             self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = _dense_tables(B, T, q.device)
         else:
-            ref, tables = _PACKED
-            if ref is None or ref() is not cu_seqlens or cu_seqlens._version != tables[-1]:
+            def tables():
                 cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
-                tables = (cu, *_chunk_tables(cu), cu_seqlens._version)
-                _PACKED[:] = [weakref.ref(cu_seqlens), tables]
-            self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = tables[:4]
+                return (cu, *_chunk_tables(cu))
+
+            self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = _PACKED.get(cu_seqlens, tables)
         self.N = self.cu_seqlens.numel() - 1
         self.ieee = q.dtype == torch.float32
         self.BK = _block_k(self.K)

@@ -3,9 +3,9 @@
     python scripts/bench_distill.py --batch 16 --seq-len 2048 --output results/bench_distill.json
     python scripts/bench_distill.py --variants --output results/bench_distill_variants.json
 
-``--variants`` times, in one run, rows of one document, packed rows (documents of ``--doc-len`` or 512
-tokens, positions restarting as in real data), and packed rows with the fused Triton front; the teacher
-is timed on the same rows for each.
+``--variants`` times, in one run, rows of one document and packed rows (documents of ``--doc-len`` or 512
+tokens, positions restarting as in real data), each with the fused Triton front (the default on CUDA) and
+with the PyTorch front; the teacher is timed on the same rows for each.
 
 SmolLM2-135M architecture (random weights: throughput does not depend on their values), bf16, on
 CUDA. Timed per step with CUDA events (median after warm-up):
@@ -101,8 +101,9 @@ def main():
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--doc-len", type=int, default=0,
                    help="pack documents of this many tokens in each row (positions restart), as real data is")
-    p.add_argument("--fused-front", action="store_true", help="GDNOptions(fused_front=True): the Triton Taylor front")
-    p.add_argument("--variants", action="store_true", help="rows / packed / packed + fused front, in one run")
+    p.add_argument("--pytorch-front", action="store_true",
+                   help="GDNOptions(fused_front=False): the PyTorch Taylor front instead of the fused Triton one")
+    p.add_argument("--variants", action="store_true", help="rows and packed rows, each with both fronts, in one run")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -122,10 +123,10 @@ def main():
     rows_pos = torch.arange(T, device=dev).expand(B, T)
     doc = args.doc_len or 512
     if args.variants:
-        plan = [("rows", rows_pos, False), (f"packed {doc}", rows_pos % doc, False),
-                (f"packed {doc} + fused front", rows_pos % doc, True)]
+        plan = [("rows + fused front", rows_pos, True), ("rows + PyTorch front", rows_pos, False),
+                (f"packed {doc} + fused front", rows_pos % doc, True), (f"packed {doc} + PyTorch front", rows_pos % doc, False)]
     else:
-        plan = [("run", rows_pos % args.doc_len if args.doc_len else rows_pos, args.fused_front)]
+        plan = [("run", rows_pos % args.doc_len if args.doc_len else rows_pos, not args.pytorch_front)]
     res = {"command": " ".join(["python", *sys.argv]),
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (--tiny: a check of the script)",
            "B": B, "T": T, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}

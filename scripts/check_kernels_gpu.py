@@ -107,6 +107,8 @@ def main():
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="three cases only (bf16 2x8192, fp32 GQA, fp32 packed)")
     p.add_argument("--front", action="store_true", help="the fused Taylor front only (ops/triton/front.py)")
+    p.add_argument("--cases", default=None, help="comma-separated indices into the full case list (0-17), "
+                   "to split the check over several calls")
     args = p.parse_args()
     cases = []
     std = [(8, 2048), (4, 4096), (2, 8192), (1, 16384), (1, 32768)]
@@ -120,6 +122,8 @@ def main():
         cases.append(dict(B=2, T=1000, H=4, G=1, K=128, V=128, dtype=dtype, beta_mode="bound"))
         cases.append(dict(B=2, T=1000, H=4, G=1, K=128, V=128, dtype=dtype, beta_mode="bound2"))
     cases.append(dict(B=1, T=65536, H=16, G=1, K=128, V=128, dtype=torch.bfloat16, grads=False))
+    if args.cases:
+        cases = [cases[int(i)] for i in args.cases.split(",")]
     if args.quick:  # a few cases with gradients: bf16 standard, fp32 GQA, fp32 packed
         cases = [cases[2], cases[11], cases[14]]
     if args.front:  # SmolLM2 training rows, packed documents, Llama-3-8B and Gemma head sizes

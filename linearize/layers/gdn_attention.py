@@ -33,9 +33,10 @@ class GDNOptions:
     form: str = "stable"  # "stable" or "taylor-seed" (the literal seed form, diverges on real models)
     beta_max: float = DEFAULT_BETA_MAX
     backend: str = "auto"
-    # training/scoring on CUDA: the Taylor front as one Triton kernel each way (ops/triton/front.py).
-    # Tested against the PyTorch front under the interpreter; off until checked on the GPU.
-    fused_front: bool = False
+    # the Taylor front as one Triton kernel each way (ops/triton/front.py) instead of ~30 PyTorch ops:
+    # None = on CUDA (checked against the float64 front on the H200: scripts/check_kernels_gpu.py --front),
+    # True = wherever Triton runs (also TRITON_INTERPRET=1 on the CPU, for tests), False = never.
+    fused_front: bool | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -190,7 +191,8 @@ class GDNAttention(nn.Module):
 
     def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
         B, T, _ = hidden_states.shape
-        fused = self.options.fused_front and not output_final_state and _triton_usable(hidden_states)
+        fused = (self.options.fused_front is not False and not output_final_state and _triton_usable(hidden_states)
+                 and (hidden_states.is_cuda or self.options.fused_front is True))
         q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)

@@ -1,0 +1,168 @@
+"""Where the GDN kernels' time goes on a CUDA GPU: a per-kernel breakdown and a launch-config sweep.
+
+    python scripts/profile_kernels.py --output results/profile_kernels.json
+
+1. Breakdown: ``torch.profiler`` over forward and forward+backward of ours and (when importable)
+   flash-linear-attention, at a few shapes; GPU time per call of every kernel, summed per kernel name.
+2. Sweep (``--sweep state_fwd,state_bwd``): each of our kernels alone, timed with ``triton.testing.do_bench`` under every
+   (V block, warps, stages) it accepts, so launch settings are chosen from measurements.
+Prints tables and writes JSON. Timings are medians on the device the script runs on; compare them only
+with each other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from linearize.ops import gated_delta_rule  # noqa: E402
+from linearize.ops.triton import chunk_bwd as cb  # noqa: E402
+from linearize.ops.triton import chunk_fwd as cf  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_kernels import fwd_bwd, inputs, load_fla  # noqa: E402
+
+SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128, 128),
+          "smollm2-16x2048": (16, 2048, 9, 3, 64, 64)}
+
+
+def kernel_times(fn, iters=5):
+    """GPU microseconds per call of ``fn``, per kernel name."""
+    fn()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            dt = getattr(e, "device_time", None)
+            out[e.name[:60]] += (dt if dt is not None else e.cuda_time) / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def breakdown(shapes, fla):
+    res = {}
+    for name in shapes:
+        B, T, HQ, H, K, V = SHAPES[name]
+        q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
+        ts = (q, k, v, g, beta)
+        G = HQ // H
+        rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
+        runs = {"ours": lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]}
+        if fla is not None:
+            runs["fla"] = lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0]
+        for impl, run in runs.items():
+            for mode, fn in (("fwd", run), ("fwdbwd", fwd_bwd(run, ts))):
+                if mode == "fwd":
+                    with torch.no_grad():
+                        t = kernel_times(fn)
+                else:
+                    t = kernel_times(fn)
+                res[f"{name}/{impl}/{mode}"] = t
+                print(f"\n{name} {impl} {mode}: total {sum(t.values()):.1f} us")
+                for kname, us in t.items():
+                    print(f"  {us:9.1f} us  {kname}")
+    return res
+
+
+def bench(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # us
+
+
+def sweep(shapes, only):
+    """Each kernel alone under every launch setting; the inputs are the real intermediates of a forward."""
+    res = {}
+    for name in shapes:
+        B, T, HQ, H, K, V = SHAPES[name]
+        q, k, v, g, beta = (x.detach() for x in inputs(B, T, HQ, H, K, V))
+        L = cf.Layout(q, v, None)
+        qf, kf, vf, gf, bf = cf.Layout.flat(q, k, v, g, beta)
+        gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False, store_t=True)
+        do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
+        tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
+        f32 = torch.float32
+        dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=f32)
+        ddl = torch.empty_like(dvl)
+        dhs = torch.empty_like(hs)
+        o = torch.empty(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
+        dq, dkq = torch.empty_like(qf), torch.empty(L.tokens, HQ, K, device="cuda", dtype=f32)
+        dgq = torch.empty(L.tokens, HQ, device="cuda", dtype=f32)
+        dk, dv = torch.empty_like(kf), torch.empty_like(vf)
+        dbeta, dg = torch.empty(L.tokens, H, device="cuda", dtype=f32), torch.empty(L.tokens, H, device="cuda", dtype=f32)
+        common = dict(H=H, K=K, V=V, BT=cf.BT, BK=L.BK, IEEE=False)
+        kernels = {
+            "prepare": lambda bv, nw, ns: cf._prepare_kernel[(L.NC, H)](
+                kf, vf, gf, bf, gcum, w, u, tm, *tables, **common, BV=bv, STORE_T=False, num_warps=nw, num_stages=ns),
+            "state_fwd": lambda bv, nw, ns: cf._state_kernel[(triton.cdiv(V, bv), L.N * H)](
+                kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **common, BV=bv,
+                USE_H0=False, STORE_HT=False, num_warps=nw, num_stages=ns),
+            "output": lambda bv, nw, ns: cf._output_kernel[(triton.cdiv(V, bv), L.NC, HQ)](
+                qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, G=HQ // H, **common, BV=bv, num_warps=nw, num_stages=ns),
+            "dv_local": lambda bv, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, bv), L.NC, H)](
+                qf, kf, gcum, do, dvl, *tables, K**-0.5, G=HQ // H, **common, BV=bv, num_warps=nw, num_stages=ns),
+            "state_bwd": lambda bv, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, bv), L.N * H)](
+                qf, kf, w, gcum, do, dvl, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5, G=HQ // H,
+                **common, BV=bv, USE_DHT=False, STORE_DH0=False, num_warps=nw, num_stages=ns),
+            "dqk": lambda bv, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
+                qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, G=HQ // H, **common, BV=bv,
+                num_warps=nw, num_stages=ns),
+            "wy_bwd": lambda bv, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
+                kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
+                G=HQ // H, **common, BV=bv, num_warps=nw, num_stages=ns),
+        }
+        for kname, launch in kernels.items():
+            if kname not in only:
+                continue
+            rows = []
+            sequential = kname.startswith("state")
+            for bv in (16, 32, 64) if sequential else (32, 64, 128):
+                if bv > max(16, triton.next_power_of_2(V)) or (kname != "output" and bv > 64):
+                    continue
+                for nw in (2, 4, 8) if sequential else (4, 8):
+                    for ns in (1, 2, 3):
+                        try:
+                            us = bench(lambda: launch(bv, nw, ns))
+                        except Exception as e:  # out of shared memory / registers for this setting
+                            rows.append({"BV": bv, "warps": nw, "stages": ns, "error": type(e).__name__})
+                            continue
+                        rows.append({"BV": bv, "warps": nw, "stages": ns, "us": us})
+            ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+            res[f"{name}/{kname}"] = rows
+            best = ", ".join(f"BV{r['BV']} w{r['warps']} s{r['stages']}: {r['us']:.1f}" for r in ok[:4])
+            print(f"{name} {kname:10s} best: {best}", flush=True)
+    return res
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--sweep", default="", help="comma-separated kernels to time under every launch setting: "
+                   "prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
+    args = p.parse_args()
+    shapes = args.shapes.split(",")
+    fla, guard = load_fla()
+    out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard,
+           "breakdown_us_per_call": breakdown(shapes, fla)}
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(json.dumps(out, indent=1))
+    if args.sweep:
+        out["sweep_us"] = sweep(shapes, args.sweep.split(","))
+        if args.output:
+            args.output.write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -79,6 +79,21 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # us
 
 
+def candidates(kname, V):
+    """(constexpr overrides, warps, stages) to time for one kernel."""
+    vmax = max(16, triton.next_power_of_2(V))
+    if kname.startswith("state"):
+        grid = [({"BV": bv}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4, 8) for ns in (1, 2, 3)]
+    elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
+        grid = [({"BV": 64, "BKB": bkb}, nw, ns) for bkb in (32, 64) for nw in (4, 8) for ns in (1, 2)]
+    elif kname == "prepare":
+        grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
+    else:
+        grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2)
+                if bv <= 64 or kname in ("output", "dv_local")]
+    return [c for c in grid if c[0]["BV"] <= vmax]
+
+
 def sweep(shapes, only):
     """Each kernel alone under every launch setting; the inputs are the real intermediates of a forward."""
     res = {}
@@ -87,7 +102,7 @@ def sweep(shapes, only):
         q, k, v, g, beta = (x.detach() for x in inputs(B, T, HQ, H, K, V))
         L = cf.Layout(q, v, None)
         qf, kf, vf, gf, bf = cf.Layout.flat(q, k, v, g, beta)
-        gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False, store_t=True)
+        gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False)
         do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
         tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
         f32 = torch.float32
@@ -99,46 +114,41 @@ def sweep(shapes, only):
         dgq = torch.empty(L.tokens, HQ, device="cuda", dtype=f32)
         dk, dv = torch.empty_like(kf), torch.empty_like(vf)
         dbeta, dg = torch.empty(L.tokens, H, device="cuda", dtype=f32), torch.empty(L.tokens, H, device="cuda", dtype=f32)
-        common = dict(H=H, K=K, V=V, BT=cf.BT, BK=L.BK, IEEE=False)
+        S = {**cf.launch_settings(H, HQ // H, K, V, False), **cb.launch_settings(H, HQ // H, K, V, False)}
+        c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
         kernels = {
-            "prepare": lambda bv, nw, ns: cf._prepare_kernel[(L.NC, H)](
-                kf, vf, gf, bf, gcum, w, u, tm, *tables, **common, BV=bv, STORE_T=False, num_warps=nw, num_stages=ns),
-            "state_fwd": lambda bv, nw, ns: cf._state_kernel[(triton.cdiv(V, bv), L.N * H)](
-                kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **common, BV=bv,
-                USE_H0=False, STORE_HT=False, num_warps=nw, num_stages=ns),
-            "output": lambda bv, nw, ns: cf._output_kernel[(triton.cdiv(V, bv), L.NC, HQ)](
-                qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, G=HQ // H, **common, BV=bv, num_warps=nw, num_stages=ns),
-            "dv_local": lambda bv, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, bv), L.NC, H)](
-                qf, kf, gcum, do, dvl, *tables, K**-0.5, G=HQ // H, **common, BV=bv, num_warps=nw, num_stages=ns),
-            "state_bwd": lambda bv, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, bv), L.N * H)](
-                qf, kf, w, gcum, do, dvl, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5, G=HQ // H,
-                **common, BV=bv, USE_DHT=False, STORE_DH0=False, num_warps=nw, num_stages=ns),
-            "dqk": lambda bv, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
-                qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, G=HQ // H, **common, BV=bv,
-                num_warps=nw, num_stages=ns),
-            "wy_bwd": lambda bv, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
+            "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
+                kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
+            "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
+                kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
+            "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
+                qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
+            "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
+                qf, kf, gcum, do, dvl, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
+            "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
+                qf, kf, w, gcum, do, dvl, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5,
+                **c("state_bwd", ov), num_warps=nw, num_stages=ns),
+            "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
+                qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
+            "wy_bwd": lambda ov, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
                 kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
-                G=HQ // H, **common, BV=bv, num_warps=nw, num_stages=ns),
+                **c("wy_bwd", ov), num_warps=nw, num_stages=ns),
         }
         for kname, launch in kernels.items():
             if kname not in only:
                 continue
             rows = []
-            sequential = kname.startswith("state")
-            for bv in (16, 32, 64) if sequential else (32, 64, 128):
-                if bv > max(16, triton.next_power_of_2(V)) or (kname != "output" and bv > 64):
+            for o, nw, ns in candidates(kname, V):
+                try:
+                    us = bench(lambda: launch(o, nw, ns))
+                except Exception as e:  # out of shared memory / registers for this setting
+                    rows.append({**o, "warps": nw, "stages": ns, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    print(f"{name} {kname} {o} w{nw} s{ns}: {rows[-1]['error']}", flush=True)
                     continue
-                for nw in (2, 4, 8) if sequential else (4, 8):
-                    for ns in (1, 2, 3):
-                        try:
-                            us = bench(lambda: launch(bv, nw, ns))
-                        except Exception as e:  # out of shared memory / registers for this setting
-                            rows.append({"BV": bv, "warps": nw, "stages": ns, "error": type(e).__name__})
-                            continue
-                        rows.append({"BV": bv, "warps": nw, "stages": ns, "us": us})
+                rows.append({**o, "warps": nw, "stages": ns, "us": us})
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             res[f"{name}/{kname}"] = rows
-            best = ", ".join(f"BV{r['BV']} w{r['warps']} s{r['stages']}: {r['us']:.1f}" for r in ok[:4])
+            best = ", ".join(" ".join(f"{k}{r[k]}" for k in r if k != "us") + f": {r['us']:.1f}" for r in ok[:4])
             print(f"{name} {kname:10s} best: {best}", flush=True)
     return res
 
@@ -147,6 +157,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    p.add_argument("--no-breakdown", action="store_true", help="the sweep only")
     p.add_argument("--sweep", default="", help="comma-separated kernels to time under every launch setting: "
                    "prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
@@ -154,7 +165,7 @@ def main():
     fla, guard = load_fla()
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard,
-           "breakdown_us_per_call": breakdown(shapes, fla)}
+           "breakdown_us_per_call": {} if args.no_breakdown else breakdown(shapes, fla)}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(out, indent=1))

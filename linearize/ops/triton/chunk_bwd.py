@@ -1,9 +1,9 @@
 """Triton backward of the chunkwise gated delta rule: the kernels of ``linearize/ops/chunk_bwd.py``.
 
 Read that file's docstring first: it derives every term below, and its PyTorch code is the spec these
-kernels are tested against (besides the float64 reference). The forward's intermediates are not kept;
-the backward recomputes them with the forward's own kernels (``prepare_and_states``, which also
-stores ``T = (I + A)⁻¹`` this time), then runs four kernels:
+kernels are tested against (besides the float64 reference). Of the forward's intermediates only
+``T = (I + A)⁻¹`` is kept (the solve is the costly part of the prepare kernel); the backward recomputes
+the rest with the forward's own kernels (``prepare_and_states``), then runs four kernels:
 
 1. ``_dv_local_kernel``  per (V block, chunk, KV head): ``Pᵀ do`` summed over the G query heads that
    read this KV head (the in-chunk part of ``dΔ``).
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import BT, Layout, _chunk, _sequence_tile, _state_bv, prepare_and_states
+from .chunk_fwd import BT, Layout, _block_k, _chunk, _sequence_tile, _state_bv, prepare_and_states
 
 
 @triton.jit
@@ -100,14 +100,13 @@ def _state_bwd_kernel(
         b_dd += _mm(b_kt, b_dh, b_k, IEEE)
         tl.store(ddl + row[:, None] * (H * V) + i_h * V + o_v[None, :], b_dd, mask=m_tv)
         b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        upd = -_mm(tl.trans(b_w), b_dd, b_k, IEEE)
+        b_dh = b_dh * tl.exp(g_last) - _mm(tl.trans(b_w), b_dd, b_k, IEEE)
         gs = tl.exp(b_g) * scale
         for i_g in range(G):
             i_hq = i_h * G + i_g
             b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0)
             b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_tv, other=0.0)
-            upd += _mm(tl.trans(b_q.to(tl.float32) * gs[:, None]), b_do, b_k, IEEE)
-        b_dh = b_dh * tl.exp(g_last) + upd
+            b_dh += _mm(tl.trans(b_q), b_do.to(tl.float32) * gs[:, None], b_k, IEEE)  # (γ⊙q)ᵀ do
     if STORE_DH0:
         tl.store(dh0 + p_state, b_dh.to(dh0.dtype.element_ty), mask=m_kv)
 
@@ -163,8 +162,13 @@ def _wy_bwd_kernel(
     k, v, beta, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg,
     chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Three passes over one chunk, each holding only (BT, BT) and (BT, BKB|BV) tiles (K in blocks of BKB):
+    1. through U = T(βv): dv, the v-part of dβ, and Tᵀ dU Uᵀ;
+    2. per K block, through K̃ and W (Δ = U − W h₀): the K̃ and W parts of dk, kept in the fp32 ``dkq``
+       slot of the KV head's first query head (which then holds every part of dk but the A one);
+    3. per K block, through A: the rest of dk and dβ; then dg as an in-chunk reverse cumsum."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     HQ: tl.constexpr = H * G
     bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -172,105 +176,151 @@ def _wy_bwd_kernel(
     o_t = i_c * BT + o_r
     m_t = o_t < T
     row = bos + o_t
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    m_tk = m_t[:, None] & m_k[None, :]
-    p_state = ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V
+    p_state = ((boh + i_c) * H + i_h) * K * V
 
-    b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
     b_beta = tl.load(beta + row * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-    b_t = tl.load(tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     last = tl.minimum(i_c * BT + BT, T) - 1
     g_last = tl.load(gcum + (bos + last) * H + i_h)
     gam = tl.exp(b_g)
     e = tl.where(m_t, tl.exp(g_last - b_g), 0.0)  # γ_C/γ_j
+    ref = tl.load(k + bos * (H * K) + i_h * K + o_r * 0)  # any element of k: the dtype of the dots
+    b_tt = tl.trans(tl.load(tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :], mask=m_t[:, None], other=0.0))
+    if not IEEE:  # only Tᵀ is used, as a dot operand
+        b_tt = b_tt.to(ref.dtype)
 
-    acc_dkt = tl.zeros([BT, BK], dtype=tl.float32)  # Δ dh₁ᵀ = ∂/∂K̃
-    acc_dw = tl.zeros([BT, BK], dtype=tl.float32)  # −dΔ h₀ᵀ = ∂/∂W
+    # 1. U = T (β v): dU = dΔ
     acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # Tᵀ dU Uᵀ + Tᵀ dW Wᵀ = −∂/∂A (before masking)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
-    acc_hdh = tl.zeros([BK], dtype=tl.float32)  # Σ h₀ ⊙ dh₁, row sums
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        m_tv = m_t[:, None] & m_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_tv = row[:, None] * (H * V) + i_h * V + o_v[None, :]
-        b_dl = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_dd = tl.load(ddl + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
         b_u = tl.load(u + p_tv, mask=m_tv, other=0.0)
-        b_h = tl.load(hs + p_state + o_v[None, :], mask=m_kv, other=0.0)
-        b_dh = tl.load(dhs + p_state + o_v[None, :], mask=m_kv, other=0.0)
-        acc_dkt += _mm(b_dl, tl.trans(b_dh), b_k, IEEE)
-        acc_dw -= _mm(b_dd, tl.trans(b_h), b_k, IEEE)
-        b_ttdu = _mm(tl.trans(b_t), b_dd, b_k, IEEE)  # Tᵀ dU, dU = dΔ
+        b_ttdu = _mm(b_tt, b_dd, ref, IEEE)  # Tᵀ dU
         tl.store(dv + p_tv, (b_beta[:, None] * b_ttdu).to(dv.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_ttdu * b_v.to(tl.float32), axis=1)
-        acc_da += _mm(b_ttdu, tl.trans(b_u), b_k, IEEE)
-        acc_hdh += tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1)
-    b_ttdw = _mm(tl.trans(b_t), acc_dw, b_k, IEEE)  # Tᵀ dW
-    acc_da += _mm(b_ttdw, tl.trans(b_w), b_k, IEEE)
+        acc_da += _mm(b_ttdu, tl.trans(b_u), ref, IEEE)
+
+    # 2. K̃ (state update) and W: ∂/∂K̃ = Δ dh₁ᵀ, ∂/∂W = −dΔ h₀ᵀ, per K block
+    ktw = tl.zeros([BT], dtype=tl.float32)  # Σ_k (Tᵀ dW) ⊙ k
+    de = tl.zeros([BT], dtype=tl.float32)  # ∂/∂ log e_j
+    hdh = 0.0  # Σ h₀ ⊙ dh₁
+    p_dkq = dkq + row[:, None] * (HQ * K) + i_h * G * K
+    for i_k in range(tl.cdiv(K, BKB)):
+        o_k = i_k * BKB + tl.arange(0, BKB)
+        m_k = o_k < K
+        m_tk = m_t[:, None] & m_k[None, :]
+        acc_dkt = tl.zeros([BT, BKB], dtype=tl.float32)
+        acc_dw = tl.zeros([BT, BKB], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            p_tv = row[:, None] * (H * V) + i_h * V + o_v[None, :]
+            b_dl = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+            b_dd = tl.load(ddl + p_tv, mask=m_tv, other=0.0)
+            b_h = tl.load(hs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            b_dh = tl.load(dhs + p_state + o_k[:, None] * V + o_v[None, :], mask=m_kv, other=0.0)
+            acc_dkt += _mm(b_dl, tl.trans(b_dh), ref, IEEE)
+            acc_dw -= _mm(b_dd, tl.trans(b_h), ref, IEEE)
+            hdh += tl.sum(tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1), axis=0)
+        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_ttdw = _mm(b_tt, acc_dw, ref, IEEE)  # Tᵀ dW
+        acc_da += _mm(b_ttdw, tl.trans(b_w), ref, IEEE)
+        ktw += tl.sum(b_ttdw * b_k, axis=1)
+        de += tl.sum(acc_dkt * b_k, axis=1) * e
+        part = acc_dkt * e[:, None] + (b_beta * gam)[:, None] * b_ttdw
+        for i_g in range(G):
+            part += tl.load(p_dkq + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
+        tl.store(p_dkq + o_k[None, :], part, mask=m_tk)
+    tl.debug_barrier()  # pass 3 reads the dkq slot back, from other threads
+
+    # 3. A = strictly-lower(β k kᵀ ⊙ γ_r/γ_j): dA = −strict-lower(acc_da)
     strict = o_r[:, None] > o_r[None, :]
-    b_da = tl.where(strict, -acc_da, 0.0)  # dA = −strict-lower(Tᵀ dT Tᵀ)
     decay = tl.where(strict, tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-    b_kb = b_k.to(tl.float32) * b_beta[:, None]
-    b_a = _mm(b_kb, tl.trans(b_k), b_k, IEEE) * decay  # A
-    b_m2 = b_da * b_a
-    b_ds = b_da * decay
-    b_dkb = _mm(b_ds, b_k, b_k, IEEE)
-    b_dk = acc_dkt * e[:, None] + (b_beta * gam)[:, None] * b_ttdw + _mm(tl.trans(b_ds), b_kb, b_k, IEEE)
-    b_dk += b_beta[:, None] * b_dkb
-    b_dG = tl.zeros([BT], dtype=tl.float32)
+    b_a = tl.zeros([BT, BT], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BKB)):
+        o_k = i_k * BKB + tl.arange(0, BKB)
+        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
+        b_a += _mm(b_k.to(tl.float32) * b_beta[:, None], tl.trans(b_k), ref, IEEE)
+    b_ds = tl.where(strict, -acc_da, 0.0) * decay  # dA ⊙ D
+    b_m2 = b_ds * b_a  # ∂/∂ log D_rj
+    b_dG = tl.sum(b_m2, axis=1) - tl.sum(b_m2, axis=0)
+    for i_k in range(tl.cdiv(K, BKB)):
+        o_k = i_k * BKB + tl.arange(0, BKB)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_dkb = _mm(b_ds, b_k, ref, IEEE)
+        b_dk = tl.load(p_dkq + o_k[None, :], mask=m_tk, other=0.0) + b_beta[:, None] * b_dkb
+        b_dk += _mm(tl.trans(b_ds), b_k * b_beta[:, None], ref, IEEE)
+        b_dbeta += tl.sum(b_dkb * b_k, axis=1)
+        tl.store(dk + row[:, None] * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
+
+    b_dbeta += gam * ktw
+    b_dG += b_beta * gam * ktw - de
     for i_g in range(G):
-        i_hq = i_h * G + i_g
-        b_dk += tl.load(dkq + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_dG += tl.load(dgq + row * HQ + i_hq, mask=m_t, other=0.0)
-    kf = b_k.to(tl.float32)
-    ktw = tl.sum(b_ttdw * kf, axis=1)
-    b_dbeta += gam * ktw + tl.sum(b_dkb * kf, axis=1)
-    de = tl.sum(acc_dkt * kf, axis=1) * e  # ∂/∂ log e_j
-    b_dG += b_beta * gam * ktw - de + tl.sum(b_m2, axis=1) - tl.sum(b_m2, axis=0)
-    extra = tl.sum(de, axis=0) + tl.exp(g_last) * tl.sum(acc_hdh, axis=0)  # through γ_C
+        b_dG += tl.load(dgq + row * HQ + i_h * G + i_g, mask=m_t, other=0.0)
+    extra = tl.sum(de, axis=0) + tl.exp(g_last) * hdh  # through γ_C
     b_dG += tl.where(o_t == last, extra, 0.0)
     b_dG = tl.where(m_t, b_dG, 0.0)
     b_dg = tl.sum(b_dG, axis=0) - tl.cumsum(b_dG, axis=0) + b_dG  # G = cumsum(g) in the chunk
-    tl.store(dk + row[:, None] * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dbeta + row * H + i_h, b_dbeta, mask=m_t)
     tl.store(dg + row * H + i_h, b_dg, mask=m_t)
 
 
-def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens):
+def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None = None,
+                    device: torch.device | None = None) -> dict:
+    """``{name: (kernel, constexprs, warps, stages)}`` of the backward kernels (see ``chunk_fwd.launch_settings``)."""
+    BK = _block_k(K)
+    wide = BK > 128
+    common = dict(H=H, G=G, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
+    bv = min(64 if not wide else 32, max(16, triton.next_power_of_2(V)))
+    bvs = _state_bv(K, V, ieee, programs, device)
+    warps = 8 if BK >= 128 else 4
+    stages = 1 if wide else 2
+    return {
+        "dv_local": (_dv_local_kernel, {**common, "BV": bv}, 4, stages),
+        "state_bwd": (_state_bwd_kernel, {**common, "BV": bvs, "USE_DHT": False, "STORE_DH0": False}, 4,
+                      1 if wide or bvs >= 64 else 3),
+        "dqk": (_dqk_kernel, {**common, "BV": bv}, warps, stages),
+        # its tiles are (BT, 64) whatever K is; BV 64 for the reason given at the forward's prepare kernel
+        "wy_bwd": (_wy_bwd_kernel, {**common, "BV": 64, "BKB": 64}, 8, 1),
+    }
+
+
+def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, tm=None):
     """Gradients w.r.t. ``(q, k, v, g, beta, initial_state)`` (the last ``None`` without an initial state),
-    each in its input's dtype. Inputs as the forward's, ``do`` like the output, ``dht`` like the final state or None."""
+    each in its input's dtype. Inputs as the forward's, ``do`` like the output, ``dht`` like the final state or
+    None; ``tm`` the forward's T (recomputed when None)."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
-    H, HQ, G, K, V, BK, ieee, dev = L.H, L.HQ, L.G, L.K, L.V, L.BK, L.ieee, L.device
+    H, HQ, G, K, V, ieee, dev = L.H, L.HQ, L.G, L.K, L.V, L.ieee, L.device
     qf, kf, vf, gf, bf, dof = Layout.flat(q, k, v, g, beta, do)
-    gcum, w, u, tm, hs, v_new, _ = prepare_and_states(L, kf, vf, gf, bf, initial_state, False, store_t=True)
+    gcum, w, u, tm, hs, v_new, _ = prepare_and_states(L, kf, vf, gf, bf, initial_state, False, tm)
     f32 = torch.float32
-    warps = 8 if BK >= 128 else 4
-    stages = 1 if BK > 128 else 2
-    BV = min(64 if BK <= 128 else 32, max(16, triton.next_power_of_2(V)))
+    S = launch_settings(H, G, K, V, ieee, L.N * H, dev)
     tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
 
     dvl = torch.empty(L.tokens, H, V, dtype=f32, device=dev)
     if L.NC:
-        _dv_local_kernel[(triton.cdiv(V, BV), L.NC, H)](
-            qf, kf, gcum, dof, dvl, *tables, scale,
-            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=4, num_stages=stages)
+        fn, c, warps, stages = S["dv_local"]
+        fn[(triton.cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, *tables, scale, **c,
+                                               num_warps=warps, num_stages=stages)
 
-    BVs = _state_bv(K, V, ieee, L.N * H, dev)
     dhs = torch.empty_like(hs)
     ddl = torch.empty(L.tokens, H, V, dtype=f32, device=dev)
     dh0 = torch.empty(L.N, H, K, V, dtype=initial_state.dtype, device=dev) if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
-    _state_bwd_kernel[(triton.cdiv(V, BVs), L.N * H)](
+    fn, c, warps, stages = S["state_bwd"]
+    fn[(triton.cdiv(V, c["BV"]), L.N * H)](
         qf, kf, w, gcum, dof, dvl, dhs, ddl, dht if dht is not None else hs, dh0 if dh0 is not None else hs,
-        L.cu_seqlens, L.chunk_offsets, scale, H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BVs,
-        USE_DHT=dht is not None, STORE_DH0=dh0 is not None, IEEE=ieee, num_warps=4, num_stages=stages)
+        L.cu_seqlens, L.chunk_offsets, scale, **{**c, "USE_DHT": dht is not None, "STORE_DH0": dh0 is not None},
+        num_warps=warps, num_stages=stages)
 
     dq = torch.empty_like(qf)
     dk = torch.empty_like(kf)
@@ -280,11 +330,10 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     if L.NC:
         dkq = torch.empty(L.tokens, HQ, K, dtype=f32, device=dev)
         dgq = torch.empty(L.tokens, HQ, dtype=f32, device=dev)
-        _dqk_kernel[(L.NC, HQ)](
-            qf, kf, v_new, gcum, hs, dof, dq, dkq, dgq, *tables, scale,
-            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=warps, num_stages=stages)
-        _wy_bwd_kernel[(L.NC, H)](
-            kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
-            H=H, G=G, K=K, V=V, BT=BT, BK=BK, BV=BV, IEEE=ieee, num_warps=warps, num_stages=stages)
+        fn, c, warps, stages = S["dqk"]
+        fn[(L.NC, HQ)](qf, kf, v_new, gcum, hs, dof, dq, dkq, dgq, *tables, scale, **c, num_warps=warps, num_stages=stages)
+        fn, c, warps, stages = S["wy_bwd"]
+        fn[(L.NC, H)](kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables, **c,
+                      num_warps=warps, num_stages=stages)
     return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape).to(g.dtype),
             dbeta.view(beta.shape).to(beta.dtype), dh0)

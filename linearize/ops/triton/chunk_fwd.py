@@ -3,7 +3,8 @@
 The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); three kernels:
 
 1. ``_prepare_kernel``  per (chunk, KV head): in-chunk cumsum of g, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``,
-   ``T = (I + A)⁻¹`` by forward substitution, ``W = T (β γ k)`` and ``U = T (β v)``.
+   ``T = (I + A)⁻¹`` (16×16 diagonal blocks by forward substitution, the rest by products),
+   ``W = T (β γ k)`` and ``U = T (β v)``; T is left in a scratch buffer for the backward.
 2. ``_state_kernel``    per (sequence, KV head, V block): the only sequential part — carries the fp32
    state across chunks, writes the state entering each chunk and ``Δ = U − W h``.
 3. ``_output_kernel``   per (chunk, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``;
@@ -61,108 +62,105 @@ def _sequence_tile(cu_seqlens, chunk_offsets, i_v, i_nh, H: tl.constexpr, K: tl.
 
 
 @triton.jit
-def _tile_ptrs(base, row0, T, bos, i_h, o_d, m_d, H: tl.constexpr, D: tl.constexpr, BC: tl.constexpr):
-    """Pointers and mask of a (BC, len(o_d)) tile of a [tokens, H, D] tensor, rows from row0."""
+def _tm_block(tm, row0, col0, T, bos, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """A (BC, BC) block of the chunk's (BT, BT) matrix kept in ``tm[token, head, 0:BT]``: rows from ``row0``
+    (a position in the sequence), columns from ``col0`` (within the chunk); rows past T read 0."""
     o_t = row0 + tl.arange(0, BC)
-    m = (o_t < T)[:, None] & m_d[None, :]
-    return base + (bos + o_t)[:, None] * (H * D) + i_h * D + o_d[None, :], m
+    p = tm + (bos + o_t)[:, None] * (H * BT) + i_h * BT + col0 + tl.arange(0, BC)[None, :]
+    return tl.load(p, mask=(o_t < T)[:, None], other=0.0)
 
 
 @triton.jit
-def _load_sub(k, beta, gcum, row0, T, bos, i_h, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr):
-    """Rows [row0, row0 + BC) of one chunk: k (BC, BK), β (BC,), cumulative g (BC,), row mask."""
-    o_t = row0 + tl.arange(0, BC)
+def _prepare_kernel(
+    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, SOLVE: tl.constexpr,
+):
+    """Per (chunk, KV head): cumulative g; ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)`` in one (BT, BT)
+    product; ``T = (I + A)⁻¹``; ``W = T (β γ k)`` and ``U = T (β v)`` in (BT, BT) products.
+
+    ``tm[token, head, 0:BT]`` is the chunk's scratch: A goes there first, its rows are read back for the
+    four 16×16 (BC) diagonal blocks, inverted by forward substitution side by side (four independent
+    chains per step); the off-diagonal blocks follow from T_ij = −T_ii Σ_{j≤m<i} A_im T_mj; T is written
+    over A and read back whole for W and U. The backward passes the forward's T back (``SOLVE=False``)
+    and only W, U and the cumulative g are recomputed."""
+    BC: tl.constexpr = BT // 4
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    row0 = i_c * BT
+    o_r = tl.arange(0, BT)
+    o_t = row0 + o_r
     m_t = o_t < T
     row = bos + o_t
-    o_k = tl.arange(0, BK)
-    p, m = _tile_ptrs(k, row0, T, bos, i_h, o_k, o_k < K, H, K, BC)
-    b_k = tl.load(p, mask=m, other=0.0)
+    b_g = tl.cumsum(tl.load(g + row * H + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
+    tl.store(gcum + row * H + i_h, b_g, mask=m_t)
     b_beta = tl.load(beta + row * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-    return b_k, b_beta, b_g
-
-
-@triton.jit
-def _block_A(ki, bi, gi, kj, gj, DIAG: tl.constexpr, BC: tl.constexpr, IEEE: tl.constexpr):
-    """A_ij = β_r (k_r·k_s) γ_r/γ_s for rows r of block i, columns s of block j (strictly lower on the diagonal)."""
-    kbi = (ki.to(tl.float32) * bi[:, None]).to(ki.dtype)
-    a = _dot(kbi, tl.trans(kj), IEEE)
-    o = tl.arange(0, BC)
-    if DIAG:
-        keep = o[:, None] > o[None, :]
-        return tl.where(keep, a * tl.exp(tl.where(keep, gi[:, None] - gj[None, :], 0.0)), 0.0)
-    else:
-        return a * tl.exp(gi[:, None] - gj[None, :])
-
-
-@triton.jit
-def _inv_unit_lower(a, BC: tl.constexpr):
-    """(I + a)⁻¹ for a strictly lower (BC, BC) block, one row at a time: T_i = e_i − Σ_{j<i} a_ij T_j."""
-    o = tl.arange(0, BC)
-    t = tl.zeros([BC, BC], dtype=tl.float32)
-    for i in range(BC):
-        a_i = tl.sum(tl.where(o[:, None] == i, a, 0.0), axis=0)
-        t_i = tl.where(o == i, 1.0, -tl.sum(a_i[:, None] * t, axis=0))
-        t = tl.where(o[:, None] == i, t_i[None, :], t)
-    return t
-
-
-@triton.jit
-def _store_wu(w, u, v, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, kg0, kg1, kg2, kg3,
-              b0, b1, b2, b3, row0, T, bos, i_h,
-              H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
-              BV: tl.constexpr, IEEE: tl.constexpr):
-    """W = T (β γ k) and U = T (β v), one 16-row tile at a time."""
-    dt = kg0.dtype
-    if IEEE:
-        kg0, kg1, kg2, kg3 = kg0.to(tl.float32), kg1.to(tl.float32), kg2.to(tl.float32), kg3.to(tl.float32)
-    else:
-        T00, T10, T11, T20, T21, T22 = T00.to(dt), T10.to(dt), T11.to(dt), T20.to(dt), T21.to(dt), T22.to(dt)
-        T30, T31, T32, T33 = T30.to(dt), T31.to(dt), T32.to(dt), T33.to(dt)
     o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    w0 = _dot(T00, kg0, IEEE)
-    w1 = _dot(T10, kg0, IEEE) + _dot(T11, kg1, IEEE)
-    w2 = _dot(T20, kg0, IEEE) + _dot(T21, kg1, IEEE) + _dot(T22, kg2, IEEE)
-    w3 = _dot(T30, kg0, IEEE) + _dot(T31, kg1, IEEE) + _dot(T32, kg2, IEEE) + _dot(T33, kg3, IEEE)
-    p, m = _tile_ptrs(w, row0, T, bos, i_h, o_k, m_k, H, K, BC)
-    tl.store(p, w0.to(w.dtype.element_ty), mask=m)
-    p, m = _tile_ptrs(w, row0 + BC, T, bos, i_h, o_k, m_k, H, K, BC)
-    tl.store(p, w1.to(w.dtype.element_ty), mask=m)
-    p, m = _tile_ptrs(w, row0 + 2 * BC, T, bos, i_h, o_k, m_k, H, K, BC)
-    tl.store(p, w2.to(w.dtype.element_ty), mask=m)
-    p, m = _tile_ptrs(w, row0 + 3 * BC, T, bos, i_h, o_k, m_k, H, K, BC)
-    tl.store(p, w3.to(w.dtype.element_ty), mask=m)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_tm = tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :]
+    if SOLVE:
+        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+        strict = o_r[:, None] > o_r[None, :]
+        b_a = _dot((b_k.to(tl.float32) * b_beta[:, None]).to(b_k.dtype), tl.trans(b_k), IEEE)
+        b_a = tl.where(strict, b_a * tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        tl.store(p_tm, b_a, mask=m_t[:, None])
+        tl.debug_barrier()  # A's rows are read back below, by other threads
+
+        o_c = tl.arange(0, BC)
+        eye = o_c[:, None] == o_c[None, :]
+        T00 = tl.where(eye, 1.0, 0.0)
+        T11 = tl.where(eye, 1.0, 0.0)
+        T22 = tl.where(eye, 1.0, 0.0)
+        T33 = tl.where(eye, 1.0, 0.0)
+        p_row = tm + (bos + row0) * (H * BT) + i_h * BT + o_c
+        for i in range(1, BC):  # row i of T_dd = e_i − Σ_{j<i} A_ij T_j, for the four diagonal blocks at once
+            sel = o_c[:, None] == i
+            a0 = tl.load(p_row + i * (H * BT), mask=o_c * 0 + row0 + i < T, other=0.0)
+            a1 = tl.load(p_row + (BC + i) * (H * BT) + BC, mask=o_c * 0 + row0 + BC + i < T, other=0.0)
+            a2 = tl.load(p_row + (2 * BC + i) * (H * BT) + 2 * BC, mask=o_c * 0 + row0 + 2 * BC + i < T, other=0.0)
+            a3 = tl.load(p_row + (3 * BC + i) * (H * BT) + 3 * BC, mask=o_c * 0 + row0 + 3 * BC + i < T, other=0.0)
+            T00 = tl.where(sel, T00 - tl.sum(a0[:, None] * T00, axis=0)[None, :], T00)
+            T11 = tl.where(sel, T11 - tl.sum(a1[:, None] * T11, axis=0)[None, :], T11)
+            T22 = tl.where(sel, T22 - tl.sum(a2[:, None] * T22, axis=0)[None, :], T22)
+            T33 = tl.where(sel, T33 - tl.sum(a3[:, None] * T33, axis=0)[None, :], T33)
+        A10 = _tm_block(tm, row0 + BC, 0, T, bos, i_h, H, BT, BC)
+        A20 = _tm_block(tm, row0 + 2 * BC, 0, T, bos, i_h, H, BT, BC)
+        A21 = _tm_block(tm, row0 + 2 * BC, BC, T, bos, i_h, H, BT, BC)
+        A30 = _tm_block(tm, row0 + 3 * BC, 0, T, bos, i_h, H, BT, BC)
+        A31 = _tm_block(tm, row0 + 3 * BC, BC, T, bos, i_h, H, BT, BC)
+        A32 = _tm_block(tm, row0 + 3 * BC, 2 * BC, T, bos, i_h, H, BT, BC)
+        # off-diagonal blocks of (I + A)^-1 in fp32 (IEEE products for fp32 inputs)
+        T10 = -_dot(T11, _dot(A10, T00, IEEE), IEEE)
+        T21 = -_dot(T22, _dot(A21, T11, IEEE), IEEE)
+        T20 = -_dot(T22, _dot(A20, T00, IEEE) + _dot(A21, T10, IEEE), IEEE)
+        T32 = -_dot(T33, _dot(A32, T22, IEEE), IEEE)
+        T31 = -_dot(T33, _dot(A31, T11, IEEE) + _dot(A32, T21, IEEE), IEEE)
+        T30 = -_dot(T33, _dot(A30, T00, IEEE) + _dot(A31, T10, IEEE) + _dot(A32, T20, IEEE), IEEE)
+        tl.debug_barrier()  # every read of A is done before T overwrites it
+        zero = tl.zeros([BC, BC], dtype=tl.float32)
+        _store_t_row(tm, T00, zero, zero, zero, row0, T, bos, i_h, H, BT, BC)
+        _store_t_row(tm, T10, T11, zero, zero, row0 + BC, T, bos, i_h, H, BT, BC)
+        _store_t_row(tm, T20, T21, T22, zero, row0 + 2 * BC, T, bos, i_h, H, BT, BC)
+        _store_t_row(tm, T30, T31, T32, T33, row0 + 3 * BC, T, bos, i_h, H, BT, BC)
+        tl.debug_barrier()  # T is read back whole
+    b_t = tl.load(p_tm, mask=m_t[:, None], other=0.0)
+    b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+    if not IEEE:
+        b_t = b_t.to(b_k.dtype)
+
+    kg = (b_k.to(tl.float32) * (b_beta * tl.exp(b_g))[:, None]).to(b_k.dtype)
+    tl.store(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], _dot(b_t, kg, IEEE).to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < V
-        p0, m0 = _tile_ptrs(v, row0, T, bos, i_h, o_v, m_v, H, V, BC)
-        p1, m1 = _tile_ptrs(v, row0 + BC, T, bos, i_h, o_v, m_v, H, V, BC)
-        p2, m2 = _tile_ptrs(v, row0 + 2 * BC, T, bos, i_h, o_v, m_v, H, V, BC)
-        p3, m3 = _tile_ptrs(v, row0 + 3 * BC, T, bos, i_h, o_v, m_v, H, V, BC)
-        v0 = tl.load(p0, mask=m0, other=0.0).to(tl.float32) * b0[:, None]
-        v1 = tl.load(p1, mask=m1, other=0.0).to(tl.float32) * b1[:, None]
-        v2 = tl.load(p2, mask=m2, other=0.0).to(tl.float32) * b2[:, None]
-        v3 = tl.load(p3, mask=m3, other=0.0).to(tl.float32) * b3[:, None]
-        if not IEEE:
-            v0, v1, v2, v3 = v0.to(dt), v1.to(dt), v2.to(dt), v3.to(dt)
-        u0 = _dot(T00, v0, IEEE)
-        u1 = _dot(T10, v0, IEEE) + _dot(T11, v1, IEEE)
-        u2 = _dot(T20, v0, IEEE) + _dot(T21, v1, IEEE) + _dot(T22, v2, IEEE)
-        u3 = _dot(T30, v0, IEEE) + _dot(T31, v1, IEEE) + _dot(T32, v2, IEEE) + _dot(T33, v3, IEEE)
-        q0, _ = _tile_ptrs(u, row0, T, bos, i_h, o_v, m_v, H, V, BC)
-        q1, _ = _tile_ptrs(u, row0 + BC, T, bos, i_h, o_v, m_v, H, V, BC)
-        q2, _ = _tile_ptrs(u, row0 + 2 * BC, T, bos, i_h, o_v, m_v, H, V, BC)
-        q3, _ = _tile_ptrs(u, row0 + 3 * BC, T, bos, i_h, o_v, m_v, H, V, BC)
-        tl.store(q0, u0.to(u.dtype.element_ty), mask=m0)
-        tl.store(q1, u1.to(u.dtype.element_ty), mask=m1)
-        tl.store(q2, u2.to(u.dtype.element_ty), mask=m2)
-        tl.store(q3, u3.to(u.dtype.element_ty), mask=m3)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = row[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_v = (tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]).to(b_k.dtype)
+        tl.store(u + p_v, _dot(b_t, b_v, IEEE).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
 def _store_t_row(tm, t0, t1, t2, t3, row0, T, bos, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Store one 16-row band of T (its four 16×16 tiles) to ``tm[token, head, 0:BT]``."""
+    """Store one 16-row band of T (its four 16×16 blocks) to ``tm[token, head, 0:BT]``."""
     o_t = row0 + tl.arange(0, BC)
     o_c = tl.arange(0, BC)
     m = (o_t < T)[:, None] & (o_c < BC)[None, :]
@@ -171,62 +169,6 @@ def _store_t_row(tm, t0, t1, t2, t3, row0, T, bos, i_h, H: tl.constexpr, BT: tl.
     tl.store(base + BC, t1, mask=m)
     tl.store(base + 2 * BC, t2, mask=m)
     tl.store(base + 3 * BC, t3, mask=m)
-
-
-@triton.jit
-def _prepare_kernel(
-    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, STORE_T: tl.constexpr,
-):
-    """Per (chunk, KV head). The 64×64 solve is blocked in 16×16 tiles (BC): the four diagonal
-    tiles by forward substitution, the rest from T_ij = −T_ii Σ_{j≤m<i} A_im T_mj with matrix products."""
-    BC: tl.constexpr = BT // 4
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    row0 = i_c * BT
-    o_t = row0 + tl.arange(0, BT)
-    m_t = o_t < T
-    b_g = tl.cumsum(tl.load(g + (bos + o_t) * H + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
-    tl.store(gcum + (bos + o_t) * H + i_h, b_g, mask=m_t)
-    tl.debug_barrier()  # the sub-block loads below read gcum back
-
-    k0, b0, g0 = _load_sub(k, beta, gcum, row0, T, bos, i_h, H, K, BC, BK)
-    k1, b1, g1 = _load_sub(k, beta, gcum, row0 + BC, T, bos, i_h, H, K, BC, BK)
-    k2, b2, g2 = _load_sub(k, beta, gcum, row0 + 2 * BC, T, bos, i_h, H, K, BC, BK)
-    k3, b3, g3 = _load_sub(k, beta, gcum, row0 + 3 * BC, T, bos, i_h, H, K, BC, BK)
-
-    T00 = _inv_unit_lower(_block_A(k0, b0, g0, k0, g0, True, BC, IEEE), BC)
-    T11 = _inv_unit_lower(_block_A(k1, b1, g1, k1, g1, True, BC, IEEE), BC)
-    T22 = _inv_unit_lower(_block_A(k2, b2, g2, k2, g2, True, BC, IEEE), BC)
-    T33 = _inv_unit_lower(_block_A(k3, b3, g3, k3, g3, True, BC, IEEE), BC)
-    A10 = _block_A(k1, b1, g1, k0, g0, False, BC, IEEE)
-    A20 = _block_A(k2, b2, g2, k0, g0, False, BC, IEEE)
-    A21 = _block_A(k2, b2, g2, k1, g1, False, BC, IEEE)
-    A30 = _block_A(k3, b3, g3, k0, g0, False, BC, IEEE)
-    A31 = _block_A(k3, b3, g3, k1, g1, False, BC, IEEE)
-    A32 = _block_A(k3, b3, g3, k2, g2, False, BC, IEEE)
-    # off-diagonal tiles of (I + A)^-1 in fp32 (IEEE products for fp32 inputs)
-    T10 = -_dot(T11, _dot(A10, T00, IEEE), IEEE)
-    T21 = -_dot(T22, _dot(A21, T11, IEEE), IEEE)
-    T20 = -_dot(T22, _dot(A20, T00, IEEE) + _dot(A21, T10, IEEE), IEEE)
-    T32 = -_dot(T33, _dot(A32, T22, IEEE), IEEE)
-    T31 = -_dot(T33, _dot(A31, T11, IEEE) + _dot(A32, T21, IEEE), IEEE)
-    T30 = -_dot(T33, _dot(A30, T00, IEEE) + _dot(A31, T10, IEEE) + _dot(A32, T20, IEEE), IEEE)
-
-    if STORE_T:  # the backward reads T = (I + A)⁻¹ back, row by row: tm[token, head, 0:BT]
-        zero = tl.zeros([BC, BC], dtype=tl.float32)
-        _store_t_row(tm, T00, zero, zero, zero, row0, T, bos, i_h, H, BT, BC)
-        _store_t_row(tm, T10, T11, zero, zero, row0 + BC, T, bos, i_h, H, BT, BC)
-        _store_t_row(tm, T20, T21, T22, zero, row0 + 2 * BC, T, bos, i_h, H, BT, BC)
-        _store_t_row(tm, T30, T31, T32, T33, row0 + 3 * BC, T, bos, i_h, H, BT, BC)
-
-    kg0 = (k0.to(tl.float32) * (b0 * tl.exp(g0))[:, None]).to(k0.dtype)
-    kg1 = (k1.to(tl.float32) * (b1 * tl.exp(g1))[:, None]).to(k0.dtype)
-    kg2 = (k2.to(tl.float32) * (b2 * tl.exp(g2))[:, None]).to(k0.dtype)
-    kg3 = (k3.to(tl.float32) * (b3 * tl.exp(g3))[:, None]).to(k0.dtype)
-    _store_wu(w, u, v, T00, T10, T11, T20, T21, T22, T30, T31, T32, T33, kg0, kg1, kg2, kg3,
-              b0, b1, b2, b3, row0, T, bos, i_h, H, K, V, BC, BK, BV, IEEE)
 
 
 @triton.jit
@@ -347,16 +289,38 @@ def _block_k(K: int) -> int:
     return max(16, triton.next_power_of_2(K))
 
 
-def _state_bv(K: int, V: int, ieee: bool, programs: int, device: torch.device) -> int:
+def _state_bv(K: int, V: int, ieee: bool, programs: int | None, device: torch.device | None) -> int:
     """V block of the sequential state kernels: at most 64 (narrower for Gemma's 256-wide keys, whose
-    fp32 state must fit in registers), and narrower still when few (sequence, head) pairs would leave
-    SMs idle — at long T with a small batch the sequential loop is the whole cost."""
+    fp32 state must fit in registers), and 32 when ``programs`` (sequence, head) pairs would leave SMs
+    idle at 64 — at long T with a small batch the sequential loop is the whole cost. Measured on the
+    H200 (``scripts/profile_kernels.py --sweep state_fwd,state_bwd``): 32 beats 16 there too."""
     bv = min(64 if _block_k(K) <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
-    if device.type == "cuda":
+    if programs is not None and device is not None and device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        while bv > 16 and programs * triton.cdiv(V, bv) < 2 * sms:
-            bv //= 2
+        if bv > 32 and programs * triton.cdiv(V, bv) < sms:
+            bv = 32
     return bv
+
+
+def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None = None,
+                    device: torch.device | None = None) -> dict:
+    """``{name: (kernel, constexprs, warps, stages)}`` of the forward kernels — the one table the launchers
+    and ``scripts/kernel_resources.py`` read. ``programs`` = sequences × KV heads (the state kernel's parallelism)."""
+    BK = _block_k(K)
+    wide = BK > 128
+    vmax = max(16, triton.next_power_of_2(V))
+    common = dict(H=H, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
+    bv = _state_bv(K, V, ieee, programs, device)
+    return {
+        # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
+        # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")
+        # 8 warps at K ≤ 64: 4 spill ~850 B of registers there (scripts/kernel_resources.py)
+        "prepare": (_prepare_kernel, {**common, "BV": 64, "SOLVE": True}, 8 if BK <= 64 else 4, 1),
+        "state_fwd": (_state_kernel, {**common, "BV": bv, "USE_H0": False, "STORE_HT": False}, 4,
+                      1 if wide else (2 if bv >= 64 else 3)),
+        # wide V blocks: fewer recomputes of q·kᵀ
+        "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax)}, 4, 1 if wide else 2),
+    }
 
 
 class Layout:
@@ -386,46 +350,47 @@ class Layout:
         return [x.contiguous().view(x.shape[0] * x.shape[1], *x.shape[2:]) for x in xs]
 
 
-def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, store_t=False):
-    """Kernels 1 and 2: cumulative g, W, U (and T when ``store_t``), the state entering every chunk
-    and Δ. Inputs flat (``Layout.flat``). Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
+def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, tm=None):
+    """Kernels 1 and 2: cumulative g, W, U, T, the state entering every chunk and Δ. Inputs flat
+    (``Layout.flat``); ``tm``, T of an earlier call on the same inputs, skips the solve.
+    Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
     H, K, V, ieee, dev = L.H, L.K, L.V, L.ieee, L.device
     f32 = torch.float32
-    BV_P = min(64 if L.BK <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
-    BV = _state_bv(K, V, ieee, L.N * H, dev)
-    stages = 1 if L.BK > 128 else 2
+    S = launch_settings(H, L.G, K, V, ieee, L.N * H, dev)
     gcum = torch.empty(L.tokens, H, dtype=f32, device=dev)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
-    tm = torch.empty(L.tokens, H, BT, dtype=f32, device=dev) if store_t else None
+    solve = tm is None
+    if solve:
+        tm = torch.empty(L.tokens, H, BT, dtype=f32, device=dev)  # the prepare kernel's scratch, then T
     v_new = torch.empty_like(v)
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else f32, device=dev)
     ht = torch.empty(L.N, H, K, V, dtype=f32, device=dev) if output_final_state else None
     if L.NC:
-        _prepare_kernel[(L.NC, H)](k, v, g, beta, gcum, w, u, tm if store_t else gcum, L.chunk_indices, L.cu_seqlens,
-                                   L.chunk_offsets,
-                                   H=H, K=K, V=V, BT=BT, BK=L.BK, BV=BV_P, IEEE=ieee, STORE_T=store_t, num_warps=4)
+        fn, c, warps, stages = S["prepare"]
+        fn[(L.NC, H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets,
+                      **{**c, "SOLVE": solve}, num_warps=warps, num_stages=stages)
     h0 = initial_state.contiguous() if initial_state is not None else None
-    _state_kernel[(triton.cdiv(V, BV), L.N * H)](
+    fn, c, warps, stages = S["state_fwd"]
+    fn[(triton.cdiv(V, c["BV"]), L.N * H)](
         k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
-        L.cu_seqlens, L.chunk_offsets, H=H, K=K, V=V, BT=BT, BK=L.BK, BV=BV,
-        USE_H0=h0 is not None, STORE_HT=ht is not None, IEEE=ieee, num_warps=4, num_stages=stages,
+        L.cu_seqlens, L.chunk_offsets, **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None},
+        num_warps=warps, num_stages=stages,
     )
     return gcum, w, u, tm, hs, v_new, ht
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
-    """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state)``."""
+    """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state, T)``, T = (I + A)⁻¹ of every
+    chunk, ``[tokens, H, 64]`` float32, for the backward."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     q, k, v, g, beta = Layout.flat(q, k, v, g, beta)
-    gcum, _, _, _, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state)
+    gcum, _, _, tm, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state)
     o = torch.empty(L.tokens, L.HQ, L.V, dtype=v.dtype, device=q.device)
     if L.NC:
-        BV_O = min(128 if L.BK <= 128 else 64, max(16, triton.next_power_of_2(L.V)))  # fewer q·kᵀ recomputes
-        _output_kernel[(triton.cdiv(L.V, BV_O), L.NC, L.HQ)](
-            q, k, v_new, gcum, hs, o, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale,
-            H=L.H, G=L.G, K=L.K, V=L.V, BT=BT, BK=L.BK, BV=BV_O, IEEE=L.ieee, num_warps=4,
-            num_stages=1 if L.BK > 128 else 2,
-        )
-    return o.view(B, T, L.HQ, L.V), ht
+        fn, c, warps, stages = launch_settings(L.H, L.G, L.K, L.V, L.ieee)["output"]
+        fn[(triton.cdiv(L.V, c["BV"]), L.NC, L.HQ)](
+            q, k, v_new, gcum, hs, o, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale, **c,
+            num_warps=warps, num_stages=stages)
+    return o.view(B, T, L.HQ, L.V), ht, tm

@@ -13,16 +13,16 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens):
-        o, ht = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        o, ht, tm = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm)
         ctx.scale = scale
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        # the forward's intermediates are recomputed by the backward launcher (memory, not time, is scarce)
-        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens)
+        # of the forward's intermediates only T is kept; the backward launcher recomputes the others
+        q, k, v, g, beta, h0, cu_seqlens, tm = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, tm)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None
 
 

@@ -111,12 +111,32 @@ def fmt(r, key):
     return f"{r[key]:.2f}" if key in r else "–"
 
 
+def markdown(rows) -> str:
+    head = "| shape | B×T | heads q/kv | ours fwd | fla fwd | SDPA fwd | ours f+b | fla f+b | SDPA f+b | fwd vs fla | f+b vs fla | peak ours/fla MiB |"
+    lines = [head, "|" + "---|" * 12]
+    for r in rows:
+        f = lambda key, r=r: fmt(r, key)  # noqa: E731
+        lines.append(f"| {r['shape']} | {r['B']}×{r['T']} | {r['q_heads']}/{r['kv_heads']} | {f('ours_fwd_ms')} | {f('fla_fwd_ms')} | "
+                     f"{f('sdpa_fwd_ms')} | {f('ours_fwdbwd_ms')} | {f('fla_fwdbwd_ms')} | {f('sdpa_fwdbwd_ms')} | "
+                     f"{f('speedup_fwd_vs_fla')}× | {f('speedup_fwdbwd_vs_fla')}× | "
+                     f"{r.get('ours_peak_mib', 0):.0f}/{r.get('fla_peak_mib', 0):.0f} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
+    p.add_argument("--render", type=Path, default=None,
+                   help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
     args = p.parse_args()
+    if args.render:
+        md = markdown(json.loads(args.render.read_text())["rows"])
+        print(md)
+        if args.markdown:
+            args.markdown.write_text(md + "\n")
+        return
     fla, guard = load_fla()
     rows = []
 
@@ -127,7 +147,7 @@ def main():
     shapes += [("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py), recomputing the forward intermediates"}
+            "note": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py): T = (I+A)^-1 kept from the forward, the other intermediates recomputed"}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]
@@ -139,15 +159,7 @@ def main():
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
 
-    head = "| shape | B×T | heads q/kv | ours fwd | fla fwd | SDPA fwd | ours f+b | fla f+b | SDPA f+b | fwd vs fla | f+b vs fla | peak ours/fla MiB |"
-    lines = [head, "|" + "---|" * 12]
-    for r in rows:
-        f = lambda key, r=r: fmt(r, key)
-        lines.append(f"| {r['shape']} | {r['B']}×{r['T']} | {r['q_heads']}/{r['kv_heads']} | {f('ours_fwd_ms')} | {f('fla_fwd_ms')} | "
-                     f"{f('sdpa_fwd_ms')} | {f('ours_fwdbwd_ms')} | {f('fla_fwdbwd_ms')} | {f('sdpa_fwdbwd_ms')} | "
-                     f"{f('speedup_fwd_vs_fla')}× | {f('speedup_fwdbwd_vs_fla')}× | "
-                     f"{r.get('ours_peak_mib', 0):.0f}/{r.get('fla_peak_mib', 0):.0f} |")
-    md = "\n".join(lines)
+    md = markdown(rows)
     print(md)
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s; fla guard on gated backward was {'on (disabled here)' if guard else 'off'}")
     if args.markdown:

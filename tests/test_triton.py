@@ -84,6 +84,23 @@ def test_gated_delta_rule_triton_gradients_without_state_inputs(poisoned):
         assert rel(a, b) < 1e-5, name
 
 
+def test_triton_backward_recomputes_t_when_not_given(poisoned):
+    """The backward launcher called without the forward's T = (I + A)⁻¹ (``tm=None``) solves for it again;
+    its gradients equal those of the float64 reference, as autograd's (which passes T on) do."""
+    from linearize.ops.triton.chunk_bwd import chunk_gated_delta_rule_bwd
+
+    B, T, H, G, K, V, cu = CASES[2]
+    cu = torch.tensor(cu)
+    inputs = gdn_inputs(B, T, H, G, K, V, seed=3, dtype=torch.float64, beta_scale=2.0)
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    o, _ = gated_delta_rule(*leaves, scale=0.7, cu_seqlens=cu, backend="reference")
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    (o * do).sum().backward()
+    got = chunk_gated_delta_rule_bwd(*(x.float() for x in inputs), 0.7, None, do.float(), None, cu, tm=None)
+    for name, a, x in zip("q k v g beta".split(), got, leaves):
+        assert rel(a, x.grad) < 1e-5, name
+
+
 def test_gated_delta_rule_triton_rejects_float64():
     q, k, v, g, beta = gdn_inputs(1, 8, 1, 1, 16, 16, seed=0)
     with pytest.raises(ValueError, match="Triton backend takes"):

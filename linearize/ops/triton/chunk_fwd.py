@@ -114,6 +114,7 @@ def _prepare_kernel(
         T33 = tl.where(eye, 1.0, 0.0)
         p_row = tm + (bos + row0) * (H * BT) + i_h * BT + o_c
         for i in range(1, BC):  # row i of T_dd = e_i − Σ_{j<i} A_ij T_j, for the four diagonal blocks at once
+            # (masks are written as vectors, o_c * 0 + …: the interpreter rejects a scalar mask on a vector load)
             sel = o_c[:, None] == i
             a0 = tl.load(p_row + i * (H * BT), mask=o_c * 0 + row0 + i < T, other=0.0)
             a1 = tl.load(p_row + (BC + i) * (H * BT) + BC, mask=o_c * 0 + row0 + BC + i < T, other=0.0)

@@ -30,6 +30,10 @@ def overrides(tiny_dir, out, **kw):
     return [f"{k}={v}" for k, v in base.items()]
 
 
+def cfg_layers(model_dir) -> int:
+    return json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+
+
 def losses(out: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
 
@@ -91,7 +95,11 @@ def test_distill_runs_and_saves_a_loadable_model(tiny_dir, tmp_path):
     cfg = load_recipe(None, overrides(tiny_dir, out, **{"stages.0.trainable": "self_attn"}) + [
         "stages=[{name: align, steps: 3, batch_size: 2, trainable: self_attn}, {name: distill, steps: 3, batch_size: 2, trainable: self_attn, ce_weight: 0.1}]"])
     summary = run_recipe(cfg)
-    assert [r["stage"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())] == ["align"] * 3 + ["distill"] * 3
+    recs = list(map(json.loads, (out / "metrics.jsonl").read_text().splitlines()))
+    assert [r["stage"] for r in recs] == ["align"] * 3 + ["distill"] * 3
+    for r in recs[:3]:  # align logs each converted layer's loss; their mean is the step's loss
+        assert len(r["layer_loss"]) == cfg_layers(tiny_dir) and all(isinstance(v, float) for v in r["layer_loss"].values())
+        assert sum(r["layer_loss"].values()) / len(r["layer_loss"]) == pytest.approx(r["loss"], rel=1e-5)
     assert (out / "losses.png").is_file() and (out / "recipe.yaml").is_file()
     model = linearize.load(out / "model")
     assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()

@@ -297,6 +297,9 @@ def gdn_layers(model):
 
 
 def align_loss(run: Run, ids, pos, kind: str) -> tuple[torch.Tensor, dict]:
+    """Mean over the converted layers of each block's (normalized) MSE to the teacher's attention output;
+    and ``{layer: loss}`` as detached 0-dim tensors — read back (``per_layer_values``) only after the
+    backward, so no layer waits on a host sync while the GPU drains its queue."""
     from ..eval import capture_attention
 
     layers = gdn_layers(run.student)
@@ -311,9 +314,14 @@ def align_loss(run: Run, ids, pos, kind: str) -> tuple[torch.Tensor, dict]:
         if kind == "nmse":
             err = err / cap.output.float().pow(2).mean(dim=(1, 2)).clamp_min(1e-12)
         err = err.mean()
-        per_layer[i] = err.item()
+        per_layer[i] = err.detach()
         total = total + err
     return total / len(layers), per_layer
+
+
+def per_layer_values(per_layer: dict) -> dict:
+    """``{layer: float}`` from ``align_loss``'s tensors, in one device→host copy."""
+    return dict(zip(per_layer, torch.stack(list(per_layer.values())).tolist())) if per_layer else {}
 
 
 def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, ce_weight: float):
@@ -331,8 +339,9 @@ def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, c
         if ce_weight:
             y = labels.flatten()[a:a + chunk]
             ce_sum = ce_sum + torch.nn.functional.cross_entropy(ls, y, ignore_index=-100, reduction="sum")
-    n_ce = max(int((labels != -100).sum()), 1)
-    return kl_sum / n + (ce_weight * ce_sum / n_ce if ce_weight else 0.0)
+    if not ce_weight:
+        return kl_sum / n
+    return kl_sum / n + ce_weight * ce_sum / (labels != -100).sum().clamp_min(1)
 
 
 def next_token_labels(ids, pos):
@@ -585,7 +594,7 @@ def train(run: Run, resume: bool, progress=None) -> dict:
             rec = {"step": step, "stage": st.name, "stage_step": s + 1, "loss": loss_value,
                    "lr": sched.get_last_lr()[0], "tokens_per_s": ids.numel() * size / dt}
             if per_layer is not None:
-                rec["layer_loss"] = per_layer
+                rec["layer_loss"] = per_layer_values(per_layer)
             if (s + 1) % cfg.output.eval_every == 0 or s + 1 == st.steps:
                 run.student.eval()
                 rec.update({f"eval_{k}": v for k, v in evaluate(run).items()})

@@ -191,8 +191,9 @@ class GDNAttention(nn.Module):
 
     def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
         B, T, _ = hidden_states.shape
-        fused = (self.options.fused_front is not False and not output_final_state and _triton_usable(hidden_states)
-                 and (hidden_states.is_cuda or self.options.fused_front is True))
+        want = self.options.fused_front
+        fused = (not output_final_state and _triton_usable(hidden_states)
+                 and (want is True or (want is None and hidden_states.is_cuda)))
         q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)

@@ -184,7 +184,7 @@ def _wy_bwd_kernel(
     g_last = tl.load(gcum + (bos + last) * H + i_h)
     gam = tl.exp(b_g)
     e = tl.where(m_t, tl.exp(g_last - b_g), 0.0)  # γ_C/γ_j
-    ref = tl.load(k + bos * (H * K) + i_h * K + o_r * 0)  # any element of k: the dtype of the dots
+    ref = tl.zeros([BT], dtype=k.dtype.element_ty)  # carries the dtype of the dots (k's)
     b_tt = tl.trans(tl.load(tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :], mask=m_t[:, None], other=0.0))
     if not IEEE:  # only Tᵀ is used, as a dot operand
         b_tt = b_tt.to(ref.dtype)

@@ -29,7 +29,7 @@ from linearize.ops.triton import chunk_fwd as cf  # noqa: E402
 
 TABLES = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
 # pointer arguments stored in the input dtype (the rest are float32 buffers)
-INPUT_DTYPE = {"q", "k", "v", "w", "u", "v_new", "hs", "dhs", "do", "dq", "dk", "dv", "o", "h0", "dh0"}
+INPUT_DTYPE = {"q", "k", "v", "w", "u", "tm", "dvl", "ddl", "v_new", "hs", "dhs", "do", "dq", "dk", "dv", "o", "h0", "dh0"}
 
 
 def resources(fn, consts: dict, warps: int, stages: int, dtype: str) -> dict:

@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import fwd_bwd, inputs, load_fla  # noqa: E402
 
 SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128, 128),
+          "1x16384": (1, 16384, 16, 16, 128, 128),
           "smollm2-16x2048": (16, 2048, 9, 3, 64, 64)}
 
 
@@ -83,15 +84,17 @@ def candidates(kname, V):
     """(constexpr overrides, warps, stages) to time for one kernel."""
     vmax = max(16, triton.next_power_of_2(V))
     if kname.startswith("state"):
-        grid = [({"BV": bv}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4, 8) for ns in (1, 2, 3)]
+        grid = [({"BV": bv, "KB": kb}, nw, ns) for bv in (32, 64) for kb in (64, 128) for nw in (4, 8) for ns in (2, 3)]
+    elif kname == "solve":
+        return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
-        grid = [({"BV": 64, "BKB": bkb}, nw, ns) for bkb in (32, 64) for nw in (4, 8) for ns in (1, 2)]
+        grid = [({"BV": 64, "BKB": bkb}, nw, ns) for bkb in (64, 128) for nw in (4, 8) for ns in (1, 2)]
     elif kname == "prepare":
         grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
     else:
         grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2)
                 if bv <= 64 or kname in ("output", "dv_local")]
-    return [c for c in grid if c[0]["BV"] <= vmax]
+    return [c for c in grid if c[0]["BV"] <= vmax and c[0].get("KB", 0) <= vmax and c[0].get("BKB", 0) <= vmax]
 
 
 def sweep(shapes, only):
@@ -106,7 +109,7 @@ def sweep(shapes, only):
         do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
         tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
         f32 = torch.float32
-        dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=f32)
+        dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=q.dtype)
         ddl = torch.empty_like(dvl)
         dhs = torch.empty_like(hs)
         o = torch.empty(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
@@ -117,6 +120,8 @@ def sweep(shapes, only):
         S = {**cf.launch_settings(H, HQ // H, K, V, False), **cb.launch_settings(H, HQ // H, K, V, False)}
         c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
         kernels = {
+            "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
+                kf, gf, bf, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
             "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
                 kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
             "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
@@ -159,7 +164,7 @@ def main():
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--no-breakdown", action="store_true", help="the sweep only")
     p.add_argument("--sweep", default="", help="comma-separated kernels to time under every launch setting: "
-                   "prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
+                   "solve, prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
     shapes = args.shapes.split(",")
     fla, guard = load_fla()

@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import BT, Layout, _block_k, _chunk, _sequence_tile, _state_bv, prepare_and_states
+from .chunk_fwd import (BT, Layout, _block_k, _chunk, _cols_dot, _kv_load, _kv_store, _rows_dot, _sequence, _state_bv,
+                        prepare_and_states)
 
 
 @triton.jit
@@ -64,51 +65,110 @@ def _dv_local_kernel(
         b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_qv, other=0.0)
         p_t = _mm(b_k, tl.trans(b_q), b_k, IEEE) * dec_t * scale  # Pᵀ
         acc += _mm(p_t, b_do, b_k, IEEE)
-    tl.store(dvl + row[:, None] * (H * V) + i_h * V + o_v[None, :], acc, mask=m_qv)
+    tl.store(dvl + row[:, None] * (H * V) + i_h * V + o_v[None, :], acc.to(dvl.dtype.element_ty), mask=m_qv)
 
 
 @triton.jit
 def _state_bwd_kernel(
     q, k, w, gcum, do, dvl, dhs, ddl, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Per (V block, sequence × KV head), over the chunks in reverse: store dh₁ (the gradient of the state
+    leaving the chunk), ``dΔ = Pᵀdo + (γ_C/γ_j ⊙ k) dh₁``, then ``dh₀ = γ_C dh₁ + Σ_g (γ⊙q_g)ᵀ do_g − Wᵀ dΔ``.
+    ``ddl`` may be ``dvl`` (updated in place). The state gradient is held as up to four (KB, BV) blocks, as
+    in the forward's ``_state_kernel``."""
     HQ: tl.constexpr = H * G
-    i_n, i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_kv, p_state = _sequence_tile(
-        cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1), H, K, V, BT, BK, BV)
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_r = tl.arange(0, BT)
+    q += (bos * HQ + i_h * G) * K
+    do += (bos * HQ + i_h * G) * V
+    k += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    dvl += (bos * H + i_h) * V
+    ddl += (bos * H + i_h) * V
+    gcum += bos * H + i_h
+    dhs += (boh * H + i_h) * K * V
 
-    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    b_dh1 = tl.zeros([KB, BV], dtype=tl.float32)
+    b_dh2 = tl.zeros([KB, BV], dtype=tl.float32)
+    b_dh3 = tl.zeros([KB, BV], dtype=tl.float32)
+    b_dh4 = tl.zeros([KB, BV], dtype=tl.float32)
     if USE_DHT:
-        b_dh += tl.load(dht + p_state, mask=m_kv, other=0.0).to(tl.float32)
+        p0 = dht + i_nh * K * V
+        b_dh1 += _kv_load(p0, 0, o_v, m_v, K, V, KB)
+        if NKB > 1:
+            b_dh2 += _kv_load(p0, 1, o_v, m_v, K, V, KB)
+        if NKB > 2:
+            b_dh3 += _kv_load(p0, 2, o_v, m_v, K, V, KB)
+        if NKB > 3:
+            b_dh4 += _kv_load(p0, 3, o_v, m_v, K, V, KB)
+    NT = tl.cdiv(T, BT)
     for i in range(NT):
         i_t = NT - 1 - i
-        # the gradient of the state leaving chunk i_t, for the parallel kernels
-        tl.store(dhs + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                 b_dh.to(dhs.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        row = bos + o_t
-        m_tk = m_t[:, None] & m_k[None, :]
+        t0 = i_t * BT
+        m_t = o_r < T - t0
+        p_h = dhs + i_t * (H * K * V)
+        _kv_store(p_h, b_dh1, 0, o_v, m_v, K, V, KB)
+        if NKB > 1:
+            _kv_store(p_h, b_dh2, 1, o_v, m_v, K, V, KB)
+        if NKB > 2:
+            _kv_store(p_h, b_dh3, 2, o_v, m_v, K, V, KB)
+        if NKB > 3:
+            _kv_store(p_h, b_dh4, 3, o_v, m_v, K, V, KB)
+        g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
+        b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
+        e_c = tl.exp(g_last)
+        # dΔ = Pᵀdo + K̃ dh₁, K̃ = γ_C/γ_j ⊙ k: the decay scales the product's rows
+        p_k = k + t0 * (H * K)
+        b_kdh = _rows_dot(p_k, H * K, o_r, m_t, 0, b_dh1, K, KB, IEEE)
+        if NKB > 1:
+            b_kdh += _rows_dot(p_k, H * K, o_r, m_t, 1, b_dh2, K, KB, IEEE)
+        if NKB > 2:
+            b_kdh += _rows_dot(p_k, H * K, o_r, m_t, 2, b_dh3, K, KB, IEEE)
+        if NKB > 3:
+            b_kdh += _rows_dot(p_k, H * K, o_r, m_t, 3, b_dh4, K, KB, IEEE)
+        p_tv = o_r[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        last = tl.minimum(i_t * BT + BT, T) - 1
-        g_last = tl.load(gcum + (bos + last) * H + i_h)
-        b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_kt = b_k.to(tl.float32) * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]  # K̃
-        b_dd = tl.load(dvl + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_dd += _mm(b_kt, b_dh, b_k, IEEE)
-        tl.store(ddl + row[:, None] * (H * V) + i_h * V + o_v[None, :], b_dd, mask=m_tv)
-        b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_dh = b_dh * tl.exp(g_last) - _mm(tl.trans(b_w), b_dd, b_k, IEEE)
+        b_dd = tl.load(dvl + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        b_dd += b_kdh * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]
+        tl.store(ddl + t0 * (H * V) + p_tv, b_dd.to(ddl.dtype.element_ty), mask=m_tv)
+        # dh₀ = γ_C dh₁ − Wᵀ dΔ + Σ_g (γ⊙q_g)ᵀ do_g (scale folded into do)
+        p_w = w + t0 * (H * K)
+        b_dh1 = b_dh1 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 0, b_dd, K, KB, IEEE)
+        if NKB > 1:
+            b_dh2 = b_dh2 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 1, b_dd, K, KB, IEEE)
+        if NKB > 2:
+            b_dh3 = b_dh3 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 2, b_dd, K, KB, IEEE)
+        if NKB > 3:
+            b_dh4 = b_dh4 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 3, b_dd, K, KB, IEEE)
         gs = tl.exp(b_g) * scale
         for i_g in range(G):
-            i_hq = i_h * G + i_g
-            b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0)
-            b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dh += _mm(tl.trans(b_q), b_do.to(tl.float32) * gs[:, None], b_k, IEEE)  # (γ⊙q)ᵀ do
+            p_q = q + t0 * (HQ * K) + i_g * K
+            b_do = tl.load(do + t0 * (HQ * V) + i_g * V + o_r[:, None] * (HQ * V) + o_v[None, :], mask=m_tv, other=0.0)
+            b_dos = b_do.to(tl.float32) * gs[:, None]
+            b_dh1 += _cols_dot(p_q, HQ * K, o_r, m_t, 0, b_dos, K, KB, IEEE)
+            if NKB > 1:
+                b_dh2 += _cols_dot(p_q, HQ * K, o_r, m_t, 1, b_dos, K, KB, IEEE)
+            if NKB > 2:
+                b_dh3 += _cols_dot(p_q, HQ * K, o_r, m_t, 2, b_dos, K, KB, IEEE)
+            if NKB > 3:
+                b_dh4 += _cols_dot(p_q, HQ * K, o_r, m_t, 3, b_dos, K, KB, IEEE)
     if STORE_DH0:
-        tl.store(dh0 + p_state, b_dh.to(dh0.dtype.element_ty), mask=m_kv)
+        p0 = dh0 + i_nh * K * V
+        _kv_store(p0, b_dh1, 0, o_v, m_v, K, V, KB)
+        if NKB > 1:
+            _kv_store(p0, b_dh2, 1, o_v, m_v, K, V, KB)
+        if NKB > 2:
+            _kv_store(p0, b_dh3, 2, o_v, m_v, K, V, KB)
+        if NKB > 3:
+            _kv_store(p0, b_dh4, 3, o_v, m_v, K, V, KB)
 
 
 @triton.jit
@@ -285,7 +345,8 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     stages = 1 if wide else 2
     return {
         "dv_local": (_dv_local_kernel, {**common, "BV": bv}, 4, stages),
-        "state_bwd": (_state_bwd_kernel, {**common, "BV": bvs, "USE_DHT": False, "STORE_DH0": False}, 4,
+        "state_bwd": (_state_bwd_kernel, {"H": H, "G": G, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bvs,
+                                          "IEEE": ieee, "USE_DHT": False, "STORE_DH0": False}, 4,
                       1 if wide or bvs >= 64 else 3),
         "dqk": (_dqk_kernel, {**common, "BV": bv}, warps, stages),
         # its tiles are (BT, 64) whatever K is; BV 64 for the reason given at the forward's prepare kernel
@@ -306,14 +367,15 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     S = launch_settings(H, G, K, V, ieee, L.N * H, dev)
     tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
 
-    dvl = torch.empty(L.tokens, H, V, dtype=f32, device=dev)
+    # Pᵀdo, then dΔ in place; only ever a dot operand afterwards, so kept in the dots' dtype
+    dvl = torch.empty(L.tokens, H, V, dtype=f32 if ieee else v.dtype, device=dev)
     if L.NC:
         fn, c, warps, stages = S["dv_local"]
         fn[(triton.cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, *tables, scale, **c,
                                                num_warps=warps, num_stages=stages)
 
     dhs = torch.empty_like(hs)
-    ddl = torch.empty(L.tokens, H, V, dtype=f32, device=dev)
+    ddl = dvl  # dΔ = Pᵀdo + K̃ dh₁ overwrites Pᵀdo in place: each element is read, then written, by one program
     dh0 = torch.empty(L.N, H, K, V, dtype=initial_state.dtype, device=dev) if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     fn, c, warps, stages = S["state_bwd"]

@@ -1,10 +1,10 @@
 """Triton forward of the chunkwise gated delta rule (chunk 64, WY/UT form), GQA-native and varlen.
 
-The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); three kernels:
+The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); four kernels:
 
-1. ``_prepare_kernel``  per (chunk, KV head): in-chunk cumsum of g, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``,
-   ``T = (I + A)⁻¹`` (16×16 diagonal blocks by forward substitution, the rest by products),
-   ``W = T (β γ k)`` and ``U = T (β v)``; T is left in a scratch buffer for the backward.
+0. ``_solve_kernel``    per (chunk, KV head): ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)`` and ``T = (I + A)⁻¹``
+   in registers (16×16 diagonal blocks by forward substitution, the rest by products); T is kept for the backward.
+1. ``_prepare_kernel``  per (chunk, KV head): in-chunk cumsum of g, ``W = T (β γ k)`` and ``U = T (β v)``.
 2. ``_state_kernel``    per (sequence, KV head, V block): the only sequential part — carries the fp32
    state across chunks, writes the state entering each chunk and ``Δ = U − W h``.
 3. ``_output_kernel``   per (chunk, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``;
@@ -45,51 +45,128 @@ def _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t):
 
 
 @triton.jit
-def _sequence_tile(cu_seqlens, chunk_offsets, i_v, i_nh, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
-    """For the sequential state kernels, one program per (V block, sequence × KV head): the sequence's
-    start, length, first chunk and chunk count, and the (BK, BV) tile of its [K, V] state."""
-    i_n, i_h = i_nh // H, i_nh % H
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    o_k = tl.arange(0, BK)
-    m_k = o_k < K
-    o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < V
-    p_state = (i_n * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :]
-    return i_n, i_h, bos, T, boh, tl.cdiv(T, BT), o_k, m_k, o_v, m_v, m_k[:, None] & m_v[None, :], p_state
+def _gram_block(k, r_a, m_a, r_b, m_b, i_h, H: tl.constexpr, K: tl.constexpr, BC: tl.constexpr,
+                BKB: tl.constexpr, IEEE: tl.constexpr):
+    """``k_a k_bᵀ`` for two (BC)-row groups of one KV head, rows ``r_a`` / ``r_b`` (token indices), fp32."""
+    acc = tl.zeros([BC, BC], dtype=tl.float32)
+    for i_k in range(tl.cdiv(K, BKB)):
+        o_k = i_k * BKB + tl.arange(0, BKB)
+        m_k = (o_k < K)[None, :]
+        k_a = tl.load(k + r_a[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_a[:, None] & m_k, other=0.0)
+        k_b = tl.load(k + r_b[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_b[:, None] & m_k, other=0.0)
+        acc += _dot(k_a, tl.trans(k_b), IEEE)
+    return acc
 
 
 @triton.jit
-def _tm_block(tm, row0, col0, T, bos, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """A (BC, BC) block of the chunk's (BT, BT) matrix kept in ``tm[token, head, 0:BT]``: rows from ``row0``
-    (a position in the sequence), columns from ``col0`` (within the chunk); rows past T read 0."""
-    o_t = row0 + tl.arange(0, BC)
-    p = tm + (bos + o_t)[:, None] * (H * BT) + i_h * BT + col0 + tl.arange(0, BC)[None, :]
-    return tl.load(p, mask=(o_t < T)[:, None], other=0.0)
+def _scale_block(a, g_r, g_j, b_r, m_r, STRICT: tl.constexpr):
+    """``β_r a_rj γ_r/γ_j`` of one (BC, BC) block of A; ``STRICT``: a diagonal block (only j < r kept)."""
+    o = tl.arange(0, a.shape[0])
+    if STRICT:
+        keep = m_r[:, None] & (o[:, None] > o[None, :])
+    else:
+        keep = m_r[:, None] & (o[None, :] >= 0)
+    return tl.where(keep, a * tl.exp(tl.where(keep, g_r[:, None] - g_j[None, :], 0.0)) * b_r[:, None], 0.0)
+
+
+@triton.jit
+def _solve_kernel(
+    k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``, held in registers
+    as 4×4 blocks of 16×16 (BC) rows: the ten lower blocks of ``k kᵀ`` as (BC, BKB)·(BKB, BC) products; the
+    four diagonal blocks inverted by forward substitution side by side (row i of T_dd = e_i − Σ_{j<i} A_ij T_j,
+    rows taken out of the register tile with a masked sum); the off-diagonal blocks from
+    T_ij = −T_ii Σ_{j≤m<i} A_im T_mj. T goes to ``tm[token, head, 0:BT]`` (the dots' dtype: it is only ever a
+    dot operand). Small tiles: meant for 1–2 warps."""
+    BC: tl.constexpr = BT // 4
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_c = tl.arange(0, BC)
+    t0 = i_c * BT + o_c
+    t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
+    m0, m1, m2, m3 = t0 < T, t1 < T, t2 < T, t3 < T
+    r0, r1, r2, r3 = bos + t0, bos + t1, bos + t2, bos + t3
+    # log-decay cumulated over the chunk, 16 rows at a time
+    x0 = tl.load(g + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)
+    x1 = tl.load(g + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)
+    x2 = tl.load(g + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)
+    x3 = tl.load(g + r3 * H + i_h, mask=m3, other=0.0).to(tl.float32)
+    g0 = tl.cumsum(x0, axis=0)
+    g1 = tl.cumsum(x1, axis=0) + tl.sum(x0, axis=0)
+    g2 = tl.cumsum(x2, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
+    g3 = tl.cumsum(x3, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0) + tl.sum(x2, axis=0)
+    b0 = tl.load(beta + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)
+    b1 = tl.load(beta + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)
+    b2 = tl.load(beta + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)
+    b3 = tl.load(beta + r3 * H + i_h, mask=m3, other=0.0).to(tl.float32)
+
+    A00 = _scale_block(_gram_block(k, r0, m0, r0, m0, i_h, H, K, BC, BKB, IEEE), g0, g0, b0, m0, True)
+    A11 = _scale_block(_gram_block(k, r1, m1, r1, m1, i_h, H, K, BC, BKB, IEEE), g1, g1, b1, m1, True)
+    A22 = _scale_block(_gram_block(k, r2, m2, r2, m2, i_h, H, K, BC, BKB, IEEE), g2, g2, b2, m2, True)
+    A33 = _scale_block(_gram_block(k, r3, m3, r3, m3, i_h, H, K, BC, BKB, IEEE), g3, g3, b3, m3, True)
+    A10 = _scale_block(_gram_block(k, r1, m1, r0, m0, i_h, H, K, BC, BKB, IEEE), g1, g0, b1, m1, False)
+    A20 = _scale_block(_gram_block(k, r2, m2, r0, m0, i_h, H, K, BC, BKB, IEEE), g2, g0, b2, m2, False)
+    A21 = _scale_block(_gram_block(k, r2, m2, r1, m1, i_h, H, K, BC, BKB, IEEE), g2, g1, b2, m2, False)
+    A30 = _scale_block(_gram_block(k, r3, m3, r0, m0, i_h, H, K, BC, BKB, IEEE), g3, g0, b3, m3, False)
+    A31 = _scale_block(_gram_block(k, r3, m3, r1, m1, i_h, H, K, BC, BKB, IEEE), g3, g1, b3, m3, False)
+    A32 = _scale_block(_gram_block(k, r3, m3, r2, m2, i_h, H, K, BC, BKB, IEEE), g3, g2, b3, m3, False)
+
+    eye = o_c[:, None] == o_c[None, :]
+    T00 = tl.where(eye, 1.0, 0.0)
+    T11 = tl.where(eye, 1.0, 0.0)
+    T22 = tl.where(eye, 1.0, 0.0)
+    T33 = tl.where(eye, 1.0, 0.0)
+    for i in range(1, BC):  # four independent chains per step
+        sel = o_c[:, None] == i
+        a0 = tl.sum(tl.where(sel, A00, 0.0), axis=0)  # row i of A_dd, as a vector over j
+        a1 = tl.sum(tl.where(sel, A11, 0.0), axis=0)
+        a2 = tl.sum(tl.where(sel, A22, 0.0), axis=0)
+        a3 = tl.sum(tl.where(sel, A33, 0.0), axis=0)
+        T00 = tl.where(sel, T00 - tl.sum(a0[:, None] * T00, axis=0)[None, :], T00)
+        T11 = tl.where(sel, T11 - tl.sum(a1[:, None] * T11, axis=0)[None, :], T11)
+        T22 = tl.where(sel, T22 - tl.sum(a2[:, None] * T22, axis=0)[None, :], T22)
+        T33 = tl.where(sel, T33 - tl.sum(a3[:, None] * T33, axis=0)[None, :], T33)
+    # off-diagonal blocks (tf32 products for bf16/fp16 inputs, IEEE for fp32)
+    T10 = -_dot(T11, _dot(A10, T00, IEEE), IEEE)
+    T21 = -_dot(T22, _dot(A21, T11, IEEE), IEEE)
+    T20 = -_dot(T22, _dot(A20, T00, IEEE) + _dot(A21, T10, IEEE), IEEE)
+    T32 = -_dot(T33, _dot(A32, T22, IEEE), IEEE)
+    T31 = -_dot(T33, _dot(A31, T11, IEEE) + _dot(A32, T21, IEEE), IEEE)
+    T30 = -_dot(T33, _dot(A30, T00, IEEE) + _dot(A31, T10, IEEE) + _dot(A32, T20, IEEE), IEEE)
+    zero = tl.zeros([BC, BC], dtype=tl.float32)
+    _store_t_row(tm, T00, zero, zero, zero, r0, m0, i_h, H, BT, BC)
+    _store_t_row(tm, T10, T11, zero, zero, r1, m1, i_h, H, BT, BC)
+    _store_t_row(tm, T20, T21, T22, zero, r2, m2, i_h, H, BT, BC)
+    _store_t_row(tm, T30, T31, T32, T33, r3, m3, i_h, H, BT, BC)
+
+
+@triton.jit
+def _store_t_row(tm, t0, t1, t2, t3, rows, m_rows, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Store one 16-row band of T (its four 16×16 blocks; ``rows`` are token indices) to ``tm[token, head, 0:BT]``."""
+    o_c = tl.arange(0, BC)
+    m = m_rows[:, None] & (o_c < BC)[None, :]
+    base = tm + rows[:, None] * (H * BT) + i_h * BT + o_c[None, :]
+    ty = tm.dtype.element_ty
+    tl.store(base, t0.to(ty), mask=m)
+    tl.store(base + BC, t1.to(ty), mask=m)
+    tl.store(base + 2 * BC, t2.to(ty), mask=m)
+    tl.store(base + 3 * BC, t3.to(ty), mask=m)
 
 
 @triton.jit
 def _prepare_kernel(
     k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, SOLVE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, KV head): cumulative g; ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)`` in one (BT, BT)
-    product; ``T = (I + A)⁻¹``; ``W = T (β γ k)`` and ``U = T (β v)`` in (BT, BT) products.
-
-    ``tm[token, head, 0:BT]`` is the chunk's scratch: A goes there first, its rows are read back for the
-    four 16×16 (BC) diagonal blocks, inverted by forward substitution side by side (four independent
-    chains per step); the off-diagonal blocks follow from T_ij = −T_ii Σ_{j≤m<i} A_im T_mj; T is written
-    over A and read back whole for W and U. The backward passes the forward's T back (``SOLVE=False``)
-    and only W, U and the cumulative g are recomputed."""
-    BC: tl.constexpr = BT // 4
+    """Per (chunk, KV head), after ``_solve_kernel``: cumulative g, ``W = T (β γ k)`` and ``U = T (β v)`` as
+    (BT, BT)·(BT, ·) products. The backward runs it again (W, U are not kept), on the forward's T."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    row0 = i_c * BT
     o_r = tl.arange(0, BT)
-    o_t = row0 + o_r
+    o_t = i_c * BT + o_r
     m_t = o_t < T
     row = bos + o_t
     b_g = tl.cumsum(tl.load(g + row * H + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
@@ -97,57 +174,8 @@ def _prepare_kernel(
     b_beta = tl.load(beta + row * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    p_tm = tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :]
-    if SOLVE:
-        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-        strict = o_r[:, None] > o_r[None, :]
-        b_a = _dot((b_k.to(tl.float32) * b_beta[:, None]).to(b_k.dtype), tl.trans(b_k), IEEE)
-        b_a = tl.where(strict, b_a * tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-        tl.store(p_tm, b_a, mask=m_t[:, None])
-        tl.debug_barrier()  # A's rows are read back below, by other threads
-
-        o_c = tl.arange(0, BC)
-        eye = o_c[:, None] == o_c[None, :]
-        T00 = tl.where(eye, 1.0, 0.0)
-        T11 = tl.where(eye, 1.0, 0.0)
-        T22 = tl.where(eye, 1.0, 0.0)
-        T33 = tl.where(eye, 1.0, 0.0)
-        p_row = tm + (bos + row0) * (H * BT) + i_h * BT + o_c
-        for i in range(1, BC):  # row i of T_dd = e_i − Σ_{j<i} A_ij T_j, for the four diagonal blocks at once
-            # (masks are written as vectors, o_c * 0 + …: the interpreter rejects a scalar mask on a vector load)
-            sel = o_c[:, None] == i
-            a0 = tl.load(p_row + i * (H * BT), mask=o_c * 0 + row0 + i < T, other=0.0)
-            a1 = tl.load(p_row + (BC + i) * (H * BT) + BC, mask=o_c * 0 + row0 + BC + i < T, other=0.0)
-            a2 = tl.load(p_row + (2 * BC + i) * (H * BT) + 2 * BC, mask=o_c * 0 + row0 + 2 * BC + i < T, other=0.0)
-            a3 = tl.load(p_row + (3 * BC + i) * (H * BT) + 3 * BC, mask=o_c * 0 + row0 + 3 * BC + i < T, other=0.0)
-            T00 = tl.where(sel, T00 - tl.sum(a0[:, None] * T00, axis=0)[None, :], T00)
-            T11 = tl.where(sel, T11 - tl.sum(a1[:, None] * T11, axis=0)[None, :], T11)
-            T22 = tl.where(sel, T22 - tl.sum(a2[:, None] * T22, axis=0)[None, :], T22)
-            T33 = tl.where(sel, T33 - tl.sum(a3[:, None] * T33, axis=0)[None, :], T33)
-        A10 = _tm_block(tm, row0 + BC, 0, T, bos, i_h, H, BT, BC)
-        A20 = _tm_block(tm, row0 + 2 * BC, 0, T, bos, i_h, H, BT, BC)
-        A21 = _tm_block(tm, row0 + 2 * BC, BC, T, bos, i_h, H, BT, BC)
-        A30 = _tm_block(tm, row0 + 3 * BC, 0, T, bos, i_h, H, BT, BC)
-        A31 = _tm_block(tm, row0 + 3 * BC, BC, T, bos, i_h, H, BT, BC)
-        A32 = _tm_block(tm, row0 + 3 * BC, 2 * BC, T, bos, i_h, H, BT, BC)
-        # off-diagonal blocks of (I + A)^-1 in fp32 (IEEE products for fp32 inputs)
-        T10 = -_dot(T11, _dot(A10, T00, IEEE), IEEE)
-        T21 = -_dot(T22, _dot(A21, T11, IEEE), IEEE)
-        T20 = -_dot(T22, _dot(A20, T00, IEEE) + _dot(A21, T10, IEEE), IEEE)
-        T32 = -_dot(T33, _dot(A32, T22, IEEE), IEEE)
-        T31 = -_dot(T33, _dot(A31, T11, IEEE) + _dot(A32, T21, IEEE), IEEE)
-        T30 = -_dot(T33, _dot(A30, T00, IEEE) + _dot(A31, T10, IEEE) + _dot(A32, T20, IEEE), IEEE)
-        tl.debug_barrier()  # every read of A is done before T overwrites it
-        zero = tl.zeros([BC, BC], dtype=tl.float32)
-        _store_t_row(tm, T00, zero, zero, zero, row0, T, bos, i_h, H, BT, BC)
-        _store_t_row(tm, T10, T11, zero, zero, row0 + BC, T, bos, i_h, H, BT, BC)
-        _store_t_row(tm, T20, T21, T22, zero, row0 + 2 * BC, T, bos, i_h, H, BT, BC)
-        _store_t_row(tm, T30, T31, T32, T33, row0 + 3 * BC, T, bos, i_h, H, BT, BC)
-        tl.debug_barrier()  # T is read back whole
-    b_t = tl.load(p_tm, mask=m_t[:, None], other=0.0)
+    b_t = tl.load(tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
-    if not IEEE:
-        b_t = b_t.to(b_k.dtype)
 
     kg = (b_k.to(tl.float32) * (b_beta * tl.exp(b_g))[:, None]).to(b_k.dtype)
     tl.store(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], _dot(b_t, kg, IEEE).to(w.dtype.element_ty), mask=m_tk)
@@ -160,58 +188,133 @@ def _prepare_kernel(
 
 
 @triton.jit
-def _store_t_row(tm, t0, t1, t2, t3, row0, T, bos, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Store one 16-row band of T (its four 16×16 blocks) to ``tm[token, head, 0:BT]``."""
-    o_t = row0 + tl.arange(0, BC)
-    o_c = tl.arange(0, BC)
-    m = (o_t < T)[:, None] & (o_c < BC)[None, :]
-    base = tm + (bos + o_t)[:, None] * (H * BT) + i_h * BT + o_c[None, :]
-    tl.store(base, t0, mask=m)
-    tl.store(base + BC, t1, mask=m)
-    tl.store(base + 2 * BC, t2, mask=m)
-    tl.store(base + 3 * BC, t3, mask=m)
+def _sequence(cu_seqlens, chunk_offsets, i_n):
+    """(bos, T, boh): start token and length of sequence ``i_n`` and the index of its first chunk."""
+    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
+    T = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    return bos, T, boh
+
+
+@triton.jit
+def _kv_load(p, kb, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """Rows ``kb·KB …`` (a K block) and columns ``o_v`` of a row-major [K, V] state at ``p``, as fp32."""
+    o_k = kb * KB + tl.arange(0, KB)
+    return tl.load(p + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _kv_store(p, b, kb, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    o_k = kb * KB + tl.arange(0, KB)
+    tl.store(p + o_k[:, None] * V + o_v[None, :], b.to(p.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _rows_dot(x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, IEEE: tl.constexpr):
+    """``x[o_r, K block kb] @ b`` (fp32): x a row-major [rows, stride] tile pointer, b a fp32 (KB, ·) tile."""
+    o_k = kb * KB + tl.arange(0, KB)
+    xb = tl.load(x + o_r[:, None] * stride + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(xb.to(tl.float32), b, input_precision="ieee")
+    else:
+        return tl.dot(xb, b.to(xb.dtype))
+
+
+@triton.jit
+def _cols_dot(x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, IEEE: tl.constexpr):
+    """``x[o_r, K block kb]ᵀ @ b`` (fp32), the transposed tile loaded directly; b a (rows, ·) tile."""
+    o_k = kb * KB + tl.arange(0, KB)
+    xt = tl.load(x + o_k[:, None] + o_r[None, :] * stride, mask=(o_k < K)[:, None] & m_r[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(xt.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(xt, b.to(xt.dtype))
 
 
 @triton.jit
 def _state_kernel(
     k, w, u, gcum, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_n, i_h, bos, T, boh, NT, o_k, m_k, o_v, m_v, m_kv, p_state = _sequence_tile(
-        cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1), H, K, V, BT, BK, BV)
+    """Per (V block, sequence × KV head), over the chunks in order: store the state h entering the chunk,
+    ``Δ = U − W h``, then ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV)
+    fp32 blocks (K blocks of KB rows), so each product is (BT, KB)·(KB, BV) and the blocks update
+    independently; the decay is applied to Δ's rows rather than to k. Pointers move to the sequence and
+    the chunk first, so tile offsets stay 32-bit."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < V
+    o_r = tl.arange(0, BT)
+    k += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    u += (bos * H + i_h) * V
+    v_new += (bos * H + i_h) * V
+    gcum += bos * H + i_h
+    hs += (boh * H + i_h) * K * V
 
-    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    b_h1 = tl.zeros([KB, BV], dtype=tl.float32)
+    b_h2 = tl.zeros([KB, BV], dtype=tl.float32)
+    b_h3 = tl.zeros([KB, BV], dtype=tl.float32)
+    b_h4 = tl.zeros([KB, BV], dtype=tl.float32)
     if USE_H0:
-        b_h += tl.load(h0 + p_state, mask=m_kv, other=0.0).to(tl.float32)
-    for i_t in range(NT):
+        p0 = h0 + i_nh * K * V
+        b_h1 += _kv_load(p0, 0, o_v, m_v, K, V, KB)
+        if NKB > 1:
+            b_h2 += _kv_load(p0, 1, o_v, m_v, K, V, KB)
+        if NKB > 2:
+            b_h3 += _kv_load(p0, 2, o_v, m_v, K, V, KB)
+        if NKB > 3:
+            b_h4 += _kv_load(p0, 3, o_v, m_v, K, V, KB)
+    for i_t in range(tl.cdiv(T, BT)):
+        t0 = i_t * BT
+        m_t = o_r < T - t0
         # the state entering chunk i_t, for the output kernel
-        tl.store(hs + ((boh + i_t) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                 b_h.to(hs.dtype.element_ty), mask=m_kv)
-        o_t = i_t * BT + tl.arange(0, BT)
-        m_t = o_t < T
-        row = bos + o_t
-        b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_u = tl.load(u + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        if IEEE:
-            b_d = b_u.to(tl.float32) - tl.dot(b_w.to(tl.float32), b_h, input_precision="ieee")
-        else:
-            b_d = b_u.to(tl.float32) - tl.dot(b_w, b_h.to(b_w.dtype))
-        tl.store(v_new + row[:, None] * (H * V) + i_h * V + o_v[None, :], b_d.to(v_new.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
-        last = tl.minimum(i_t * BT + BT, T) - 1
-        g_last = tl.load(gcum + (bos + last) * H + i_h)
-        b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        b_kd = b_k.to(tl.float32) * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]
-        b_h = b_h * tl.exp(g_last)
-        if IEEE:
-            b_h += tl.dot(tl.trans(b_kd), b_d, input_precision="ieee")
-        else:
-            b_h += tl.dot(tl.trans(b_kd.to(b_k.dtype)), b_d.to(b_k.dtype))
+        p_h = hs + i_t * (H * K * V)
+        _kv_store(p_h, b_h1, 0, o_v, m_v, K, V, KB)
+        if NKB > 1:
+            _kv_store(p_h, b_h2, 1, o_v, m_v, K, V, KB)
+        if NKB > 2:
+            _kv_store(p_h, b_h3, 2, o_v, m_v, K, V, KB)
+        if NKB > 3:
+            _kv_store(p_h, b_h4, 3, o_v, m_v, K, V, KB)
+        p_w = w + t0 * (H * K)
+        b_d = -_rows_dot(p_w, H * K, o_r, m_t, 0, b_h1, K, KB, IEEE)
+        if NKB > 1:
+            b_d -= _rows_dot(p_w, H * K, o_r, m_t, 1, b_h2, K, KB, IEEE)
+        if NKB > 2:
+            b_d -= _rows_dot(p_w, H * K, o_r, m_t, 2, b_h3, K, KB, IEEE)
+        if NKB > 3:
+            b_d -= _rows_dot(p_w, H * K, o_r, m_t, 3, b_h4, K, KB, IEEE)
+        p_tv = o_r[:, None] * (H * V) + o_v[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_d += tl.load(u + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(v_new + t0 * (H * V) + p_tv, b_d.to(v_new.dtype.element_ty), mask=m_tv)
+        g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
+        b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
+        b_de = b_d * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]  # Δ ⊙ γ_C/γ_j
+        e_c = tl.exp(g_last)
+        p_k = k + t0 * (H * K)
+        b_h1 = b_h1 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 0, b_de, K, KB, IEEE)
+        if NKB > 1:
+            b_h2 = b_h2 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 1, b_de, K, KB, IEEE)
+        if NKB > 2:
+            b_h3 = b_h3 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 2, b_de, K, KB, IEEE)
+        if NKB > 3:
+            b_h4 = b_h4 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 3, b_de, K, KB, IEEE)
     if STORE_HT:
-        tl.store(ht + p_state, b_h, mask=m_kv)
+        p_t = ht + i_nh * K * V
+        _kv_store(p_t, b_h1, 0, o_v, m_v, K, V, KB)
+        if NKB > 1:
+            _kv_store(p_t, b_h2, 1, o_v, m_v, K, V, KB)
+        if NKB > 2:
+            _kv_store(p_t, b_h3, 2, o_v, m_v, K, V, KB)
+        if NKB > 3:
+            _kv_store(p_t, b_h4, 3, o_v, m_v, K, V, KB)
 
 
 @triton.jit
@@ -316,9 +419,11 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
         # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")
         # 8 warps at K ≤ 64: 4 spill ~850 B of registers there (scripts/kernel_resources.py)
-        "prepare": (_prepare_kernel, {**common, "BV": 64, "SOLVE": True}, 8 if BK <= 64 else 4, 1),
-        "state_fwd": (_state_kernel, {**common, "BV": bv, "USE_H0": False, "STORE_HT": False}, 4,
-                      1 if wide else (2 if bv >= 64 else 3)),
+        # 16×16 register tiles: few warps (a 16×16 fp32 tile is 8 values per thread of one warp)
+        "solve": (_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(BK, 64), "IEEE": ieee}, 2, 1),
+        "prepare": (_prepare_kernel, {**common, "BV": 64}, 8 if BK <= 64 else 4, 1),
+        "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
+                                      "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if bv >= 64 else 3)),
         # wide V blocks: fewer recomputes of q·kᵀ
         "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax)}, 4, 1 if wide else 2),
     }
@@ -362,15 +467,19 @@ def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_sta
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     solve = tm is None
-    if solve:
-        tm = torch.empty(L.tokens, H, BT, dtype=f32, device=dev)  # the prepare kernel's scratch, then T
+    if solve:  # T is only ever a dot operand: kept in the dots' dtype
+        tm = torch.empty(L.tokens, H, BT, dtype=f32 if ieee else k.dtype, device=dev)
     v_new = torch.empty_like(v)
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else f32, device=dev)
     ht = torch.empty(L.N, H, K, V, dtype=f32, device=dev) if output_final_state else None
     if L.NC:
+        if solve:
+            fn, c, warps, stages = S["solve"]
+            fn[(L.NC, H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
+                          num_warps=warps, num_stages=stages)
         fn, c, warps, stages = S["prepare"]
-        fn[(L.NC, H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets,
-                      **{**c, "SOLVE": solve}, num_warps=warps, num_stages=stages)
+        fn[(L.NC, H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
+                      num_warps=warps, num_stages=stages)
     h0 = initial_state.contiguous() if initial_state is not None else None
     fn, c, warps, stages = S["state_fwd"]
     fn[(triton.cdiv(V, c["BV"]), L.N * H)](

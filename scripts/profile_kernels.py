@@ -84,13 +84,13 @@ def candidates(kname, V):
     """(constexpr overrides, warps, stages) to time for one kernel."""
     vmax = max(16, triton.next_power_of_2(V))
     if kname.startswith("state"):
-        grid = [({"BV": bv, "KB": kb}, nw, ns) for bv in (32, 64) for kb in (64, 128) for nw in (4, 8) for ns in (2, 3)]
+        grid = [({"BV": bv, "KB": 64}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4) for ns in (3, 4)]
     elif kname == "solve":
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
-        grid = [({"BV": 64, "BKB": bkb}, nw, ns) for bkb in (64, 128) for nw in (4, 8) for ns in (1, 2)]
+        grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (2, 4) for ns in (2, 3)]
     elif kname == "prepare":
-        grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
+        grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
     else:
         grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2)
                 if bv <= 64 or kname in ("output", "dv_local")]

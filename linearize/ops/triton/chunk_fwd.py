@@ -419,8 +419,9 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
         # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")
         # 8 warps at K ≤ 64: 4 spill ~850 B of registers there (scripts/kernel_resources.py)
-        # 16×16 register tiles: few warps (a 16×16 fp32 tile is 8 values per thread of one warp)
-        "solve": (_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(BK, 64), "IEEE": ieee}, 2, 1),
+        # 16×16 register tiles: one warp (8 values per thread of a 16×16 fp32 tile), 128-wide K blocks
+        # (H200 sweep, 8x2048: 92 µs against 143 at 2 warps, 117 at K blocks of 64)
+        "solve": (_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(BK, 128), "IEEE": ieee}, 1, 1),
         "prepare": (_prepare_kernel, {**common, "BV": 64}, 8 if BK <= 64 else 4, 1),
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
                                       "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if bv >= 64 else 3)),

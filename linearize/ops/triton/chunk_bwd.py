@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import (BT, Layout, _block_k, _chunk, _cols_dot, _kv_load, _kv_store, _rows_dot, _sequence, _state_bv,
-                        prepare_and_states)
+                        prepare, states)
 
 
 @triton.jit
@@ -354,6 +354,18 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     }
 
 
+_SIDE: dict = {}
+
+
+def _side_stream(device: torch.device):
+    """One extra CUDA stream per device (None off CUDA: the interpreter runs everything in order)."""
+    if device.type != "cuda":
+        return None
+    if device not in _SIDE:
+        _SIDE[device] = torch.cuda.Stream(device)
+    return _SIDE[device]
+
+
 def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, tm=None):
     """Gradients w.r.t. ``(q, k, v, g, beta, initial_state)`` (the last ``None`` without an initial state),
     each in its input's dtype. Inputs as the forward's, ``do`` like the output, ``dht`` like the final state or
@@ -362,7 +374,19 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     L = Layout(q, v, cu_seqlens)
     H, HQ, G, K, V, ieee, dev = L.H, L.HQ, L.G, L.K, L.V, L.ieee, L.device
     qf, kf, vf, gf, bf, dof = Layout.flat(q, k, v, g, beta, do)
-    gcum, w, u, tm, hs, v_new, _ = prepare_and_states(L, kf, vf, gf, bf, initial_state, False, tm)
+    gcum, w, u, tm = prepare(L, kf, vf, gf, bf, tm)
+    # The forward's states are recomputed on a side stream while dv_local and the backward state kernel run:
+    # neither needs them, and at long T with few sequences each sequential kernel alone leaves SMs idle.
+    side = _side_stream(dev)
+    if side is not None:
+        main = torch.cuda.current_stream(dev)
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            hs, v_new, _ = states(L, kf, w, u, gcum, initial_state, False)
+        hs.record_stream(main)  # allocated on the side stream, used and freed on the main one
+        v_new.record_stream(main)
+    else:
+        hs, v_new, _ = states(L, kf, w, u, gcum, initial_state, False)
     f32 = torch.float32
     S = launch_settings(H, G, K, V, ieee, L.N * H, dev)
     tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
@@ -384,6 +408,8 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
         L.cu_seqlens, L.chunk_offsets, scale, **{**c, "USE_DHT": dht is not None, "STORE_DH0": dh0 is not None},
         num_warps=warps, num_stages=stages)
 
+    if side is not None:
+        main.wait_stream(side)
     dq = torch.empty_like(qf)
     dk = torch.empty_like(kf)
     dv = torch.empty_like(vf)

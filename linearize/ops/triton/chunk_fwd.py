@@ -457,22 +457,17 @@ class Layout:
         return [x.contiguous().view(x.shape[0] * x.shape[1], *x.shape[2:]) for x in xs]
 
 
-def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, tm=None):
-    """Kernels 1 and 2: cumulative g, W, U, T, the state entering every chunk and Δ. Inputs flat
-    (``Layout.flat``); ``tm``, T of an earlier call on the same inputs, skips the solve.
-    Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
-    H, K, V, ieee, dev = L.H, L.K, L.V, L.ieee, L.device
-    f32 = torch.float32
-    S = launch_settings(H, L.G, K, V, ieee, L.N * H, dev)
-    gcum = torch.empty(L.tokens, H, dtype=f32, device=dev)
+def prepare(L: Layout, k, v, g, beta, tm=None):
+    """Kernels 0 and 1: T (solved unless ``tm``, T of an earlier call on the same inputs, is given), cumulative
+    g, W and U. Inputs flat (``Layout.flat``). Returns ``(gcum, w, u, tm)``."""
+    H, ieee, dev = L.H, L.ieee, L.device
+    S = launch_settings(H, L.G, L.K, L.V, ieee, L.N * H, dev)
+    gcum = torch.empty(L.tokens, H, dtype=torch.float32, device=dev)
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     solve = tm is None
     if solve:  # T is only ever a dot operand: kept in the dots' dtype
-        tm = torch.empty(L.tokens, H, BT, dtype=f32 if ieee else k.dtype, device=dev)
-    v_new = torch.empty_like(v)
-    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else f32, device=dev)
-    ht = torch.empty(L.N, H, K, V, dtype=f32, device=dev) if output_final_state else None
+        tm = torch.empty(L.tokens, H, BT, dtype=torch.float32 if ieee else k.dtype, device=dev)
     if L.NC:
         if solve:
             fn, c, warps, stages = S["solve"]
@@ -481,14 +476,30 @@ def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_sta
         fn, c, warps, stages = S["prepare"]
         fn[(L.NC, H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
                       num_warps=warps, num_stages=stages)
+    return gcum, w, u, tm
+
+
+def states(L: Layout, k, w, u, gcum, initial_state, output_final_state):
+    """Kernel 2, the sequential one: the state entering every chunk and Δ = U − W h (and the final state).
+    Returns ``(hs, v_new, ht)``."""
+    H, K, V, ieee, dev = L.H, L.K, L.V, L.ieee, L.device
+    v_new = torch.empty_like(u)
+    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else torch.float32, device=dev)
+    ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
-    fn, c, warps, stages = S["state_fwd"]
+    fn, c, warps, stages = launch_settings(H, L.G, K, V, ieee, L.N * H, dev)["state_fwd"]
     fn[(triton.cdiv(V, c["BV"]), L.N * H)](
         k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
         L.cu_seqlens, L.chunk_offsets, **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None},
         num_warps=warps, num_stages=stages,
     )
-    return gcum, w, u, tm, hs, v_new, ht
+    return hs, v_new, ht
+
+
+def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, tm=None):
+    """``prepare`` then ``states``. Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
+    gcum, w, u, tm = prepare(L, k, v, g, beta, tm)
+    return (gcum, w, u, tm, *states(L, k, w, u, gcum, initial_state, output_final_state))
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):

@@ -143,14 +143,14 @@ def sweep(shapes, only):
             if kname not in only:
                 continue
             rows = []
-            for o, nw, ns in candidates(kname, V):
+            for ov, nw, ns in candidates(kname, V):  # (not ``o``: the output kernel's buffer has that name)
                 try:
-                    us = bench(lambda: launch(o, nw, ns))
+                    us = bench(lambda: launch(ov, nw, ns))
                 except Exception as e:  # out of shared memory / registers for this setting
-                    rows.append({**o, "warps": nw, "stages": ns, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                    print(f"{name} {kname} {o} w{nw} s{ns}: {rows[-1]['error']}", flush=True)
+                    rows.append({**ov, "warps": nw, "stages": ns, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                    print(f"{name} {kname} {ov} w{nw} s{ns}: {rows[-1]['error']}", flush=True)
                     continue
-                rows.append({**o, "warps": nw, "stages": ns, "us": us})
+                rows.append({**ov, "warps": nw, "stages": ns, "us": us})
             ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
             res[f"{name}/{kname}"] = rows
             best = ", ".join(" ".join(f"{k}{r[k]}" for k in r if k != "us") + f": {r['us']:.1f}" for r in ok[:4])

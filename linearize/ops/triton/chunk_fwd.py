@@ -395,14 +395,15 @@ def _block_k(K: int) -> int:
 
 def _state_bv(K: int, V: int, ieee: bool, programs: int | None, device: torch.device | None) -> int:
     """V block of the sequential state kernels: at most 64 (narrower for Gemma's 256-wide keys, whose
-    fp32 state must fit in registers), and 32 when ``programs`` (sequence, head) pairs would leave SMs
-    idle at 64 — at long T with a small batch the sequential loop is the whole cost. Measured on the
-    H200 (``scripts/profile_kernels.py --sweep state_fwd,state_bwd``): 32 beats 16 there too."""
+    fp32 state must fit in registers), halved (down to 16) while ``programs`` (sequence, head) pairs times
+    V blocks would not reach half the SMs — at long T with a small batch the sequential loop is the whole
+    cost. H200 sweep (``scripts/profile_kernels.py --sweep state_fwd,state_bwd``, 16 heads, d=128): at 8×2048
+    64 is fastest (forward 115 µs against 144 at 32); at 1×16384 16 is (255 µs against 304 at 32)."""
     bv = min(64 if _block_k(K) <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
     if programs is not None and device is not None and device.type == "cuda":
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if bv > 32 and programs * triton.cdiv(V, bv) < sms:
-            bv = 32
+        while bv > 16 and programs * triton.cdiv(V, bv) < sms // 2:
+            bv //= 2
     return bv
 
 
@@ -422,9 +423,11 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # 16×16 register tiles: one warp (8 values per thread of a 16×16 fp32 tile), 128-wide K blocks
         # (H200 sweep, 8x2048: 92 µs against 143 at 2 warps, 117 at K blocks of 64)
         "solve": (_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(BK, 128), "IEEE": ieee}, 1, 1),
-        "prepare": (_prepare_kernel, {**common, "BV": 64}, 8 if BK <= 64 else 4, 1),
+        # 3 stages at K = 128: 91 µs against 96 at 1 (H200 sweep, 8x2048)
+        "prepare": (_prepare_kernel, {**common, "BV": 64}, 8 if BK <= 64 else 4, 3 if BK == 128 and not ieee else 1),
+        # 4 stages: fastest at every V block in the sweep (bf16); IEEE fp32 tiles are twice the shared memory
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
-                                      "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if bv >= 64 else 3)),
+                                      "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (3 if ieee else 4)),
         # wide V blocks: fewer recomputes of q·kᵀ
         "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax)}, 4, 1 if wide else 2),
     }

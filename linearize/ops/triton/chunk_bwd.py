@@ -2,13 +2,15 @@
 
 Read that file's docstring first: it derives every term below, and its PyTorch code is the spec these
 kernels are tested against (besides the float64 reference). Of the forward's intermediates only
-``T = (I + A)⁻¹`` is kept (the solve is the costly part of the prepare kernel); the backward recomputes
-the rest with the forward's own kernels (``prepare_and_states``), then runs four kernels:
+``T = (I + A)⁻¹`` is kept (the solve kernel is skipped); the backward recomputes W, U and g's cumsum with
+the forward's ``prepare``, then the forward's states (``states``) on a side CUDA stream while kernels 1 and
+2 below run (they do not need them), then runs:
 
 1. ``_dv_local_kernel``  per (V block, chunk, KV head): ``Pᵀ do`` summed over the G query heads that
    read this KV head (the in-chunk part of ``dΔ``).
 2. ``_state_bwd_kernel`` per (V block, sequence, KV head): the only sequential part, in reverse over
-   chunks: ``dΔ = Pᵀdo + K̃ dh₁``, ``dh₀ = γ_C dh₁ + (γ⊙q)ᵀ do − Wᵀ dΔ``; stores ``dh₁`` per chunk and ``dΔ``.
+   chunks: ``dΔ = Pᵀdo + K̃ dh₁``, ``dh₀ = γ_C dh₁ + (γ⊙q)ᵀ do − Wᵀ dΔ``; stores ``dh₁`` per chunk, and ``dΔ``
+   over kernel 1's ``Pᵀdo`` (one buffer, in the dots' dtype).
 3. ``_dqk_kernel``       per (chunk, query head): ``dq`` and this query head's share of ``dk`` and of the
    log-decay gradient (through ``P`` and ``γ ⊙ (q h₀)``).
 4. ``_wy_bwd_kernel``    per (chunk, KV head): through ``K̃``, ``γ_C``, ``Δ = U − W h₀``, ``T`` and ``A``;

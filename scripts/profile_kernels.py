@@ -136,7 +136,7 @@ def sweep(shapes, only):
             "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
                 qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
             "wy_bwd": lambda ov, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
-                kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
+                kf, vf, bf, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
                 **c("wy_bwd", ov), num_warps=nw, num_stages=ns),
         }
         for kname, launch in kernels.items():

@@ -145,3 +145,31 @@ def test_fused_taylor_front_equals_pytorch_front(poisoned, case):
         assert torch.isfinite(mine).all() and rel(mine, ref) < 1e-5, what
     for what, mine, ref in zip("dk dv dρ df".split(), *(got[n][1] for n in ("triton", "torch"))):
         assert torch.isfinite(mine).all() and rel(mine, ref) < 1e-5, what
+
+
+def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
+    """Rows past a document's end read g = 0; with a chunk's log-decay below −88.7 (exp overflows in fp32)
+    the masked products must not turn 0·inf into NaN that reaches real rows (packed, partial chunks)."""
+    B, T, H, G, K, V = 1, 150, 2, 2, 16, 16
+    cu = torch.tensor([0, 40, 150])  # partial chunks: 40 tokens, then 64 + 46
+    q, k, v, _, beta = gdn_inputs(B, T, H, G, K, V, seed=21, dtype=torch.float64)
+    g = torch.full((B, T, H), -2.5, dtype=torch.float64)  # 40 tokens at −2.5: cumulative −100, exp(100) = inf
+    grads = {}
+    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+        o, _ = gated_delta_rule(*leaves, scale=0.5, cu_seqlens=cu, backend=backend)
+        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).sum().backward()
+        grads[backend] = [x.grad for x in leaves]
+    for name, a, b in zip("q k v g beta".split(), grads["triton"], grads["reference"]):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
+
+
+def test_triton_backend_rejects_key_heads_beyond_its_limit():
+    """The state kernels hold at most 256 key dimensions: backend='triton' says so; 'auto' uses PyTorch."""
+    q, k, v, g, beta = gdn_inputs(1, 8, 1, 1, 512, 16, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="up to 256"):
+        gated_delta_rule(q, k, v, g, beta, backend="triton")
+    o, _ = gated_delta_rule(q, k, v, g, beta, backend="auto")  # CPU: torch, as for any CPU tensor
+    ref, _ = gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), backend="reference")
+    assert rel(o, ref) < 1e-5

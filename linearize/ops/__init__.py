@@ -81,7 +81,8 @@ def gated_delta_rule(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "auto":
-        backend = "triton" if q.is_cuda and _triton_usable(q) else "torch"
+        # the Triton kernels hold the state in at most four 64-row K blocks (ops/triton/chunk_fwd.py MAX_K)
+        backend = "triton" if q.is_cuda and _triton_usable(q) and q.shape[-1] <= 256 else "torch"
     if backend == "triton":
         check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

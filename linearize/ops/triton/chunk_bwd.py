@@ -58,7 +58,8 @@ def _dv_local_kernel(
 
     b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_qk, other=0.0)
     b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-    up = o_r[:, None] <= o_r[None, :]  # [j, r]: r ≥ j
+    # [j, r]: r ≥ j, both in the document (rows past its end read g = 0: exp(0 − g_j) may overflow, and 0·inf = NaN)
+    up = (o_r[:, None] <= o_r[None, :]) & m_t[:, None] & m_t[None, :]
     dec_t = tl.where(up, tl.exp(tl.where(up, b_g[None, :] - b_g[:, None], 0.0)), 0.0)  # γ_r/γ_j
     acc = tl.zeros([BT, BV], dtype=tl.float32)
     for i_g in range(G):
@@ -103,7 +104,7 @@ def _state_bwd_kernel(
     b_dh3 = tl.zeros([KB, BV], dtype=tl.float32)
     b_dh4 = tl.zeros([KB, BV], dtype=tl.float32)
     if USE_DHT:
-        p0 = dht + i_nh * K * V
+        p0 = dht + i_nh.to(tl.int64) * K * V
         b_dh1 += _kv_load(p0, 0, o_v, m_v, K, V, KB)
         if NKB > 1:
             b_dh2 += _kv_load(p0, 1, o_v, m_v, K, V, KB)
@@ -163,7 +164,7 @@ def _state_bwd_kernel(
             if NKB > 3:
                 b_dh4 += _cols_dot(p_q, HQ * K, o_r, m_t, 3, b_dos, K, KB, IEEE)
     if STORE_DH0:
-        p0 = dh0 + i_nh * K * V
+        p0 = dh0 + i_nh.to(tl.int64) * K * V
         _kv_store(p0, b_dh1, 0, o_v, m_v, K, V, KB)
         if NKB > 1:
             _kv_store(p0, b_dh2, 1, o_v, m_v, K, V, KB)
@@ -205,7 +206,7 @@ def _dqk_kernel(
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         acc_dp += _mm(b_do, tl.trans(b_dl), b_k, IEEE)
         acc_dqh += _mm(b_do, tl.trans(b_h), b_k, IEEE)
-    causal = o_r[:, None] >= o_r[None, :]
+    causal = (o_r[:, None] >= o_r[None, :]) & m_t[:, None] & m_t[None, :]  # (see _dv_local_kernel)
     decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     b_p = _mm(b_qs, tl.trans(b_k), b_k, IEEE) * decay  # P
     b_dpd = acc_dp * decay  # dP ⊙ D (causal)
@@ -270,7 +271,7 @@ def _wy_bwd_kernel(
         b_dbeta += tl.sum(b_ttdu * b_v.to(tl.float32), axis=1)
         acc_da += _mm(b_ttdu, tl.trans(b_dl), ref, IEEE)
     # A = strictly-lower(β k kᵀ ⊙ γ_r/γ_j): dA = −strict-lower(acc_da); b_ds = dA ⊙ D
-    strict = o_r[:, None] > o_r[None, :]
+    strict = (o_r[:, None] > o_r[None, :]) & m_t[:, None] & m_t[None, :]  # (see _dv_local_kernel)
     decay = tl.where(strict, tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     b_ds = tl.where(strict, -acc_da, 0.0) * decay
 

@@ -23,6 +23,7 @@ import triton.language as tl
 from ..common import LastTensorMemo
 
 BT = 64  # chunk size
+MAX_K = 256  # the state kernels hold the state as at most four 64-row K blocks
 
 
 @triton.jit
@@ -262,7 +263,7 @@ def _state_kernel(
     b_h3 = tl.zeros([KB, BV], dtype=tl.float32)
     b_h4 = tl.zeros([KB, BV], dtype=tl.float32)
     if USE_H0:
-        p0 = h0 + i_nh * K * V
+        p0 = h0 + i_nh.to(tl.int64) * K * V
         b_h1 += _kv_load(p0, 0, o_v, m_v, K, V, KB)
         if NKB > 1:
             b_h2 += _kv_load(p0, 1, o_v, m_v, K, V, KB)
@@ -307,7 +308,7 @@ def _state_kernel(
         if NKB > 3:
             b_h4 = b_h4 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 3, b_de, K, KB, IEEE)
     if STORE_HT:
-        p_t = ht + i_nh * K * V
+        p_t = ht + i_nh.to(tl.int64) * K * V
         _kv_store(p_t, b_h1, 0, o_v, m_v, K, V, KB)
         if NKB > 1:
             _kv_store(p_t, b_h2, 1, o_v, m_v, K, V, KB)
@@ -342,7 +343,7 @@ def _output_kernel(
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_d = tl.load(v_new + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-    causal = o_r[:, None] >= o_r[None, :]
+    causal = (o_r[:, None] >= o_r[None, :]) & m_t[:, None]  # rows past the document's end read g = 0
     decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
     if IEEE:
         b_o = tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision="ieee")
@@ -438,6 +439,8 @@ class Layout:
 
     def __init__(self, q, v, cu_seqlens):
         B, T, self.HQ, self.K = q.shape
+        if self.K > MAX_K:
+            raise ValueError(f"the Triton backend takes key head sizes up to {MAX_K}; got {self.K} (use backend='torch')")
         self.H, self.V = v.shape[2], v.shape[3]
         self.G = self.HQ // self.H
         self.tokens = B * T
@@ -507,7 +510,7 @@ def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_sta
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
     """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state, T)``, T = (I + A)⁻¹ of every
-    chunk, ``[tokens, H, 64]`` float32, for the backward."""
+    chunk, ``[tokens, H, 64]`` in k's dtype (float32 for float32 inputs), for the backward."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     q, k, v, g, beta = Layout.flat(q, k, v, g, beta)

@@ -3,6 +3,11 @@
 
     python scripts/kernel_resources.py --output results/kernel_resources.json
     python scripts/kernel_resources.py --K 64 --heads 9/3 --dtype fp32
+    python scripts/kernel_resources.py --scan --output results/kernel_shared_scan.json
+
+``--scan`` compiles every kernel under the launchers' settings over head counts, head sizes, dtypes and
+every V block the state kernels' rule can pick, and flags shared memory over the H200's 232,448 bytes: such
+a launch fails there with OutOfResources, and which settings do can depend on the head count.
 
 A kernel with STACK > 0 spills registers to local memory; that is the first thing to fix when it is slow.
 The launch settings are the launchers' own (``launch_settings`` in each kernel module).
@@ -11,6 +16,7 @@ The launch settings are the launchers' own (``launch_settings`` in each kernel m
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -55,13 +61,50 @@ def resources(fn, consts: dict, warps: int, stages: int, dtype: str) -> dict:
             "shared_bytes": c.metadata.shared, "warps": warps, "stages": stages}
 
 
+H200_SHARED = 232448  # bytes of shared memory one block may use on sm_90
+
+
+def scan() -> dict:
+    """Shared memory of every kernel under the launch settings, worst case over head layouts; prints overflows."""
+    worst = {}
+    for (K, dtype), (H, G) in itertools.product(
+            [(64, "bf16"), (128, "bf16"), (256, "bf16"), (64, "fp32"), (128, "fp32"), (256, "fp32")],
+            [(1, 1), (3, 4), (8, 4), (16, 1)]):
+        for module in (cf, cb):
+            for name, (fn, consts, warps, stages) in module.launch_settings(H, G, K, K, dtype == "fp32").items():
+                bvs = [consts.get("BV")]
+                if name.startswith("state"):  # the V block the rule may halve to at low parallelism
+                    bvs = sorted({consts["BV"], *[b for b in (16, 32) if b < consts["BV"]]})
+                for bv in bvs:
+                    c = {**consts, "BV": bv} if bv is not None else consts
+                    shared = resources(fn, c, warps, stages, dtype)["shared_bytes"]
+                    key = f"{name} K={K} {dtype} BV={bv}"
+                    if shared > H200_SHARED:
+                        print(f"OVER: {key} heads {H * G}/{H} stages {stages}: {shared} B", flush=True)
+                    if shared >= worst.get(key, {}).get("shared_bytes", -1):
+                        worst[key] = {"shared_bytes": shared, "heads": f"{H * G}/{H}", "stages": stages,
+                                      "over_h200": shared > H200_SHARED}
+    return worst
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--K", type=int, default=128, help="head size (K = V)")
     p.add_argument("--heads", default="16/16", help="query/KV heads")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp16", "fp32"])
+    p.add_argument("--scan", action="store_true", help="every launch setting over head layouts, K, dtypes (slow)")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
+    if args.scan:
+        worst = scan()
+        over = [k for k, r in worst.items() if r["over_h200"]]
+        print(f"{len(worst)} kernel settings, {len(over)} over the H200's shared memory{': ' if over else ''}{', '.join(over)}")
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "target": "sm_90",
+                                               "triton": triton.__version__, "limit_bytes": H200_SHARED,
+                                               "worst_case": worst}, indent=1))
+        return
     HQ, H = map(int, args.heads.split("/"))
     K = V = args.K
     shape = dict(H=H, G=HQ // H, K=K, V=V, ieee=args.dtype == "fp32")

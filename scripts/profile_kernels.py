@@ -80,13 +80,14 @@ def bench(fn):
     return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median") * 1e3  # us
 
 
-def candidates(kname, V):
+def candidates(kname, K, V):
     """(constexpr overrides, warps, stages) to time for one kernel."""
     vmax = max(16, triton.next_power_of_2(V))
+    kmax = max(16, triton.next_power_of_2(K))
     if kname.startswith("state"):
         grid = [({"BV": bv, "KB": 64}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4) for ns in (3, 4)]
     elif kname == "solve":
-        return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) for nw in (1, 2, 4) for ns in (1, 2)]
+        return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
         grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
     elif kname == "prepare":
@@ -94,7 +95,7 @@ def candidates(kname, V):
     else:
         grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2)
                 if bv <= 64 or kname in ("output", "dv_local")]
-    return [c for c in grid if c[0]["BV"] <= vmax and c[0].get("KB", 0) <= vmax and c[0].get("BKB", 0) <= vmax]
+    return [c for c in grid if c[0]["BV"] <= vmax and c[0].get("KB", 0) <= kmax and c[0].get("BKB", 0) <= kmax]
 
 
 def sweep(shapes, only):
@@ -110,7 +111,7 @@ def sweep(shapes, only):
         tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
         f32 = torch.float32
         dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=q.dtype)
-        ddl = torch.empty_like(dvl)
+        ddl = dvl  # in place, as the launcher runs it
         dhs = torch.empty_like(hs)
         o = torch.empty(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
         dq, dkq = torch.empty_like(qf), torch.empty(L.tokens, HQ, K, device="cuda", dtype=f32)
@@ -143,7 +144,7 @@ def sweep(shapes, only):
             if kname not in only:
                 continue
             rows = []
-            for ov, nw, ns in candidates(kname, V):  # (not ``o``: the output kernel's buffer has that name)
+            for ov, nw, ns in candidates(kname, K, V):  # (not ``o``: the output kernel's buffer has that name)
                 try:
                     us = bench(lambda: launch(ov, nw, ns))
                 except Exception as e:  # out of shared memory / registers for this setting

@@ -343,7 +343,9 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # 128-wide V blocks: 79 µs against 101 at 64 (H200 sweep, 8x2048)
         "dv_local": (_dv_local_kernel, {**common, "BV": min(128, vmax) if not wide else bv}, 4, stages),
         "state_bwd": (_state_bwd_kernel, {"H": H, "G": G, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bvs,
-                                          "IEEE": ieee, "USE_DHT": False, "STORE_DH0": False}, 4, 1 if wide else 3),
+                                          "IEEE": ieee, "USE_DHT": False, "STORE_DH0": False}, 4,
+                      # fp32 (IEEE) at 3 stages needs 239–280 KB of shared memory at K=128 (the H200 has 227 KB)
+                      1 if wide else (2 if ieee else 3)),
         # 4 warps at K ≤ 128: 237 µs against 283 at 8 (H200 sweep, 8x2048)
         "dqk": (_dqk_kernel, {**common, "BV": bv}, 4 if not wide else 8, stages),
         # its tiles are (BT, 64) whatever K is; BV 64 for the reason given at the forward's prepare kernel

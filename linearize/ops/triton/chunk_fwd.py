@@ -426,9 +426,10 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         "solve": (_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(BK, 128), "IEEE": ieee}, 1, 1),
         # 3 stages at K = 128: 91 µs against 96 at 1 (H200 sweep, 8x2048)
         "prepare": (_prepare_kernel, {**common, "BV": 64}, 8 if BK <= 64 else 4, 3 if BK == 128 and not ieee else 1),
-        # 4 stages: fastest at every V block in the sweep (bf16); IEEE fp32 tiles are twice the shared memory
+        # 4 stages: fastest at every V block in the sweep (bf16); IEEE fp32 tiles take twice the shared memory
+        # (sm_90 compiles, scripts/kernel_resources.py: fp32 at 3 stages reaches 181 KB at K=128)
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
-                                      "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (3 if ieee else 4)),
+                                      "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if ieee else 4)),
         # wide V blocks: fewer recomputes of q·kᵀ
         "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax)}, 4, 1 if wide else 2),
     }

@@ -26,8 +26,20 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import (BT, Layout, _block_k, _chunk, _cols_dot, _kv_load, _kv_store, _rows_dot, _sequence, _state_bv,
-                        prepare, states)
+from .chunk_fwd import (
+    BT,
+    Layout,
+    _block_k,
+    _blocks_load,
+    _blocks_rows_dot,
+    _blocks_store,
+    _blocks_update,
+    _chunk,
+    _sequence,
+    _state_bv,
+    prepare,
+    states,
+)
 
 
 @triton.jit
@@ -83,7 +95,6 @@ def _state_bwd_kernel(
     ``ddl`` may be ``dvl`` (updated in place). The state gradient is held as up to four (KB, BV) blocks, as
     in the forward's ``_state_kernel``."""
     HQ: tl.constexpr = H * G
-    NKB: tl.constexpr = (K + KB - 1) // KB
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
@@ -104,74 +115,36 @@ def _state_bwd_kernel(
     b_dh3 = tl.zeros([KB, BV], dtype=tl.float32)
     b_dh4 = tl.zeros([KB, BV], dtype=tl.float32)
     if USE_DHT:
-        p0 = dht + i_nh.to(tl.int64) * K * V
-        b_dh1 += _kv_load(p0, 0, o_v, m_v, K, V, KB)
-        if NKB > 1:
-            b_dh2 += _kv_load(p0, 1, o_v, m_v, K, V, KB)
-        if NKB > 2:
-            b_dh3 += _kv_load(p0, 2, o_v, m_v, K, V, KB)
-        if NKB > 3:
-            b_dh4 += _kv_load(p0, 3, o_v, m_v, K, V, KB)
+        b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_load(dht + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, b_dh3, b_dh4,
+                                                  o_v, m_v, K, V, KB)
     NT = tl.cdiv(T, BT)
     for i in range(NT):
         i_t = NT - 1 - i
         t0 = i_t * BT
         m_t = o_r < T - t0
-        p_h = dhs + i_t * (H * K * V)
-        _kv_store(p_h, b_dh1, 0, o_v, m_v, K, V, KB)
-        if NKB > 1:
-            _kv_store(p_h, b_dh2, 1, o_v, m_v, K, V, KB)
-        if NKB > 2:
-            _kv_store(p_h, b_dh3, 2, o_v, m_v, K, V, KB)
-        if NKB > 3:
-            _kv_store(p_h, b_dh4, 3, o_v, m_v, K, V, KB)
+        _blocks_store(dhs + i_t * (H * K * V), b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V, KB)
         g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
         b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
         e_c = tl.exp(g_last)
         # dΔ = Pᵀdo + K̃ dh₁, K̃ = γ_C/γ_j ⊙ k: the decay scales the product's rows
-        p_k = k + t0 * (H * K)
-        b_kdh = _rows_dot(p_k, H * K, o_r, m_t, 0, b_dh1, K, KB, IEEE)
-        if NKB > 1:
-            b_kdh += _rows_dot(p_k, H * K, o_r, m_t, 1, b_dh2, K, KB, IEEE)
-        if NKB > 2:
-            b_kdh += _rows_dot(p_k, H * K, o_r, m_t, 2, b_dh3, K, KB, IEEE)
-        if NKB > 3:
-            b_kdh += _rows_dot(p_k, H * K, o_r, m_t, 3, b_dh4, K, KB, IEEE)
+        b_kdh = _blocks_rows_dot(k + t0 * (H * K), H * K, o_r, m_t, b_dh1, b_dh2, b_dh3, b_dh4, K, KB, False, IEEE)
         p_tv = o_r[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_dd = tl.load(dvl + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         b_dd += b_kdh * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]
         tl.store(ddl + t0 * (H * V) + p_tv, b_dd.to(ddl.dtype.element_ty), mask=m_tv)
         # dh₀ = γ_C dh₁ − Wᵀ dΔ + Σ_g (γ⊙q_g)ᵀ do_g (scale folded into do)
-        p_w = w + t0 * (H * K)
-        b_dh1 = b_dh1 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 0, b_dd, K, KB, IEEE)
-        if NKB > 1:
-            b_dh2 = b_dh2 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 1, b_dd, K, KB, IEEE)
-        if NKB > 2:
-            b_dh3 = b_dh3 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 2, b_dd, K, KB, IEEE)
-        if NKB > 3:
-            b_dh4 = b_dh4 * e_c - _cols_dot(p_w, H * K, o_r, m_t, 3, b_dd, K, KB, IEEE)
+        b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_update(b_dh1, b_dh2, b_dh3, b_dh4, e_c, w + t0 * (H * K), H * K, o_r, m_t,
+                                                    b_dd, K, KB, True, IEEE)
         gs = tl.exp(b_g) * scale
         for i_g in range(G):
             p_q = q + t0 * (HQ * K) + i_g * K
             b_do = tl.load(do + t0 * (HQ * V) + i_g * V + o_r[:, None] * (HQ * V) + o_v[None, :], mask=m_tv, other=0.0)
             b_dos = b_do.to(tl.float32) * gs[:, None]
-            b_dh1 += _cols_dot(p_q, HQ * K, o_r, m_t, 0, b_dos, K, KB, IEEE)
-            if NKB > 1:
-                b_dh2 += _cols_dot(p_q, HQ * K, o_r, m_t, 1, b_dos, K, KB, IEEE)
-            if NKB > 2:
-                b_dh3 += _cols_dot(p_q, HQ * K, o_r, m_t, 2, b_dos, K, KB, IEEE)
-            if NKB > 3:
-                b_dh4 += _cols_dot(p_q, HQ * K, o_r, m_t, 3, b_dos, K, KB, IEEE)
+            b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_update(b_dh1, b_dh2, b_dh3, b_dh4, 1.0, p_q, HQ * K, o_r, m_t, b_dos,
+                                                        K, KB, False, IEEE)
     if STORE_DH0:
-        p0 = dh0 + i_nh.to(tl.int64) * K * V
-        _kv_store(p0, b_dh1, 0, o_v, m_v, K, V, KB)
-        if NKB > 1:
-            _kv_store(p0, b_dh2, 1, o_v, m_v, K, V, KB)
-        if NKB > 2:
-            _kv_store(p0, b_dh3, 2, o_v, m_v, K, V, KB)
-        if NKB > 3:
-            _kv_store(p0, b_dh4, 3, o_v, m_v, K, V, KB)
+        _blocks_store(dh0 + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V, KB)
 
 
 @triton.jit
@@ -337,7 +310,6 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     bv = min(64 if not wide else 32, max(16, triton.next_power_of_2(V)))
     bvs = _state_bv(K, V, ieee, programs, device)
     vmax = max(16, triton.next_power_of_2(V))
-    warps = 8 if BK >= 128 else 4
     stages = 1 if wide else 2
     return {
         # 128-wide V blocks: 79 µs against 101 at 64 (H200 sweep, 8x2048)

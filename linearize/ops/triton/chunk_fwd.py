@@ -233,6 +233,84 @@ def _cols_dot(x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, IEE
 
 
 @triton.jit
+def _blocks_load(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """The state kernels hold a [K, BV] tile as four (KB, BV) fp32 K blocks; the blocks past K are never
+    touched. This adds the row-major [K, V] state at ``p`` (columns ``o_v``) to ``b1 … b4``."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    b1 += _kv_load(p, 0, o_v, m_v, K, V, KB)
+    if NKB > 1:
+        b2 += _kv_load(p, 1, o_v, m_v, K, V, KB)
+    if NKB > 2:
+        b3 += _kv_load(p, 2, o_v, m_v, K, V, KB)
+    if NKB > 3:
+        b4 += _kv_load(p, 3, o_v, m_v, K, V, KB)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def _blocks_store(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """Store the K blocks ``b1 … b4`` as columns ``o_v`` of the row-major [K, V] state at ``p``."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    _kv_store(p, b1, 0, o_v, m_v, K, V, KB)
+    if NKB > 1:
+        _kv_store(p, b2, 1, o_v, m_v, K, V, KB)
+    if NKB > 2:
+        _kv_store(p, b3, 2, o_v, m_v, K, V, KB)
+    if NKB > 3:
+        _kv_store(p, b4, 3, o_v, m_v, K, V, KB)
+
+
+@triton.jit
+def _blocks_rows_dot(x, stride, o_r, m_r, b1, b2, b3, b4, K: tl.constexpr, KB: tl.constexpr,
+                     NEG: tl.constexpr, IEEE: tl.constexpr):
+    """``±x[o_r, :K] @ [b1; …; b4]`` (fp32; ``NEG``: minus), one (BT, KB)·(KB, ·) product per K block."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    acc = _rows_dot(x, stride, o_r, m_r, 0, b1, K, KB, IEEE)
+    if NEG:
+        acc = -acc
+    if NKB > 1:
+        acc = _rows_acc(acc, x, stride, o_r, m_r, 1, b2, K, KB, NEG, IEEE)
+    if NKB > 2:
+        acc = _rows_acc(acc, x, stride, o_r, m_r, 2, b3, K, KB, NEG, IEEE)
+    if NKB > 3:
+        acc = _rows_acc(acc, x, stride, o_r, m_r, 3, b4, K, KB, NEG, IEEE)
+    return acc
+
+
+@triton.jit
+def _rows_acc(acc, x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, NEG: tl.constexpr, IEEE: tl.constexpr):
+    if NEG:
+        return acc - _rows_dot(x, stride, o_r, m_r, kb, b, K, KB, IEEE)
+    else:
+        return acc + _rows_dot(x, stride, o_r, m_r, kb, b, K, KB, IEEE)
+
+
+@triton.jit
+def _blocks_update(b1, b2, b3, b4, scale, x, stride, o_r, m_r, d, K: tl.constexpr, KB: tl.constexpr,
+                   SUB: tl.constexpr, IEEE: tl.constexpr):
+    """``b_kb ← scale·b_kb ± x[o_r, K block kb]ᵀ d`` for every K block (``SUB``: minus), the transposed
+    tiles loaded directly."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    b1 = _block_update(b1, scale, x, stride, o_r, m_r, 0, d, K, KB, SUB, IEEE)
+    if NKB > 1:
+        b2 = _block_update(b2, scale, x, stride, o_r, m_r, 1, d, K, KB, SUB, IEEE)
+    if NKB > 2:
+        b3 = _block_update(b3, scale, x, stride, o_r, m_r, 2, d, K, KB, SUB, IEEE)
+    if NKB > 3:
+        b4 = _block_update(b4, scale, x, stride, o_r, m_r, 3, d, K, KB, SUB, IEEE)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def _block_update(b, scale, x, stride, o_r, m_r, kb, d, K: tl.constexpr, KB: tl.constexpr,
+                  SUB: tl.constexpr, IEEE: tl.constexpr):
+    if SUB:
+        return b * scale - _cols_dot(x, stride, o_r, m_r, kb, d, K, KB, IEEE)
+    else:
+        return b * scale + _cols_dot(x, stride, o_r, m_r, kb, d, K, KB, IEEE)
+
+
+@triton.jit
 def _state_kernel(
     k, w, u, gcum, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -244,7 +322,6 @@ def _state_kernel(
     fp32 blocks (K blocks of KB rows), so each product is (BT, KB)·(KB, BV) and the blocks update
     independently; the decay is applied to Δ's rows rather than to k. Pointers move to the sequence and
     the chunk first, so tile offsets stay 32-bit."""
-    NKB: tl.constexpr = (K + KB - 1) // KB
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
@@ -263,34 +340,13 @@ def _state_kernel(
     b_h3 = tl.zeros([KB, BV], dtype=tl.float32)
     b_h4 = tl.zeros([KB, BV], dtype=tl.float32)
     if USE_H0:
-        p0 = h0 + i_nh.to(tl.int64) * K * V
-        b_h1 += _kv_load(p0, 0, o_v, m_v, K, V, KB)
-        if NKB > 1:
-            b_h2 += _kv_load(p0, 1, o_v, m_v, K, V, KB)
-        if NKB > 2:
-            b_h3 += _kv_load(p0, 2, o_v, m_v, K, V, KB)
-        if NKB > 3:
-            b_h4 += _kv_load(p0, 3, o_v, m_v, K, V, KB)
+        b_h1, b_h2, b_h3, b_h4 = _blocks_load(h0 + i_nh.to(tl.int64) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
     for i_t in range(tl.cdiv(T, BT)):
         t0 = i_t * BT
         m_t = o_r < T - t0
         # the state entering chunk i_t, for the output kernel
-        p_h = hs + i_t * (H * K * V)
-        _kv_store(p_h, b_h1, 0, o_v, m_v, K, V, KB)
-        if NKB > 1:
-            _kv_store(p_h, b_h2, 1, o_v, m_v, K, V, KB)
-        if NKB > 2:
-            _kv_store(p_h, b_h3, 2, o_v, m_v, K, V, KB)
-        if NKB > 3:
-            _kv_store(p_h, b_h4, 3, o_v, m_v, K, V, KB)
-        p_w = w + t0 * (H * K)
-        b_d = -_rows_dot(p_w, H * K, o_r, m_t, 0, b_h1, K, KB, IEEE)
-        if NKB > 1:
-            b_d -= _rows_dot(p_w, H * K, o_r, m_t, 1, b_h2, K, KB, IEEE)
-        if NKB > 2:
-            b_d -= _rows_dot(p_w, H * K, o_r, m_t, 2, b_h3, K, KB, IEEE)
-        if NKB > 3:
-            b_d -= _rows_dot(p_w, H * K, o_r, m_t, 3, b_h4, K, KB, IEEE)
+        _blocks_store(hs + i_t * (H * K * V), b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
+        b_d = _blocks_rows_dot(w + t0 * (H * K), H * K, o_r, m_t, b_h1, b_h2, b_h3, b_h4, K, KB, True, IEEE)  # −W h
         p_tv = o_r[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
         b_d += tl.load(u + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
@@ -299,23 +355,10 @@ def _state_kernel(
         b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
         b_de = b_d * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]  # Δ ⊙ γ_C/γ_j
         e_c = tl.exp(g_last)
-        p_k = k + t0 * (H * K)
-        b_h1 = b_h1 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 0, b_de, K, KB, IEEE)
-        if NKB > 1:
-            b_h2 = b_h2 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 1, b_de, K, KB, IEEE)
-        if NKB > 2:
-            b_h3 = b_h3 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 2, b_de, K, KB, IEEE)
-        if NKB > 3:
-            b_h4 = b_h4 * e_c + _cols_dot(p_k, H * K, o_r, m_t, 3, b_de, K, KB, IEEE)
+        b_h1, b_h2, b_h3, b_h4 = _blocks_update(b_h1, b_h2, b_h3, b_h4, e_c, k + t0 * (H * K), H * K, o_r, m_t, b_de,
+                                                K, KB, False, IEEE)  # γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)
     if STORE_HT:
-        p_t = ht + i_nh.to(tl.int64) * K * V
-        _kv_store(p_t, b_h1, 0, o_v, m_v, K, V, KB)
-        if NKB > 1:
-            _kv_store(p_t, b_h2, 1, o_v, m_v, K, V, KB)
-        if NKB > 2:
-            _kv_store(p_t, b_h3, 2, o_v, m_v, K, V, KB)
-        if NKB > 3:
-            _kv_store(p_t, b_h4, 3, o_v, m_v, K, V, KB)
+        _blocks_store(ht + i_nh.to(tl.int64) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
 
 
 @triton.jit

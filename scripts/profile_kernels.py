@@ -89,7 +89,7 @@ def candidates(kname, K, V):
     elif kname == "solve":
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
-        grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (2, 4) for ns in (2, 3)]
+        grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
     elif kname == "prepare":
         grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
     else:
@@ -137,7 +137,7 @@ def sweep(shapes, only):
             "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
                 qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
             "wy_bwd": lambda ov, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
-                kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
+                kf, vf, bf, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
                 **c("wy_bwd", ov), num_warps=nw, num_stages=ns),
         }
         for kname, launch in kernels.items():

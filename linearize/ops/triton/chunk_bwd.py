@@ -195,16 +195,20 @@ def _dqk_kernel(
 
 @triton.jit
 def _wy_bwd_kernel(
-    k, v, beta, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg,
+    k, v, beta, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg,
     chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Three passes over one chunk, each holding only (BT, BT) and (BT, BKB|BV) tiles (K in blocks of BKB):
-    1. through U = T(βv): dv, the v-part of dβ, and Tᵀ dU Uᵀ;
-    2. per K block, through K̃ and W (Δ = U − W h₀): the K̃ and W parts of dk, kept in the fp32 ``dkq``
-       slot of the KV head's first query head (which then holds every part of dk but the A one);
-    3. per K block, through A: the rest of dk and dβ; then dg as an in-chunk reverse cumsum."""
+    """Two passes over one chunk, each holding only (BT, BT) and (BT, BKB|BV) tiles (K in blocks of BKB).
+
+    The gradient reaching A needs no K-sized term: with ``dU = dΔ`` and ``dW = −dΔ h₀ᵀ``,
+    ``Tᵀ (dU Uᵀ + dW Wᵀ) = Tᵀ dΔ (U − W h₀)ᵀ = Tᵀ dΔ Δᵀ``, since ``Δ = U − W h₀``. So:
+    1. over V blocks, through U = T(βv): dv, the v-part of dβ, and ``Tᵀ dΔ Δᵀ`` (then dA ⊙ D, held);
+    2. per K block, everything of dk at once: through K̃ (``Δ dh₁ᵀ``) and W (``Tᵀ (−dΔ h₀ᵀ)``), through A
+       (``dA ⊙ D`` times k, both ways), plus the query heads' shares from ``dkq``; the log-decay gradient
+       through A comes from the same products (row and column sums of ``dA ⊙ D ⊙ β k kᵀ``);
+    then dg as an in-chunk reverse cumsum."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     HQ: tl.constexpr = H * G
     bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -226,7 +230,7 @@ def _wy_bwd_kernel(
         b_tt = b_tt.to(ref.dtype)
 
     # 1. U = T (β v): dU = dΔ
-    acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # Tᵀ dU Uᵀ + Tᵀ dW Wᵀ = −∂/∂A (before masking)
+    acc_da = tl.zeros([BT, BT], dtype=tl.float32)  # Tᵀ dΔ Δᵀ = −∂/∂A (before masking)
     b_dbeta = tl.zeros([BT], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -234,15 +238,21 @@ def _wy_bwd_kernel(
         p_tv = row[:, None] * (H * V) + i_h * V + o_v[None, :]
         b_dd = tl.load(ddl + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
-        b_u = tl.load(u + p_tv, mask=m_tv, other=0.0)
+        b_dl = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_ttdu = _mm(b_tt, b_dd, ref, IEEE)  # Tᵀ dU
         tl.store(dv + p_tv, (b_beta[:, None] * b_ttdu).to(dv.dtype.element_ty), mask=m_tv)
         b_dbeta += tl.sum(b_ttdu * b_v.to(tl.float32), axis=1)
-        acc_da += _mm(b_ttdu, tl.trans(b_u), ref, IEEE)
+        acc_da += _mm(b_ttdu, tl.trans(b_dl), ref, IEEE)
+    # A = strictly-lower(β k kᵀ ⊙ γ_r/γ_j): dA = −strict-lower(acc_da); b_ds = dA ⊙ D
+    strict = (o_r[:, None] > o_r[None, :]) & m_t[:, None] & m_t[None, :]  # (see _dv_local_kernel)
+    decay = tl.where(strict, tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    b_ds = tl.where(strict, -acc_da, 0.0) * decay
 
-    # 2. K̃ (state update) and W: ∂/∂K̃ = Δ dh₁ᵀ, ∂/∂W = −dΔ h₀ᵀ, per K block
+    # 2. per K block: ∂/∂K̃ = Δ dh₁ᵀ, ∂/∂W = −dΔ h₀ᵀ, and A's two products
     ktw = tl.zeros([BT], dtype=tl.float32)  # Σ_k (Tᵀ dW) ⊙ k
     de = tl.zeros([BT], dtype=tl.float32)  # ∂/∂ log e_j
+    rows_a = tl.zeros([BT], dtype=tl.float32)  # Σ_j (dA ⊙ D ⊙ β k kᵀ)_rj
+    cols_a = tl.zeros([BT], dtype=tl.float32)  # Σ_r (dA ⊙ D ⊙ β k kᵀ)_rj
     hdh = 0.0  # Σ h₀ ⊙ dh₁
     p_dkq = dkq + row[:, None] * (HQ * K) + i_h * G * K
     for i_k in range(tl.cdiv(K, BKB)):
@@ -265,40 +275,22 @@ def _wy_bwd_kernel(
             acc_dw -= _mm(b_dd, tl.trans(b_h), ref, IEEE)
             hdh += tl.sum(tl.sum(b_h.to(tl.float32) * b_dh.to(tl.float32), axis=1), axis=0)
         b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_w = tl.load(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
         b_ttdw = _mm(b_tt, acc_dw, ref, IEEE)  # Tᵀ dW
-        acc_da += _mm(b_ttdw, tl.trans(b_w), ref, IEEE)
         ktw += tl.sum(b_ttdw * b_k, axis=1)
         de += tl.sum(acc_dkt * b_k, axis=1) * e
-        part = acc_dkt * e[:, None] + (b_beta * gam)[:, None] * b_ttdw
+        b_dkb = _mm(b_ds, b_k, ref, IEEE)  # (dA ⊙ D) k
+        b_dka = _mm(tl.trans(b_ds), b_k * b_beta[:, None], ref, IEEE)  # (dA ⊙ D)ᵀ (β k)
+        s_dkb = tl.sum(b_dkb * b_k, axis=1)
+        b_dbeta += s_dkb
+        rows_a += b_beta * s_dkb
+        cols_a += tl.sum(b_dka * b_k, axis=1)
+        b_dk = acc_dkt * e[:, None] + (b_beta * gam)[:, None] * b_ttdw + b_beta[:, None] * b_dkb + b_dka
         for i_g in range(G):
-            part += tl.load(p_dkq + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
-        tl.store(p_dkq + o_k[None, :], part, mask=m_tk)
-    tl.debug_barrier()  # pass 3 reads the dkq slot back, from other threads
-
-    # 3. A = strictly-lower(β k kᵀ ⊙ γ_r/γ_j): dA = −strict-lower(acc_da)
-    strict = (o_r[:, None] > o_r[None, :]) & m_t[:, None] & m_t[None, :]  # (see _dv_local_kernel)
-    decay = tl.where(strict, tl.exp(tl.where(strict, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-    b_a = tl.zeros([BT, BT], dtype=tl.float32)
-    for i_k in range(tl.cdiv(K, BKB)):
-        o_k = i_k * BKB + tl.arange(0, BKB)
-        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & (o_k < K)[None, :], other=0.0)
-        b_a += _mm(b_k.to(tl.float32) * b_beta[:, None], tl.trans(b_k), ref, IEEE)
-    b_ds = tl.where(strict, -acc_da, 0.0) * decay  # dA ⊙ D
-    b_m2 = b_ds * b_a  # ∂/∂ log D_rj
-    b_dG = tl.sum(b_m2, axis=1) - tl.sum(b_m2, axis=0)
-    for i_k in range(tl.cdiv(K, BKB)):
-        o_k = i_k * BKB + tl.arange(0, BKB)
-        m_tk = m_t[:, None] & (o_k < K)[None, :]
-        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_dkb = _mm(b_ds, b_k, ref, IEEE)
-        b_dk = tl.load(p_dkq + o_k[None, :], mask=m_tk, other=0.0) + b_beta[:, None] * b_dkb
-        b_dk += _mm(tl.trans(b_ds), b_k * b_beta[:, None], ref, IEEE)
-        b_dbeta += tl.sum(b_dkb * b_k, axis=1)
+            b_dk += tl.load(p_dkq + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
         tl.store(dk + row[:, None] * (H * K) + i_h * K + o_k[None, :], b_dk.to(dk.dtype.element_ty), mask=m_tk)
 
     b_dbeta += gam * ktw
-    b_dG += b_beta * gam * ktw - de
+    b_dG = rows_a - cols_a + b_beta * gam * ktw - de
     for i_g in range(G):
         b_dG += tl.load(dgq + row * HQ + i_h * G + i_g, mask=m_t, other=0.0)
     extra = tl.sum(de, axis=0) + tl.exp(g_last) * hdh  # through γ_C
@@ -401,7 +393,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
         fn, c, warps, stages = S["dqk"]
         fn[(L.NC, HQ)](qf, kf, v_new, gcum, hs, dof, dq, dkq, dgq, *tables, scale, **c, num_warps=warps, num_stages=stages)
         fn, c, warps, stages = S["wy_bwd"]
-        fn[(L.NC, H)](kf, vf, bf, gcum, w, u, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables, **c,
+        fn[(L.NC, H)](kf, vf, bf, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables, **c,
                       num_warps=warps, num_stages=stages)
     return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape).to(g.dtype),
             dbeta.view(beta.shape).to(beta.dtype), dh0)

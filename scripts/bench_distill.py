@@ -2,6 +2,7 @@
 
     python scripts/bench_distill.py --batch 16 --seq-len 2048 --output results/bench_distill.json
     python scripts/bench_distill.py --variants --output results/bench_distill_variants.json
+    python scripts/bench_distill.py --profile --output results/bench_distill_profile.json
 
 ``--variants`` times, in one run, rows of one document and packed rows (documents of ``--doc-len`` or 512
 tokens, positions restarting as in real data), each with the fused Triton front (the default on CUDA) and
@@ -56,7 +57,30 @@ def timed(step, iters: int) -> float:
     return statistics.median(times)
 
 
-def measure(teacher, ids, pos, fused_front: bool, iters: int) -> dict:
+def gpu_profile(step, iters: int = 2) -> dict:
+    """Where one step's GPU time goes: milliseconds per step summed per kernel name (top 25), the total of
+    all kernels, and the step's wall time, to tell GPU-bound from host-bound steps."""
+    from collections import defaultdict
+
+    step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    t0 = time.perf_counter()
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters
+    per = defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            dt = getattr(e, "device_time", None)
+            per[e.name[:80]] += (dt if dt is not None else e.cuda_time) / iters / 1e3
+    top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:25])
+    return {"kernel_ms_total": sum(per.values()), "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}
+
+
+def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False) -> dict:
     """Seconds per step of the teacher's forward+backward and of the align and distill steps."""
     from linearize.layers import GDNOptions
 
@@ -69,6 +93,8 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int) -> dict:
         teacher.zero_grad(set_to_none=True)
 
     rows = {"teacher_fwd_bwd_s": timed(teacher_step, iters)}
+    if profile and dev.type == "cuda":
+        rows["teacher_fwd_bwd_profile"] = gpu_profile(teacher_step)
     teacher.requires_grad_(False)
     vocab = teacher.config.vocab_size
     student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, vocab, (1, 512), device=dev),
@@ -85,6 +111,12 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int) -> dict:
             opt.zero_grad(set_to_none=True)
 
         rows[f"{name}_s"] = timed(step, iters)
+        if profile and dev.type == "cuda":
+            prof = gpu_profile(step)
+            rows[f"{name}_profile"] = prof
+            print(f"{name}: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
+            for kname, ms in prof["top_kernels_ms"].items():
+                print(f"  {ms:8.2f} ms  {kname}")
     tokens = ids.numel()
     for k in ("teacher_fwd_bwd", "align", "distill"):
         rows[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s"]
@@ -104,6 +136,8 @@ def main():
     p.add_argument("--pytorch-front", action="store_true",
                    help="GDNOptions(fused_front=False): the PyTorch Taylor front instead of the fused Triton one")
     p.add_argument("--variants", action="store_true", help="rows and packed rows, each with both fronts, in one run")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile the align and distill steps: GPU ms per kernel name, kernel total against wall")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -132,7 +166,7 @@ def main():
            "B": B, "T": T, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
     variants = []
     for name, pos, fused in plan:
-        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters)}
+        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile)}
         variants.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.variants:

@@ -102,11 +102,38 @@ def check_front(B, T, H, K, V, cu=None, seed=0):
             "beta": "front", "cu_seqlens": cu, "errors": res, "max_error": worst, "tolerance": 1e-5, "pass": worst <= 1e-5}
 
 
+def check_kl(R, V, T, ce_w, seed=0):
+    """The fused distillation loss (linearize/ops/triton/kl.py) on bf16 logits against float64 autograd."""
+    from linearize.ops.kl import kl_loss
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    s = (torch.randn(R, V, device="cuda", generator=gen) * 3).bfloat16()
+    t = (torch.randn(R, V, device="cuda", generator=gen) * 3).bfloat16()
+    y = torch.randint(0, V, (R,), device="cuda", generator=gen)
+    y[::7] = -100
+    s64 = s.double().requires_grad_(True)
+    lt, ls = (t.double() / T).log_softmax(-1), (s64 / T).log_softmax(-1)
+    ref = (lt.exp() * (lt - ls)).sum() * T * T / R
+    if ce_w is not None:
+        ref = ref + ce_w * F.cross_entropy(s64, y, ignore_index=-100, reduction="sum")
+    ref.backward()
+    s_ = s.clone().requires_grad_(True)
+    loss = kl_loss(s_, t, y, temperature=T, kl_weight=1 / R, ce_weight=ce_w, backend="triton")
+    loss.backward()
+    res = {"loss": abs(loss.item() - ref.item()) / abs(ref.item()),
+           "grad": ((s_.grad.double() - s64.grad).norm() / s64.grad.norm()).item()}
+    worst = max(res.values())
+    return {"kind": "kl_loss", "B": R, "T": V, "q_heads": 0, "kv_heads": 0, "K": 0, "V": V, "dtype": "bfloat16",
+            "beta": f"T={T}", "cu_seqlens": None, "errors": res, "max_error": worst, "tolerance": 1e-2,
+            "pass": worst <= 1e-2}
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="three cases only (bf16 2x8192, fp32 GQA, fp32 packed)")
     p.add_argument("--front", action="store_true", help="the fused Taylor front only (ops/triton/front.py)")
+    p.add_argument("--kl", action="store_true", help="the fused distillation loss only (ops/triton/kl.py)")
     p.add_argument("--cases", default=None, help="comma-separated indices into the full case list (0-17), "
                    "to split the check over several calls")
     args = p.parse_args()
@@ -130,13 +157,20 @@ def main():
         cases = [dict(front=True, B=16, T=2048, H=3, K=64, V=64),
                  dict(front=True, B=1, T=32768, H=3, K=64, V=64, cu=[0, 1, 700, 5000, 5001, 20000, 32768]),
                  dict(front=True, B=2, T=4096, H=8, K=128, V=128), dict(front=True, B=1, T=3000, H=1, K=256, V=256)]
+    if args.kl:  # one chunk of SmolLM2-sized logits, KL alone and KL + CE at T=2
+        cases = [dict(kl=True, R=4096, V=49152, T=1.0, ce_w=None), dict(kl=True, R=4096, V=49152, T=2.0, ce_w=0.01)]
     rows = []
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": __import__("triton").__version__,
             "reference": "chunkwise PyTorch operator in float64 on the GPU, same rounded inputs"}
     for c in cases:
         with poisoned_outputs():  # every buffer the kernels' launcher allocates starts as NaN
-            row = check_front(**{k: v for k, v in c.items() if k != "front"}) if c.get("front") else check(**c)
+            if c.get("front"):
+                row = check_front(**{k: v for k, v in c.items() if k != "front"})
+            elif c.get("kl"):
+                row = check_kl(**{k: v for k, v in c.items() if k != "kl"})
+            else:
+                row = check(**c)
         rows.append(row)
         if args.output:  # written after every case, so a crash keeps what ran
             args.output.parent.mkdir(parents=True, exist_ok=True)

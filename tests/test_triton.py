@@ -112,6 +112,8 @@ FRONT_CASES = [  # (B, T, H, K, V, cu_seqlens, beta_factor, rho scale)
     (1, 150, 2, 16, 16, [0, 1, 64, 65, 150], True, 1.0),  # packed, one-token documents
     (1, 100, 1, 32, 16, None, False, 20.0),  # β mostly clipped at β_max
     (1, 40, 1, 256, 256, None, True, 1.0),  # Gemma 3 head_dim
+    (1, 200, 2, 64, 64, [0, 70, 200], True, 1.0),  # SmolLM2 head size: 32-row sub-blocks, several chunks
+    (1, 150, 1, 256, 128, [0, 100, 150], True, 1.0),  # wide heads over several chunks (8-row sub-blocks)
 ]
 
 

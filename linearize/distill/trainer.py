@@ -325,23 +325,23 @@ def per_layer_values(per_layer: dict) -> dict:
 
 
 def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, ce_weight: float):
-    """KL(teacher ‖ student) per token at temperature T (× T²), and optional CE, chunk by chunk."""
+    """KL(teacher ‖ student) per token at temperature T (× T²), and optional CE, chunk by chunk: each chunk's
+    logits go through :func:`linearize.ops.kl.kl_loss`, which keeps only their gradient for the backward."""
+    from ..ops.kl import kl_loss
+
     s_flat, t_flat = student_h.flatten(0, 1), teacher_h.flatten(0, 1)
+    y = labels.flatten()
     n = s_flat.shape[0]
-    kl_sum, ce_sum = 0.0, 0.0
+    ce_w = None
+    if ce_weight:  # a device scalar: no host sync for the count of real targets
+        ce_w = ce_weight / (y != -100).sum().clamp_min(1).float()
+    total = 0.0
     for a in range(0, n, chunk):
-        ls = lm_s(s_flat[a:a + chunk]).float()
+        ls = lm_s(s_flat[a:a + chunk])
         with torch.no_grad():
-            lt = lm_t(t_flat[a:a + chunk]).float()
-        logp_s = torch.log_softmax(ls / T, -1)
-        logp_t = torch.log_softmax(lt / T, -1)
-        kl_sum = kl_sum + (logp_t.exp() * (logp_t - logp_s)).sum() * T * T
-        if ce_weight:
-            y = labels.flatten()[a:a + chunk]
-            ce_sum = ce_sum + torch.nn.functional.cross_entropy(ls, y, ignore_index=-100, reduction="sum")
-    if not ce_weight:
-        return kl_sum / n
-    return kl_sum / n + ce_weight * ce_sum / (labels != -100).sum().clamp_min(1)
+            lt = lm_t(t_flat[a:a + chunk])
+        total = total + kl_loss(ls, lt, y[a:a + chunk], T, kl_weight=1.0 / n, ce_weight=ce_w)
+    return total
 
 
 def next_token_labels(ids, pos):

@@ -321,8 +321,9 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # 4 warps at K ≤ 128: 237 µs against 283 at 8 (H200 sweep, 8x2048)
         "dqk": (_dqk_kernel, {**common, "BV": bv}, 4 if not wide else 8, stages),
         # its tiles are (BT, 64) whatever K is; BV 64 for the reason given at the forward's prepare kernel
-        # 4 warps, 2 stages: 745 µs against 834 at 8 warps, 1 stage (H200 sweep, 8x2048)
-        "wy_bwd": (_wy_bwd_kernel, {**common, "BV": 64, "BKB": 64}, 4, 2),
+        # 4 warps, 1 stage: 399 µs against 426 at 2 stages and 629 at 8 warps (H200 sweep, 8x2048,
+        # results/sweep_wy_bwd_h200.json)
+        "wy_bwd": (_wy_bwd_kernel, {**common, "BV": 64, "BKB": 64}, 4, 1),
     }
 
 

@@ -1,15 +1,20 @@
-"""The Taylor front (SPEC §2, ``linearize/ops/taylor.py``) fused into one Triton kernel each way.
+"""The Taylor front (SPEC §2, ``linearize/ops/taylor.py``) fused into Triton kernels, parallel over chunks.
 
-Forward, per (document, KV head), one pass over time in chunks of ``BT`` tokens carrying the running
-sums Σk and Σv (fp32) from chunk to chunk; per token ``t`` (counted from 1 in its document):
+Per token ``t`` (counted from 1 in its document), from the running sums Σk and Σv (fp32):
 
     k̄ = Σk/t,  k̃ = k − k̄,  n = ‖k̃‖,  k̂ = k̃/n                  v̄ = Σv/t,  ṽ = v − (Σv − v)/max(t−1, 1)
     β = clip(ρ n/(t−1) · f, 0, β_max) (0 at t = 1)           u = n ṽ/(t β)   (0 where β = 0)
     g = log(1 − 1/t)  (0 at t = 1)
 
-It writes k̂, u, g, β, v̄ and k̄ (kept for the backward). The backward runs the same chunks in reverse,
-recomputes every local term from k, v, k̄, v̄, and carries the suffix sums of ∂L/∂Σk and ∂L/∂Σv
-(the transpose of the prefix sums). ρ's gradient is written per token and summed on the host.
+Forward, three launches: each 64-token chunk's Σk, Σv (per chunk and KV head); an exclusive scan of those
+per (document, KV head), one row per chunk — the running sums entering every chunk; then every chunk at
+once, writing k̂, u, g, β, v̄ and k̄ (kept for the backward). One program per document walking its whole
+length left the GPU idle at training shapes (16 rows × 3 KV heads = 48 programs).
+
+The backward is the transpose: the gradient reaching Σk_t and Σv_t is local (from k, v, k̄, v̄ and the
+output gradients), so each chunk first sums it, a reverse scan gives the suffix sums over later chunks,
+and a second pass over every chunk recomputes the local terms and writes dk, dv, dρ (per token, summed on
+the host) and df.
 
 Covers the training path: the stable form, no padding mask, no carried running sums (a prefill or a
 decode step still uses the PyTorch front). ``tests/test_triton.py`` checks it against
@@ -22,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import Layout
+from .chunk_fwd import BT, Layout, _chunk
 
 
 @triton.jit
@@ -59,20 +64,71 @@ def _chunk_rows(k, v, bf, bos, L, c, i_h, H: tl.constexpr, K: tl.constexpr, V: t
 
 
 @triton.jit
-def _front_fwd_kernel(
-    k, v, bf, khat, u, g, beta_out, vbar, kbar, rho, cu_seqlens, beta_max, eps,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_BF: tl.constexpr,
+def _front_sums_kernel(
+    k, v, sums, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr,
 ):
+    """Per (chunk, KV head): Σk and Σv over the chunk's tokens → ``sums[chunk, head, :K]`` and ``[K:K+V]``."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    acc_k = tl.zeros([BK], dtype=tl.float32)
+    acc_v = tl.zeros([BV], dtype=tl.float32)
+    for sub in range(CH // BT):
+        rows = _chunk_rows(k, v, k, bos, L, i_c * (CH // BT) + sub, i_h, H, K, V, BT, BK, BV, False)
+        acc_k += tl.sum(rows[7], axis=0)  # k, then v, as float32
+        acc_v += tl.sum(rows[8], axis=0)
+    _store_sums(sums, i_t, i_h, acc_k, acc_v, H, K, V, BK, BV)
+
+
+@triton.jit
+def _store_sums(sums, i_t, i_h, acc_k, acc_v, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+                BV: tl.constexpr):
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    p = sums + (i_t.to(tl.int64) * H + i_h) * (K + V)
+    tl.store(p + o_k, acc_k, mask=o_k < K)
+    tl.store(p + K + o_v, acc_v, mask=o_v < V)
+
+
+@triton.jit
+def _load_sums(sums, i_t, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr):
+    o_k, o_v = tl.arange(0, BK), tl.arange(0, BV)
+    p = sums + (i_t.to(tl.int64) * H + i_h) * (K + V)
+    return tl.load(p + o_k, mask=o_k < K, other=0.0), tl.load(p + K + o_v, mask=o_v < V, other=0.0)
+
+
+@triton.jit
+def _front_scan_kernel(sums, chunk_offsets, H: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, REVERSE: tl.constexpr):
+    """Per (document, KV head), in place over its chunks' sums: the exclusive prefix sums (``REVERSE``: the
+    exclusive suffix sums) — the running sums entering each chunk. One row of ``W`` floats per chunk."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
+    nc = tl.load(chunk_offsets + i_n + 1).to(tl.int64) - boh
+    o = tl.arange(0, BW)
+    m = o < W
+    acc = tl.zeros([BW], dtype=tl.float32)
+    for i in range(nc):
+        c = boh + (nc - 1 - i if REVERSE else i)
+        p = sums + (c * H + i_h) * W + o
+        x = tl.load(p, mask=m, other=0.0)
+        tl.store(p, acc, mask=m)
+        acc += x
+
+
+@triton.jit
+def _front_fwd_kernel(
+    k, v, bf, khat, u, g, beta_out, vbar, kbar, rho, sums, chunk_indices, cu_seqlens, chunk_offsets, beta_max, eps,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_BF: tl.constexpr,
+):
+    """Per (chunk, KV head), from the running sums entering the chunk (``_front_scan_kernel``'s output)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
-    carry_k = tl.zeros([BK], dtype=tl.float32)
-    carry_v = tl.zeros([BV], dtype=tl.float32)
-    for c in range(tl.cdiv(L, BT)):
-        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, c, i_h, H, K, V, BT, BK, BV,
-                                                                        USE_BF)
+    carry_k, carry_v = _load_sums(sums, i_t, i_h, H, K, V, BK, BV)
+    for sub in range(CH // BT):
+        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, i_c * (CH // BT) + sub, i_h,
+                                                                        H, K, V, BT, BK, BV, USE_BF)
         s_k = tl.cumsum(b_k, axis=0) + carry_k[None, :]
         s_v = tl.cumsum(b_v, axis=0) + carry_v[None, :]
         carry_k += tl.sum(b_k, axis=0)
@@ -90,20 +146,25 @@ def _front_fwd_kernel(
 
 @triton.jit
 def _front_bwd_kernel(
-    k, v, bf, kbar, vbar, dkhat, du, dbeta, dvbar, dk, dv, dbf, drho, rho, cu_seqlens, beta_max, eps,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_BF: tl.constexpr,
+    k, v, bf, kbar, vbar, dkhat, du, dbeta, dvbar, dk, dv, dbf, drho, rho, sums, chunk_indices, cu_seqlens,
+    chunk_offsets, beta_max, eps,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_BF: tl.constexpr, SUMS: tl.constexpr,
 ):
-    i_n, i_h = tl.program_id(0), tl.program_id(1)
-    bos = tl.load(cu_seqlens + i_n).to(tl.int64)
-    L = tl.load(cu_seqlens + i_n + 1).to(tl.int64) - bos
+    """Per (chunk, KV head). ``SUMS``: only the chunk's totals of ∂L/∂Σk_t and ∂L/∂Σv_t (→ ``sums``, then
+    reverse-scanned); otherwise, from the suffix sums over later chunks, every gradient, sub-blocks in reverse."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
-    suf_k = tl.zeros([BK], dtype=tl.float32)  # Σ over later chunks of ∂L/∂Σk_t
-    suf_v = tl.zeros([BV], dtype=tl.float32)
-    NT = tl.cdiv(L, BT)
-    for i in range(NT):
-        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, NT - 1 - i, i_h, H, K, V, BT,
-                                                                        BK, BV, USE_BF)
+    if SUMS:
+        suf_k = tl.zeros([BK], dtype=tl.float32)
+        suf_v = tl.zeros([BV], dtype=tl.float32)
+    else:
+        suf_k, suf_v = _load_sums(sums, i_t, i_h, H, K, V, BK, BV)  # Σ over later chunks of ∂L/∂Σk_t, ∂L/∂Σv_t
+    NS: tl.constexpr = CH // BT
+    for i in range(NS):
+        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, i_c * NS + NS - 1 - i, i_h,
+                                                                        H, K, V, BT, BK, BV, USE_BF)
         b_kbar = tl.load(kbar + p_k, mask=m_tk, other=0.0)
         b_vbar = tl.load(vbar + p_v, mask=m_tv, other=0.0)
         tm1, b_kc, n, b_vc, live, b_raw, beta, coef = _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, r, beta_max, eps)
@@ -121,9 +182,6 @@ def _front_bwd_kernel(
         # β = clip(ρ n/(t−1) · f, 0, β_max) where live
         draw = tl.where(live & (b_raw >= 0.0) & (b_raw <= beta_max), dbeta_all, 0.0)
         dn += draw * r * b_f / tm1
-        tl.store(drho + row * H + i_h, draw * n * b_f / tm1, mask=m_t)
-        if USE_BF:
-            tl.store(dbf + row * H + i_h, draw * r * n / tm1, mask=m_t)
         # k̂ = k̃ / max(n, eps),  n = ‖k̃‖
         nn = tl.maximum(n, eps)
         b_dkc = b_dkhat / nn[:, None]
@@ -131,22 +189,44 @@ def _front_bwd_kernel(
         b_dkc += dn[:, None] * tl.where((n > 0.0)[:, None], b_kc / tl.where(n > 0.0, n, 1.0)[:, None], 0.0)
         # k̃ = k − Σk/t (0 at t = 1);  ṽ = v − (Σv − v)/max(t−1, 1);  v̄ = Σv/t;  Σ = prefix sums in the document
         b_dkc = tl.where(live[:, None], b_dkc, 0.0)
-        d_sk = -b_dkc / t[:, None]
-        d_sv = -b_dvc / tm1[:, None] + b_dvbar / t[:, None]
-        rev_k = tl.sum(d_sk, axis=0)[None, :] - tl.cumsum(d_sk, axis=0) + d_sk + suf_k[None, :]
-        rev_v = tl.sum(d_sv, axis=0)[None, :] - tl.cumsum(d_sv, axis=0) + d_sv + suf_v[None, :]
+        d_sk = tl.where(m_tk, -b_dkc / t[:, None], 0.0)
+        d_sv = tl.where(m_tv, -b_dvc / tm1[:, None] + b_dvbar / t[:, None], 0.0)
+        if not SUMS:
+            tl.store(drho + row * H + i_h, draw * n * b_f / tm1, mask=m_t)
+            if USE_BF:
+                tl.store(dbf + row * H + i_h, draw * r * n / tm1, mask=m_t)
+            rev_k = tl.sum(d_sk, axis=0)[None, :] - tl.cumsum(d_sk, axis=0) + d_sk + suf_k[None, :]
+            rev_v = tl.sum(d_sv, axis=0)[None, :] - tl.cumsum(d_sv, axis=0) + d_sv + suf_v[None, :]
+            tl.store(dk + p_k, b_dkc + rev_k, mask=m_tk)
+            tl.store(dv + p_v, b_dvc * (1.0 + 1.0 / tm1)[:, None] + rev_v, mask=m_tv)
         suf_k += tl.sum(d_sk, axis=0)
         suf_v += tl.sum(d_sv, axis=0)
-        tl.store(dk + p_k, b_dkc + rev_k, mask=m_tk)
-        tl.store(dv + p_v, b_dvc * (1.0 + 1.0 / tm1)[:, None] + rev_v, mask=m_tv)
+    if SUMS:
+        _store_sums(sums, i_t, i_h, suf_k, suf_v, H, K, V, BK, BV)
+
+
+FRONT_WARPS = 8
 
 
 def _blocks(K: int, V: int) -> tuple[int, int, int]:
+    """(sub-block rows, BK, BV): a chunk is walked in sub-blocks of 2048 // max(BK, BV) rows — at 8 warps the
+    sm_90 builds of both kernels then spill nothing at K = V = 64, 128 and 256 (32, 16 and 8 rows), where
+    64-row blocks at 4 warps spilled 0.8–7 KB per thread."""
     BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
-    return (64 if max(BK, BV) <= 128 else 16), BK, BV
+    return min(BT, max(8, 2048 // max(BK, BV))), BK, BV
+
+
+def _scan(L: Layout, sums, reverse: bool):
+    """The running sums entering every chunk (reverse: the sums over every later chunk), in place."""
+    W = sums.shape[-1]
+    _front_scan_kernel[(L.N, L.H)](sums, L.chunk_offsets, H=L.H, W=W, BW=triton.next_power_of_2(W), REVERSE=reverse,
+                                   num_warps=1)
 
 
 class FusedTaylorFront(torch.autograd.Function):
+    """Chunk-parallel: every kernel but the scan runs one program per (64-token chunk, KV head); the scan
+    runs per (document, KV head) over one row of sums per chunk."""
+
     @staticmethod
     def forward(ctx, k, v, rho, beta_factor, cu_seqlens, beta_max, eps):
         B, T, H, K = k.shape
@@ -158,10 +238,16 @@ class FusedTaylorFront(torch.autograd.Function):
         khat, kbar = torch.empty(B * T, H, K, **f32), torch.empty(B * T, H, K, **f32)
         u, vbar = torch.empty(B * T, H, V, **f32), torch.empty(B * T, H, V, **f32)
         g, beta = torch.empty(B * T, H, **f32), torch.empty(B * T, H, **f32)
-        BT, BK, BV = _blocks(K, V)
-        _front_fwd_kernel[(L.N, H)](kf, vf, bff, khat, u, g, beta, vbar, kbar, rho.contiguous(), L.cu_seqlens,
-                                    float(beta_max), float(eps), H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-                                    USE_BF=beta_factor is not None, num_warps=4)
+        sub, BK, BV = _blocks(K, V)
+        sums = torch.empty(max(L.NC, 1), H, K + V, **f32)
+        if L.NC:
+            tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
+            _front_sums_kernel[(L.NC, H)](kf, vf, sums, *tables, H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
+                                          num_warps=FRONT_WARPS)
+            _scan(L, sums, reverse=False)
+            _front_fwd_kernel[(L.NC, H)](kf, vf, bff, khat, u, g, beta, vbar, kbar, rho.contiguous(), sums, *tables,
+                                        float(beta_max), float(eps), H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
+                                        USE_BF=beta_factor is not None, num_warps=FRONT_WARPS)
         ctx.save_for_backward(kf, vf, beta_factor, kbar, vbar, rho, cu_seqlens)
         ctx.meta = (B, T, H, K, V, float(beta_max), float(eps))
         return tuple(x.view(B, T, *x.shape[1:]) for x in (khat, u, g, beta, vbar))
@@ -171,17 +257,22 @@ class FusedTaylorFront(torch.autograd.Function):
         kf, vf, beta_factor, kbar, vbar, rho, cu_seqlens = ctx.saved_tensors
         B, T, H, K, V, beta_max, eps = ctx.meta
         L = Layout(kf.view(B, T, H, K), vf.view(B, T, H, V), cu_seqlens)
-        zeros = lambda shape: torch.zeros(shape, dtype=torch.float32, device=kf.device)  # noqa: E731
-        grads = [x.contiguous().view(B * T, *x.shape[2:]) if x is not None else zeros((B * T, H, *s))
+        f32 = dict(dtype=torch.float32, device=kf.device)
+        grads = [x.contiguous().view(B * T, *x.shape[2:]) if x is not None else torch.zeros((B * T, H, *s), **f32)
                  for x, s in ((dkhat, (K,)), (du, (V,)), (dbeta, ()), (dvbar, (V,)))]
-        dk, dv = torch.empty(B * T, H, K, dtype=torch.float32, device=kf.device), torch.empty(B * T, H, V, dtype=torch.float32, device=kf.device)
-        drho = torch.empty(B * T, H, dtype=torch.float32, device=kf.device)
-        dbf = torch.empty(B * T, H, dtype=torch.float32, device=kf.device) if beta_factor is not None else drho
+        dk, dv = torch.empty(B * T, H, K, **f32), torch.empty(B * T, H, V, **f32)
+        drho = torch.empty(B * T, H, **f32)
+        dbf = torch.empty(B * T, H, **f32) if beta_factor is not None else drho
         bff = beta_factor.contiguous().view(B * T, H) if beta_factor is not None else kf
-        BT, BK, BV = _blocks(K, V)
-        _front_bwd_kernel[(L.N, H)](kf, vf, bff, kbar, vbar, *grads, dk, dv, dbf, drho, rho.contiguous(), L.cu_seqlens,
-                                    beta_max, eps, H=H, K=K, V=V, BT=BT, BK=BK, BV=BV,
-                                    USE_BF=beta_factor is not None, num_warps=4)
+        sub, BK, BV = _blocks(K, V)
+        sums = torch.empty(max(L.NC, 1), H, K + V, **f32)
+        if L.NC:
+            args = (kf, vf, bff, kbar, vbar, *grads, dk, dv, dbf, drho, rho.contiguous(), sums, L.chunk_indices,
+                    L.cu_seqlens, L.chunk_offsets, beta_max, eps)
+            meta = dict(H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV, USE_BF=beta_factor is not None, num_warps=FRONT_WARPS)
+            _front_bwd_kernel[(L.NC, H)](*args, SUMS=True, **meta)
+            _scan(L, sums, reverse=True)
+            _front_bwd_kernel[(L.NC, H)](*args, SUMS=False, **meta)
         dbf_out = dbf.view(B, T, H).to(beta_factor.dtype) if beta_factor is not None else None
         return (dk.view(B, T, H, K).to(kf.dtype), dv.view(B, T, H, V).to(vf.dtype), drho.sum(0).to(rho.dtype),
                 dbf_out, None, None, None)

@@ -2,7 +2,7 @@
 # Every GPU measurement of issues 4 and 5, most needed first, each with its own time limit, each writing its
 # JSON as it goes (a step cut short keeps what it measured):
 #   scripts/gpu_report.sh OUT_DIR [TEACHER.gguf DATA.jsonl]
-# 1. the kernels' correctness, all 18 cases, bf16 before fp32 (fp32 compiles slowly: IEEE products unroll to FMAs)
+# 1. the kernels' correctness: the fused front, the distill loss kernel, then all 18 operator cases, bf16 before fp32 (fp32 compiles slowly: IEEE products unroll to FMAs)
 # 2. kernels against flash-linear-attention and SDPA, every shape
 # 3. GPU time per kernel, ours and fla
 # 4. align/distill throughput against the teacher
@@ -11,6 +11,8 @@ set -uo pipefail
 out=$1
 mkdir -p "$out"
 step() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "== exit $?"; }
+step 60 python scripts/check_kernels_gpu.py --front --output "$out/kernels_gpu_front.json"
+step 40 python scripts/check_kernels_gpu.py --kl --output "$out/kernels_gpu_kl.json"
 step 420 python scripts/check_kernels_gpu.py --cases 0,2,5,6,7,8,9,10,17,1,3,4,11,14,12,13,15,16 \
     --output "$out/kernels_gpu_errors.json"
 step 300 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"

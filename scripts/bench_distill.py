@@ -38,7 +38,8 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
-def timed(step, iters: int) -> float:
+def timed(step, iters: int) -> tuple[float, list[float]]:
+    """(median, every step's) seconds of ``iters`` steps after two warm-up steps."""
     for _ in range(2):
         step()
     times = []
@@ -54,7 +55,7 @@ def timed(step, iters: int) -> float:
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(times), times
 
 
 def gpu_profile(step, iters: int = 2) -> dict:
@@ -92,7 +93,8 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
         loss.backward()
         teacher.zero_grad(set_to_none=True)
 
-    rows = {"teacher_fwd_bwd_s": timed(teacher_step, iters)}
+    rows = {}
+    rows["teacher_fwd_bwd_s"], rows["teacher_fwd_bwd_steps_s"] = timed(teacher_step, iters)
     if profile and dev.type == "cuda":
         rows["teacher_fwd_bwd_profile"] = gpu_profile(teacher_step)
     teacher.requires_grad_(False)
@@ -110,7 +112,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
             loss.backward()
             opt.zero_grad(set_to_none=True)
 
-        rows[f"{name}_s"] = timed(step, iters)
+        rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters)
         if profile and dev.type == "cuda":
             prof = gpu_profile(step)
             rows[f"{name}_profile"] = prof
@@ -129,7 +131,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--iters", type=int, default=7, help="timed steps per measurement (the median is reported; "
+                   "results before stop 10's end used 3, and the first variant's align varied ±20%% between runs)")
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--doc-len", type=int, default=0,
                    help="pack documents of this many tokens in each row (positions restart), as real data is")
@@ -163,7 +166,7 @@ def main():
         plan = [("run", rows_pos % args.doc_len if args.doc_len else rows_pos, not args.pytorch_front)]
     res = {"command": " ".join(["python", *sys.argv]),
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (--tiny: a check of the script)",
-           "B": B, "T": T, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
+           "B": B, "T": T, "iters": args.iters, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
     variants = []
     for name, pos, fused in plan:
         row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile)}

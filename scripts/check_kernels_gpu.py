@@ -124,7 +124,7 @@ def check_kl(R, V, T, ce_w, seed=0):
            "grad": ((s_.grad.double() - s64.grad).norm() / s64.grad.norm()).item()}
     worst = max(res.values())
     return {"kind": "kl_loss", "B": R, "T": V, "q_heads": 0, "kv_heads": 0, "K": 0, "V": V, "dtype": "bfloat16",
-            "beta": f"T={T}", "cu_seqlens": None, "errors": res, "max_error": worst, "tolerance": 1e-2,
+            "beta": f"T={T}", "ce_weight": ce_w, "cu_seqlens": None, "errors": res, "max_error": worst, "tolerance": 1e-2,
             "pass": worst <= 1e-2}
 
 

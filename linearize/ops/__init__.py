@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import gated_delta_rule_chunk
-from .common import check_inputs
+from .common import TRITON_MAX_K, check_inputs
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
 from .taylor import (
     TaylorInputs,
@@ -81,8 +81,7 @@ def gated_delta_rule(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend == "auto":
-        # the Triton kernels hold the state in at most four 64-row K blocks (ops/triton/chunk_fwd.py MAX_K)
-        backend = "triton" if q.is_cuda and _triton_usable(q) and q.shape[-1] <= 256 else "torch"
+        backend = "triton" if q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K else "torch"
     if backend == "triton":
         check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):

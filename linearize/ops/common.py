@@ -11,6 +11,8 @@ import weakref
 
 import torch
 
+TRITON_MAX_K = 256  # the Triton state kernels hold the state as at most four 64-row K blocks
+
 
 def check_inputs(
     q: torch.Tensor,

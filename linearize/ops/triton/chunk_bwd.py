@@ -30,8 +30,8 @@ from .chunk_fwd import (
     BT,
     Layout,
     _block_k,
-    _blocks_load,
     _blocks_rows_dot,
+    _blocks_start,
     _blocks_store,
     _blocks_update,
     _chunk,
@@ -110,13 +110,7 @@ def _state_bwd_kernel(
     gcum += bos * H + i_h
     dhs += (boh * H + i_h) * K * V
 
-    b_dh1 = tl.zeros([KB, BV], dtype=tl.float32)
-    b_dh2 = tl.zeros([KB, BV], dtype=tl.float32)
-    b_dh3 = tl.zeros([KB, BV], dtype=tl.float32)
-    b_dh4 = tl.zeros([KB, BV], dtype=tl.float32)
-    if USE_DHT:
-        b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_load(dht + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, b_dh3, b_dh4,
-                                                  o_v, m_v, K, V, KB)
+    b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_start(dht + i_nh.to(tl.int64) * K * V, USE_DHT, o_v, m_v, K, V, KB, BV)
     NT = tl.cdiv(T, BT)
     for i in range(NT):
         i_t = NT - 1 - i

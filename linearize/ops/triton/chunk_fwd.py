@@ -20,10 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import LastTensorMemo
+from ..common import TRITON_MAX_K, LastTensorMemo
 
 BT = 64  # chunk size
-MAX_K = 256  # the state kernels hold the state as at most four 64-row K blocks
 
 
 @triton.jit
@@ -248,6 +247,18 @@ def _blocks_load(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr, 
 
 
 @triton.jit
+def _blocks_start(p, USE: tl.constexpr, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
+    """The four (KB, BV) fp32 K blocks a state kernel starts from: zeros, plus the [K, V] state at ``p`` if ``USE``."""
+    b1 = tl.zeros([KB, BV], dtype=tl.float32)
+    b2 = tl.zeros([KB, BV], dtype=tl.float32)
+    b3 = tl.zeros([KB, BV], dtype=tl.float32)
+    b4 = tl.zeros([KB, BV], dtype=tl.float32)
+    if USE:
+        b1, b2, b3, b4 = _blocks_load(p, b1, b2, b3, b4, o_v, m_v, K, V, KB)
+    return b1, b2, b3, b4
+
+
+@triton.jit
 def _blocks_store(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
     """Store the K blocks ``b1 … b4`` as columns ``o_v`` of the row-major [K, V] state at ``p``."""
     NKB: tl.constexpr = (K + KB - 1) // KB
@@ -335,12 +346,7 @@ def _state_kernel(
     gcum += bos * H + i_h
     hs += (boh * H + i_h) * K * V
 
-    b_h1 = tl.zeros([KB, BV], dtype=tl.float32)
-    b_h2 = tl.zeros([KB, BV], dtype=tl.float32)
-    b_h3 = tl.zeros([KB, BV], dtype=tl.float32)
-    b_h4 = tl.zeros([KB, BV], dtype=tl.float32)
-    if USE_H0:
-        b_h1, b_h2, b_h3, b_h4 = _blocks_load(h0 + i_nh.to(tl.int64) * K * V, b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
+    b_h1, b_h2, b_h3, b_h4 = _blocks_start(h0 + i_nh.to(tl.int64) * K * V, USE_H0, o_v, m_v, K, V, KB, BV)
     for i_t in range(tl.cdiv(T, BT)):
         t0 = i_t * BT
         m_t = o_r < T - t0
@@ -483,8 +489,8 @@ class Layout:
 
     def __init__(self, q, v, cu_seqlens):
         B, T, self.HQ, self.K = q.shape
-        if self.K > MAX_K:
-            raise ValueError(f"the Triton backend takes key head sizes up to {MAX_K}; got {self.K} (use backend='torch')")
+        if self.K > TRITON_MAX_K:
+            raise ValueError(f"the Triton backend takes key head sizes up to {TRITON_MAX_K}; got {self.K} (use backend='torch')")
         self.H, self.V = v.shape[2], v.shape[3]
         self.G = self.HQ // self.H
         self.tokens = B * T

@@ -65,14 +65,12 @@ def kl_loss(student_logits, teacher_logits, labels=None, temperature: float = 1.
     if student_logits.shape != teacher_logits.shape or student_logits.dim() != 2:
         raise ValueError(f"kl_loss takes two [rows, vocab] logits of one shape; got {tuple(student_logits.shape)} "
                          f"and {tuple(teacher_logits.shape)}")
-    if labels is None or ce_weight is None:
-        labels, ce_weight = None, None
-    elif not torch.is_tensor(ce_weight):
-        ce_weight = torch.tensor(float(ce_weight), device=student_logits.device)
-    if ce_weight is not None:
-        ce_weight = ce_weight.detach().to(device=student_logits.device, dtype=torch.float32).reshape(())
-    use_triton = backend == "triton" or (backend == "auto" and student_logits.is_cuda)
     if backend not in ("auto", "triton", "torch"):
         raise ValueError(f"kl_loss backend must be 'auto', 'triton' or 'torch'; got {backend!r}")
+    if labels is None or ce_weight is None:
+        labels, ce_weight = None, None
+    else:  # a float32 0-dim tensor on the logits' device (the kernel reads it from memory)
+        ce_weight = torch.as_tensor(ce_weight).detach().to(device=student_logits.device, dtype=torch.float32).reshape(())
+    use_triton = backend == "triton" or (backend == "auto" and student_logits.is_cuda)
     return _KLLoss.apply(student_logits, teacher_logits, labels, float(temperature), float(kl_weight), ce_weight,
                          use_triton)

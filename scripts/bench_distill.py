@@ -61,24 +61,11 @@ def timed(step, iters: int) -> tuple[float, list[float]]:
 def gpu_profile(step, iters: int = 2) -> dict:
     """Where one step's GPU time goes: milliseconds per step summed per kernel name (top 25), the total of
     all kernels, and the step's wall time, to tell GPU-bound from host-bound steps."""
-    from collections import defaultdict
+    from profile_kernels import profile_calls
 
-    step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    t0 = time.perf_counter()
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    wall = (time.perf_counter() - t0) / iters
-    per = defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA:
-            dt = getattr(e, "device_time", None)
-            per[e.name[:80]] += (dt if dt is not None else e.cuda_time) / iters / 1e3
-    top = dict(sorted(per.items(), key=lambda kv: -kv[1])[:25])
-    return {"kernel_ms_total": sum(per.values()), "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}
+    per_us, wall = profile_calls(step, iters, name_len=80)
+    top = {k: us / 1e3 for k, us in list(per_us.items())[:25]}
+    return {"kernel_ms_total": sum(per_us.values()) / 1e3, "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}
 
 
 def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False) -> dict:

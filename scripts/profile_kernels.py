@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -34,21 +35,29 @@ SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128
           "smollm2-16x2048": (16, 2048, 9, 3, 64, 64)}
 
 
-def kernel_times(fn, iters=5):
-    """GPU microseconds per call of ``fn``, per kernel name."""
+def profile_calls(fn, iters=5, name_len=60):
+    """``(GPU microseconds per call of fn per kernel name, most first; wall seconds per call)``, after one
+    warm-up call, under ``torch.profiler``."""
     fn()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / iters
     out = defaultdict(float)
     for e in prof.events():
         if e.device_type == torch.autograd.DeviceType.CUDA:
             dt = getattr(e, "device_time", None)
-            out[e.name[:60]] += (dt if dt is not None else e.cuda_time) / iters
-    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+            out[e.name[:name_len]] += (dt if dt is not None else e.cuda_time) / iters
+    return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
+
+
+def kernel_times(fn, iters=5):
+    """GPU microseconds per call of ``fn``, per kernel name."""
+    return profile_calls(fn, iters)[0]
 
 
 def breakdown(shapes, fla):

@@ -129,6 +129,7 @@ def main():
     p.add_argument("--markdown", type=Path, default=None)
     p.add_argument("--render", type=Path, default=None,
                    help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
+    p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
     args = p.parse_args()
     if args.render:
@@ -137,7 +138,7 @@ def main():
         if args.markdown:
             args.markdown.write_text(md + "\n")
         return
-    fla, guard = load_fla()
+    fla, guard = (None, False) if args.no_fla else load_fla()
     rows = []
 
     # copy bandwidth for the memory-traffic floor

@@ -32,7 +32,7 @@ from bench_kernels import fwd_bwd, inputs, load_fla  # noqa: E402
 
 SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128, 128),
           "1x16384": (1, 16384, 16, 16, 128, 128),
-          "smollm2-16x2048": (16, 2048, 9, 3, 64, 64)}
+          "smollm2-16x2048": (16, 2048, 9, 3, 64, 64), "llama3-8b-2x4096": (2, 4096, 32, 8, 128, 128)}
 
 
 def profile_calls(fn, iters=5, name_len=60):
@@ -124,6 +124,7 @@ def sweep(shapes, only):
         dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=q.dtype)
         ddl = dvl  # in place, as the launcher runs it
         dhs = torch.empty_like(hs)
+        dql = torch.randn(*hs.shape, device="cuda", dtype=f32)  # the q term of the state gradient (GQA)
         o = torch.empty(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
         dq, dkq = torch.empty_like(qf), torch.empty(L.tokens, HQ, K, device="cuda", dtype=f32)
         dgq = torch.empty(L.tokens, HQ, device="cuda", dtype=f32)
@@ -141,9 +142,9 @@ def sweep(shapes, only):
             "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
                 qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
             "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
-                qf, kf, gcum, do, dvl, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
+                qf, kf, gcum, do, dvl, dql, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
             "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
-                qf, kf, w, gcum, do, dvl, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5,
+                qf, kf, w, gcum, do, dvl, dql, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5,
                 **c("state_bwd", ov), num_warps=nw, num_stages=ns),
             "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
                 qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
@@ -175,11 +176,12 @@ def main():
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--no-breakdown", action="store_true", help="the sweep only")
+    p.add_argument("--no-fla", action="store_true", help="our kernels only in the breakdown")
     p.add_argument("--sweep", default="", help="comma-separated kernels to time under every launch setting: "
                    "solve, prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
     shapes = args.shapes.split(",")
-    fla, guard = load_fla()
+    fla, guard = (None, None) if args.no_fla else load_fla()
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard,
            "breakdown_us_per_call": {} if args.no_breakdown else breakdown(shapes, fla)}

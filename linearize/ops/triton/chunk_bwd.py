@@ -7,7 +7,8 @@ kernels are tested against (besides the float64 reference). Of the forward's int
 side CUDA stream while kernels 1 and 2 below run (they do not need them), then runs:
 
 1. ``_dv_local_kernel``  per (V block, chunk, KV head): ``Pᵀ do`` summed over the G query heads that
-   read this KV head (the in-chunk part of ``dΔ``).
+   read this KV head (the in-chunk part of ``dΔ``); under GQA also the chunk's ``Σ_g (γ⊙q_g)ᵀ do_g``
+   (``qdo_outside``), so the sequential kernel below does not run G products per chunk.
 2. ``_state_bwd_kernel`` per (V block, sequence, KV head): the only sequential part, in reverse over
    chunks: ``dΔ = Pᵀdo + K̃ dh₁``, ``dh₀ = γ_C dh₁ + (γ⊙q)ᵀ do − Wᵀ dΔ``; stores ``dh₁`` per chunk, and ``dΔ``
    over kernel 1's ``Pᵀdo`` (one buffer, in the dots' dtype).
@@ -30,6 +31,7 @@ from .chunk_fwd import (
     BT,
     Layout,
     _block_k,
+    _blocks_load,
     _blocks_rows_dot,
     _blocks_start,
     _blocks_store,
@@ -54,10 +56,13 @@ def _mm(a, b, ref, IEEE: tl.constexpr):
 
 @triton.jit
 def _dv_local_kernel(
-    q, k, gcum, do, dvl, chunk_indices, cu_seqlens, chunk_offsets, scale,
+    q, k, gcum, do, dvl, dql, chunk_indices, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, QDO: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """``Pᵀ do`` summed over the G query heads of this KV head; with ``QDO`` also the chunk's share of the
+    state gradient, ``Σ_g (γ⊙q_g)ᵀ do_g · scale`` ([K, V] per chunk, fp32, into ``dql``), which the state
+    kernel then reads instead of running G products in its sequential chain."""
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     HQ: tl.constexpr = H * G
     bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -65,36 +70,46 @@ def _dv_local_kernel(
     m_t = i_c * BT + o_r < T
     row = bos + i_c * BT + o_r
     o_k = tl.arange(0, BK)
-    m_qk = m_t[:, None] & (o_k < K)[None, :]
+    m_k = o_k < K
+    m_qk = m_t[:, None] & m_k[None, :]
     o_v = i_v * BV + tl.arange(0, BV)
-    m_qv = m_t[:, None] & (o_v < V)[None, :]
+    m_v = o_v < V
+    m_qv = m_t[:, None] & m_v[None, :]
 
     b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_qk, other=0.0)
     b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
     # [j, r]: r ≥ j, both in the document (rows past its end read g = 0: exp(0 − g_j) may overflow, and 0·inf = NaN)
     up = (o_r[:, None] <= o_r[None, :]) & m_t[:, None] & m_t[None, :]
     dec_t = tl.where(up, tl.exp(tl.where(up, b_g[None, :] - b_g[:, None], 0.0)), 0.0)  # γ_r/γ_j
+    gs = tl.exp(b_g) * scale
     acc = tl.zeros([BT, BV], dtype=tl.float32)
+    acc_h = tl.zeros([BK, BV], dtype=tl.float32)
     for i_g in range(G):
         i_hq = i_h * G + i_g
         b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_qk, other=0.0)
         b_do = tl.load(do + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], mask=m_qv, other=0.0)
         p_t = _mm(b_k, tl.trans(b_q), b_k, IEEE) * dec_t * scale  # Pᵀ
         acc += _mm(p_t, b_do, b_k, IEEE)
+        if QDO:
+            acc_h += _mm(tl.trans(b_q.to(tl.float32) * gs[:, None]), b_do, b_k, IEEE)  # (γ⊙q_g)ᵀ do_g
     tl.store(dvl + row[:, None] * (H * V) + i_h * V + o_v[None, :], acc.to(dvl.dtype.element_ty), mask=m_qv)
+    if QDO:
+        tl.store(dql + ((boh + i_c) * H + i_h).to(tl.int64) * K * V + o_k[:, None] * V + o_v[None, :], acc_h,
+                 mask=m_k[:, None] & m_v[None, :])
 
 
 @triton.jit
 def _state_bwd_kernel(
-    q, k, w, gcum, do, dvl, dhs, ddl, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, k, w, gcum, do, dvl, dql, dhs, ddl, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
+    QDO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per (V block, sequence × KV head), over the chunks in reverse: store dh₁ (the gradient of the state
     leaving the chunk), ``dΔ = Pᵀdo + (γ_C/γ_j ⊙ k) dh₁``, then ``dh₀ = γ_C dh₁ + Σ_g (γ⊙q_g)ᵀ do_g − Wᵀ dΔ``.
     ``ddl`` may be ``dvl`` (updated in place). The state gradient is held as up to four (KB, BV) blocks, as
-    in the forward's ``_state_kernel``."""
+    in the forward's ``_state_kernel``. With ``QDO`` the q term is read per chunk from ``dql`` (written by
+    ``_dv_local_kernel``) instead of computed here."""
     HQ: tl.constexpr = H * G
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -110,6 +125,7 @@ def _state_bwd_kernel(
     ddl += (bos * H + i_h) * V
     gcum += bos * H + i_h
     dhs += (boh * H + i_h) * K * V
+    dql += (boh * H + i_h) * K * V
 
     b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_start(dht + i_nh.to(tl.int64) * K * V, USE_DHT, o_v, m_v, K, V, KB, BV)
     NT = tl.cdiv(T, BT)
@@ -131,13 +147,18 @@ def _state_bwd_kernel(
         # dh₀ = γ_C dh₁ − Wᵀ dΔ + Σ_g (γ⊙q_g)ᵀ do_g (scale folded into do)
         b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_update(b_dh1, b_dh2, b_dh3, b_dh4, e_c, w + t0 * (H * K), H * K, o_r, m_t,
                                                     b_dd, K, KB, True, IEEE)
-        gs = tl.exp(b_g) * scale
-        for i_g in range(G):
-            p_q = q + t0 * (HQ * K) + i_g * K
-            b_do = tl.load(do + t0 * (HQ * V) + i_g * V + o_r[:, None] * (HQ * V) + o_v[None, :], mask=m_tv, other=0.0)
-            b_dos = b_do.to(tl.float32) * gs[:, None]
-            b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_update(b_dh1, b_dh2, b_dh3, b_dh4, 1.0, p_q, HQ * K, o_r, m_t, b_dos,
-                                                        K, KB, False, IEEE)
+        if QDO:
+            b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_load(dql + i_t * (H * K * V), b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v,
+                                                      K, V, KB)
+        else:
+            gs = tl.exp(b_g) * scale
+            for i_g in range(G):
+                p_q = q + t0 * (HQ * K) + i_g * K
+                b_do = tl.load(do + t0 * (HQ * V) + i_g * V + o_r[:, None] * (HQ * V) + o_v[None, :], mask=m_tv,
+                               other=0.0)
+                b_dos = b_do.to(tl.float32) * gs[:, None]
+                b_dh1, b_dh2, b_dh3, b_dh4 = _blocks_update(b_dh1, b_dh2, b_dh3, b_dh4, 1.0, p_q, HQ * K, o_r, m_t,
+                                                            b_dos, K, KB, False, IEEE)
     if STORE_DH0:
         _blocks_store(dh0 + i_nh.to(tl.int64) * K * V, b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V, KB)
 
@@ -306,11 +327,13 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     bvs = _state_bv(K, V, ieee, programs, device)
     vmax = max(16, triton.next_power_of_2(V))
     stages = 1 if wide else 2
+    qdo = qdo_outside(G)
     return {
-        # 128-wide V blocks: 79 µs against 101 at 64 (H200 sweep, 8x2048)
-        "dv_local": (_dv_local_kernel, {**common, "BV": min(128, vmax) if not wide else bv}, 4, stages),
+        # 128-wide V blocks: 79 µs against 101 at 64 (H200 sweep, 8x2048); with the q term as well (GQA), still
+        # fastest: 106 µs against 115 at BV 64 and 116 at 8 warps (Llama-3-8B shape, 2x4096)
+        "dv_local": (_dv_local_kernel, {**common, "QDO": qdo, "BV": min(128, vmax) if not wide else bv}, 4, stages),
         "state_bwd": (_state_bwd_kernel, {"H": H, "G": G, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bvs,
-                                          "IEEE": ieee, "USE_DHT": False, "STORE_DH0": False}, 4,
+                                          "QDO": qdo, "IEEE": ieee, "USE_DHT": False, "STORE_DH0": False}, 4,
                       # fp32 (IEEE) at 3 stages needs 239–280 KB of shared memory at K=128 (the H200 has 227 KB)
                       1 if wide else (2 if ieee else 3)),
         # 4 warps at K ≤ 128: 237 µs against 283 at 8 (H200 sweep, 8x2048)
@@ -321,6 +344,14 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # results/sweep_wy_bwd_h200.json)
         "wy_bwd": (_wy_bwd_kernel, {**common, "BV": 64, "BKB": 64}, 4, 1),
     }
+
+
+def qdo_outside(G: int) -> bool:
+    """Whether the state gradient's q term ``Σ_g (γ⊙q_g)ᵀ do_g`` is computed per chunk in parallel
+    (``_dv_local_kernel``, one fp32 [K, V] per chunk and KV head) rather than in the sequential chain of
+    ``_state_bwd_kernel`` (G products per chunk there). GQA only: with one query head the chain's single
+    product costs less than the buffer's traffic."""
+    return G > 1
 
 
 _SIDE: dict = {}
@@ -364,9 +395,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
 
     # Pᵀdo, then dΔ in place; only ever a dot operand afterwards, so kept in the dots' dtype
     dvl = torch.empty(L.tokens, H, V, dtype=f32 if ieee else v.dtype, device=dev)
+    # the q term of the state gradient per chunk (GQA: see qdo_outside)
+    dql = torch.empty(max(L.NC, 1), H, K, V, dtype=f32, device=dev) if S["dv_local"][1]["QDO"] else dvl
     if L.NC:
         fn, c, warps, stages = S["dv_local"]
-        fn[(triton.cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, *tables, scale, **c,
+        fn[(triton.cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, dql, *tables, scale, **c,
                                                num_warps=warps, num_stages=stages)
 
     dhs = torch.empty_like(hs)
@@ -375,7 +408,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     dht = dht.contiguous() if dht is not None else None
     fn, c, warps, stages = S["state_bwd"]
     fn[(triton.cdiv(V, c["BV"]), L.N * H)](
-        qf, kf, w, gcum, dof, dvl, dhs, ddl, dht if dht is not None else hs, dh0 if dh0 is not None else hs,
+        qf, kf, w, gcum, dof, dvl, dql, dhs, ddl, dht if dht is not None else hs, dh0 if dh0 is not None else hs,
         L.cu_seqlens, L.chunk_offsets, scale, **{**c, "USE_DHT": dht is not None, "STORE_DH0": dh0 is not None},
         num_warps=warps, num_stages=stages)
 

@@ -97,10 +97,10 @@ def candidates(kname, K, V):
         grid = [({"BV": bv, "KB": 64}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4) for ns in (3, 4)]
     elif kname == "solve":
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
-    elif kname == "wy_bwd":  # BV 32 left out: see launch_settings in chunk_bwd.py
+    elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
         grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
     elif kname == "prepare":
-        return [({}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
+        grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
     else:
         grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2)
                 if bv <= 64 or kname in ("output", "dv_local")]
@@ -115,9 +115,7 @@ def sweep(shapes, only):
         q, k, v, g, beta = (x.detach() for x in inputs(B, T, HQ, H, K, V))
         L = cf.Layout(q, v, None)
         qf, kf, vf, gf, bf = cf.Layout.flat(q, k, v, g, beta)
-        gcum, tm = cf.solve(L, kf, gf, bf)
-        _, w = cf.prepare_w(L, kf, gf, bf, tm)
-        hs, v_new, _ = cf.states(L, kf, vf, bf, tm, gcum, None, False)
+        gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False)
         do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
         tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
         f32 = torch.float32
@@ -134,11 +132,11 @@ def sweep(shapes, only):
         c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
         kernels = {
             "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
-                kf, gf, bf, gcum, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
+                kf, gf, bf, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
             "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
-                kf, gf, bf, gcum, w, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
+                kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
             "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
-                kf, vf, bf, tm, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
+                kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
             "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
                 qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
             "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](

@@ -2,9 +2,9 @@
 
 Read that file's docstring first: it derives every term below, and its PyTorch code is the spec these
 kernels are tested against (besides the float64 reference). Of the forward's intermediates only
-``T = (I + A)⁻¹`` is kept (the solve kernel is skipped); the backward computes W and g's cumsum
-(``prepare_w``: the state kernel below needs ``Wᵀ dΔ``), recomputes the forward's states (``states``) on a
-side CUDA stream while kernels 1 and 2 below run (they do not need them), then runs:
+``T = (I + A)⁻¹`` is kept (the solve kernel is skipped); the backward recomputes W, U and g's cumsum with
+the forward's ``prepare``, then the forward's states (``states``) on a side CUDA stream while kernels 1 and
+2 below run (they do not need them), then runs:
 
 1. ``_dv_local_kernel``  per (V block, chunk, KV head): ``Pᵀ do`` summed over the G query heads that
    read this KV head (the in-chunk part of ``dΔ``); under GQA also the chunk's ``Σ_g (γ⊙q_g)ᵀ do_g``
@@ -39,8 +39,7 @@ from .chunk_fwd import (
     _chunk,
     _sequence,
     _state_bv,
-    prepare_w,
-    solve,
+    prepare,
     states,
 )
 
@@ -338,8 +337,7 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
                       1 if wide else (2 if ieee else 3)),
         # 4 warps at K ≤ 128: 237 µs against 283 at 8 (H200 sweep, 8x2048)
         "dqk": (_dqk_kernel, {**common, "BV": bv}, 4 if not wide else 8, stages),
-        # its tiles are (BT, 64) whatever K is; BV 64: at BV 32 a (64, 64)·(64, 32) product with T as an operand
-        # compiled, on Triton 3.6 for the H200, to an invalid shared-memory read (stop 8, compute-sanitizer)
+        # its tiles are (BT, 64) whatever K is; BV 64 for the reason given at the forward's prepare kernel
         # 4 warps, 1 stage: 399 µs against 426 at 2 stages and 629 at 8 warps (H200 sweep, 8x2048,
         # results/sweep_wy_bwd_h200.json)
         "wy_bwd": (_wy_bwd_kernel, {**common, "BV": 64, "BKB": 64}, 4, 1),
@@ -374,9 +372,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     L = Layout(q, v, cu_seqlens)
     H, HQ, G, K, V, ieee, dev = L.H, L.HQ, L.G, L.K, L.V, L.ieee, L.device
     qf, kf, vf, gf, bf, dof = Layout.flat(q, k, v, g, beta, do)
-    if tm is None:
-        _, tm = solve(L, kf, gf, bf)
-    gcum, w = prepare_w(L, kf, gf, bf, tm)
+    gcum, w, u, tm = prepare(L, kf, vf, gf, bf, tm)
     # The forward's states are recomputed on a side stream while dv_local and the backward state kernel run:
     # neither needs them, and at long T with few sequences each sequential kernel alone leaves SMs idle.
     side = _side_stream(dev)
@@ -384,11 +380,11 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
         main = torch.cuda.current_stream(dev)
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            hs, v_new, _ = states(L, kf, vf, bf, tm, gcum, initial_state, False)
+            hs, v_new, _ = states(L, kf, w, u, gcum, initial_state, False)
         hs.record_stream(main)  # allocated on the side stream, used and freed on the main one
         v_new.record_stream(main)
     else:
-        hs, v_new, _ = states(L, kf, vf, bf, tm, gcum, initial_state, False)
+        hs, v_new, _ = states(L, kf, w, u, gcum, initial_state, False)
     f32 = torch.float32
     S = launch_settings(H, G, K, V, ieee, L.N * H, dev)
     tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)

@@ -1,18 +1,14 @@
 """Triton forward of the chunkwise gated delta rule (chunk 64, WY/UT form), GQA-native and varlen.
 
-The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); three kernels:
+The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); four kernels:
 
-0. ``_solve_kernel``    per (chunk, KV head): in-chunk cumsum of g, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``
-   and ``T = (I + A)⁻¹`` in registers (16×16 diagonal blocks by forward substitution, the rest by products);
-   T is kept for the backward.
-1. ``_state_kernel``    per (sequence, KV head, V block): the only sequential part — carries the fp32
-   state across chunks, writes the state entering each chunk and ``Δ = U − W h``, computed as
-   ``T β (v − γ ⊙ K h)``: the WY factors ``W = T(βγk)``, ``U = T(βv)`` are never written or read, which
-   saves their traffic (for bf16 K = V = 128, 1 KB per token and head of the forward's ≈ 4.6).
-2. ``_output_kernel``   per (chunk, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``;
+0. ``_solve_kernel``    per (chunk, KV head): ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)`` and ``T = (I + A)⁻¹``
+   in registers (16×16 diagonal blocks by forward substitution, the rest by products); T is kept for the backward.
+1. ``_prepare_kernel``  per (chunk, KV head): in-chunk cumsum of g, ``W = T (β γ k)`` and ``U = T (β v)``.
+2. ``_state_kernel``    per (sequence, KV head, V block): the only sequential part — carries the fp32
+   state across chunks, writes the state entering each chunk and ``Δ = U − W h``.
+3. ``_output_kernel``   per (chunk, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``;
    query head ``h_q`` reads KV head ``h_q // G``, so K/V are never repeated in memory.
-
-``_prepare_kernel`` (W and g's cumsum) runs in the backward only, whose state kernel needs ``Wᵀ dΔ``.
 
 Every sequence layout is handled as packed documents: a dense ``[B, T]`` batch is the packing of B
 equal-length documents, so one code path serves both.
@@ -75,7 +71,7 @@ def _scale_block(a, g_r, g_j, b_r, m_r, STRICT: tl.constexpr):
 
 @triton.jit
 def _solve_kernel(
-    k, g, beta, gcum, tm, chunk_indices, cu_seqlens, chunk_offsets,
+    k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``, held in registers
@@ -83,7 +79,7 @@ def _solve_kernel(
     four diagonal blocks inverted by forward substitution side by side (row i of T_dd = e_i − Σ_{j<i} A_ij T_j,
     rows taken out of the register tile with a masked sum); the off-diagonal blocks from
     T_ij = −T_ii Σ_{j≤m<i} A_im T_mj. T goes to ``tm[token, head, 0:BT]`` (the dots' dtype: it is only ever a
-    dot operand), and g's cumsum over the chunk to ``gcum``. Small tiles: meant for 1–2 warps."""
+    dot operand). Small tiles: meant for 1–2 warps."""
     BC: tl.constexpr = BT // 4
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -101,10 +97,6 @@ def _solve_kernel(
     g1 = tl.cumsum(x1, axis=0) + tl.sum(x0, axis=0)
     g2 = tl.cumsum(x2, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
     g3 = tl.cumsum(x3, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0) + tl.sum(x2, axis=0)
-    tl.store(gcum + r0 * H + i_h, g0, mask=m0)
-    tl.store(gcum + r1 * H + i_h, g1, mask=m1)
-    tl.store(gcum + r2 * H + i_h, g2, mask=m2)
-    tl.store(gcum + r3 * H + i_h, g3, mask=m3)
     b0 = tl.load(beta + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)
     b1 = tl.load(beta + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)
     b2 = tl.load(beta + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)
@@ -165,11 +157,12 @@ def _store_t_row(tm, t0, t1, t2, t3, rows, m_rows, i_h, H: tl.constexpr, BT: tl.
 
 @triton.jit
 def _prepare_kernel(
-    k, g, beta, gcum, w, tm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, KV head), for the backward only (its state kernel needs ``Wᵀ dΔ``): cumulative g and
-    ``W = T (β γ k)`` as one (BT, BT)·(BT, K) product, on the forward's T."""
+    """Per (chunk, KV head), after ``_solve_kernel``: cumulative g, ``W = T (β γ k)`` and ``U = T (β v)`` as
+    (BT, BT)·(BT, ·) products. The backward runs it again (W, U are not kept), on the forward's T."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     o_r = tl.arange(0, BT)
@@ -183,8 +176,15 @@ def _prepare_kernel(
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_t = tl.load(tm + row[:, None] * (H * BT) + i_h * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
+
     kg = (b_k.to(tl.float32) * (b_beta * tl.exp(b_g))[:, None]).to(b_k.dtype)
     tl.store(w + row[:, None] * (H * K) + i_h * K + o_k[None, :], _dot(b_t, kg, IEEE).to(w.dtype.element_ty), mask=m_tk)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = row[:, None] * (H * V) + i_h * V + o_v[None, :]
+        b_v = (tl.load(v + p_v, mask=m_tv, other=0.0).to(tl.float32) * b_beta[:, None]).to(b_k.dtype)
+        tl.store(u + p_v, _dot(b_t, b_v, IEEE).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -323,13 +323,13 @@ def _block_update(b, scale, x, stride, o_r, m_r, kb, d, K: tl.constexpr, KB: tl.
 
 @triton.jit
 def _state_kernel(
-    k, v, beta, tm, gcum, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    k, w, u, gcum, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per (V block, sequence × KV head), over the chunks in order: store the state h entering the chunk,
-    ``Δ = U − W h = T β (v − γ ⊙ K h)`` (W and U are never materialized: T, k, v are read instead), then ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV)
+    ``Δ = U − W h``, then ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV)
     fp32 blocks (K blocks of KB rows), so each product is (BT, KB)·(KB, BV) and the blocks update
     independently; the decay is applied to Δ's rows rather than to k. Pointers move to the sequence and
     the chunk first, so tile offsets stay 32-bit."""
@@ -340,9 +340,8 @@ def _state_kernel(
     m_v = o_v < V
     o_r = tl.arange(0, BT)
     k += (bos * H + i_h) * K
-    v += (bos * H + i_h) * V
-    beta += bos * H + i_h
-    tm += (bos * H + i_h) * BT
+    w += (bos * H + i_h) * K
+    u += (bos * H + i_h) * V
     v_new += (bos * H + i_h) * V
     gcum += bos * H + i_h
     hs += (boh * H + i_h) * K * V
@@ -353,17 +352,13 @@ def _state_kernel(
         m_t = o_r < T - t0
         # the state entering chunk i_t, for the output kernel
         _blocks_store(hs + i_t * (H * K * V), b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
-        b_kh = _blocks_rows_dot(k + t0 * (H * K), H * K, o_r, m_t, b_h1, b_h2, b_h3, b_h4, K, KB, False, IEEE)  # K h
+        b_d = _blocks_rows_dot(w + t0 * (H * K), H * K, o_r, m_t, b_h1, b_h2, b_h3, b_h4, K, KB, True, IEEE)  # −W h
         p_tv = o_r[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
-        b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
-        b_b = tl.load(beta + t0 * H + o_r * H, mask=m_t, other=0.0).to(tl.float32)  # 0 past the end: x = 0 there
-        b_v = tl.load(v + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
-        b_x = b_b[:, None] * (b_v - tl.exp(b_g)[:, None] * b_kh)
-        b_t = tl.load(tm + t0 * (H * BT) + o_r[:, None] * (H * BT) + o_r[None, :], mask=m_t[:, None], other=0.0)
-        b_d = _dot(b_t, b_x.to(b_t.dtype), IEEE)  # Δ = T x
+        b_d += tl.load(u + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(v_new + t0 * (H * V) + p_tv, b_d.to(v_new.dtype.element_ty), mask=m_tv)
         g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
+        b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
         b_de = b_d * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]  # Δ ⊙ γ_C/γ_j
         e_c = tl.exp(g_last)
         b_h1, b_h2, b_h3, b_h4 = _blocks_update(b_h1, b_h2, b_h3, b_h4, e_c, k + t0 * (H * K), H * K, o_r, m_t, b_de,
@@ -472,17 +467,16 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
     bv = _state_bv(K, V, ieee, programs, device)
     return {
+        # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
+        # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")
+        # 8 warps at K ≤ 64: 4 spill ~850 B of registers there (scripts/kernel_resources.py)
         # 16×16 register tiles: one warp (8 values per thread of a 16×16 fp32 tile), 128-wide K blocks
         # (H200 sweep, 8x2048: 92 µs against 143 at 2 warps, 117 at K blocks of 64)
         "solve": (_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(BK, 128), "IEEE": ieee}, 1, 1),
-        # the backward's W = T(βγk): 8 warps at K ≤ 64 (4 spilled ~850 B of registers with the former U part)
-        "prepare": (_prepare_kernel, {"H": H, "K": K, "BT": BT, "BK": BK, "IEEE": ieee}, 8 if BK <= 64 else 4,
-                    3 if BK == 128 and not ieee else 1),
+        # 3 stages at K = 128: 91 µs against 96 at 1 (H200 sweep, 8x2048)
+        "prepare": (_prepare_kernel, {**common, "BV": 64}, 8 if BK <= 64 else 4, 3 if BK == 128 and not ieee else 1),
         # 4 stages: fastest at every V block in the sweep (bf16); IEEE fp32 tiles take twice the shared memory
-        # (sm_90 compiles, scripts/kernel_resources.py: fp32 at 3 stages reaches 181 KB at K=128).
-        # NOT YET RUN ON THE GPU with Δ = T x inside: stop 8 saw Triton 3.6 compile a (64, 64)·(64, 32) product
-        # with T as an operand (then U = T(βv) in prepare, at BV 32) to an invalid shared-memory read
-        # (compute-sanitizer: "Invalid __shared__ read of size 1024"); this kernel runs at BV 16–64.
+        # (sm_90 compiles, scripts/kernel_resources.py: fp32 at 3 stages reaches 181 KB at K=128)
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
                                       "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if ieee else 4)),
         # wide V blocks: fewer recomputes of q·kᵀ
@@ -519,46 +513,49 @@ class Layout:
         return [x.contiguous().view(x.shape[0] * x.shape[1], *x.shape[2:]) for x in xs]
 
 
-def solve(L: Layout, k, g, beta):
-    """Kernel 0: T = (I + A)⁻¹ per chunk and g's cumsum. Inputs flat (``Layout.flat``). Returns ``(gcum, tm)``."""
+def prepare(L: Layout, k, v, g, beta, tm=None):
+    """Kernels 0 and 1: T (solved unless ``tm``, T of an earlier call on the same inputs, is given), cumulative
+    g, W and U. Inputs flat (``Layout.flat``). Returns ``(gcum, w, u, tm)``."""
     H, ieee, dev = L.H, L.ieee, L.device
-    gcum = torch.empty(L.tokens, H, dtype=torch.float32, device=dev)
-    # T is only ever a dot operand: kept in the dots' dtype
-    tm = torch.empty(L.tokens, H, BT, dtype=torch.float32 if ieee else k.dtype, device=dev)
-    if L.NC:
-        fn, c, warps, stages = launch_settings(H, L.G, L.K, L.V, ieee)["solve"]
-        fn[(L.NC, H)](k, g, beta, gcum, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
-                      num_warps=warps, num_stages=stages)
-    return gcum, tm
-
-
-def prepare_w(L: Layout, k, g, beta, tm):
-    """The backward's ``W = T (β γ k)`` and g's cumsum, on the forward's T. Returns ``(gcum, w)``."""
-    H, ieee, dev = L.H, L.ieee, L.device
+    S = launch_settings(H, L.G, L.K, L.V, ieee, L.N * H, dev)
     gcum = torch.empty(L.tokens, H, dtype=torch.float32, device=dev)
     w = torch.empty_like(k)
+    u = torch.empty_like(v)
+    solve = tm is None
+    if solve:  # T is only ever a dot operand: kept in the dots' dtype
+        tm = torch.empty(L.tokens, H, BT, dtype=torch.float32 if ieee else k.dtype, device=dev)
     if L.NC:
-        fn, c, warps, stages = launch_settings(H, L.G, L.K, L.V, ieee)["prepare"]
-        fn[(L.NC, H)](k, g, beta, gcum, w, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
+        if solve:
+            fn, c, warps, stages = S["solve"]
+            fn[(L.NC, H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
+                          num_warps=warps, num_stages=stages)
+        fn, c, warps, stages = S["prepare"]
+        fn[(L.NC, H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
                       num_warps=warps, num_stages=stages)
-    return gcum, w
+    return gcum, w, u, tm
 
 
-def states(L: Layout, k, v, beta, tm, gcum, initial_state, output_final_state):
-    """Kernel 1, the sequential one: the state entering every chunk and Δ = T β (v − γ ⊙ K h) (and the final
-    state). Returns ``(hs, v_new, ht)``."""
+def states(L: Layout, k, w, u, gcum, initial_state, output_final_state):
+    """Kernel 2, the sequential one: the state entering every chunk and Δ = U − W h (and the final state).
+    Returns ``(hs, v_new, ht)``."""
     H, K, V, ieee, dev = L.H, L.K, L.V, L.ieee, L.device
-    v_new = torch.empty_like(v)
+    v_new = torch.empty_like(u)
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else torch.float32, device=dev)
     ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     fn, c, warps, stages = launch_settings(H, L.G, K, V, ieee, L.N * H, dev)["state_fwd"]
     fn[(triton.cdiv(V, c["BV"]), L.N * H)](
-        k, v, beta, tm, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
+        k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
         L.cu_seqlens, L.chunk_offsets, **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None},
         num_warps=warps, num_stages=stages,
     )
     return hs, v_new, ht
+
+
+def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, tm=None):
+    """``prepare`` then ``states``. Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
+    gcum, w, u, tm = prepare(L, k, v, g, beta, tm)
+    return (gcum, w, u, tm, *states(L, k, w, u, gcum, initial_state, output_final_state))
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
@@ -567,8 +564,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     q, k, v, g, beta = Layout.flat(q, k, v, g, beta)
-    gcum, tm = solve(L, k, g, beta)
-    hs, v_new, ht = states(L, k, v, beta, tm, gcum, initial_state, output_final_state)
+    gcum, _, _, tm, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state)
     o = torch.empty(L.tokens, L.HQ, L.V, dtype=v.dtype, device=q.device)
     if L.NC:
         fn, c, warps, stages = launch_settings(L.H, L.G, L.K, L.V, L.ieee)["output"]

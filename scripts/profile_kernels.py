@@ -13,6 +13,7 @@ with each other.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -55,33 +56,33 @@ def profile_calls(fn, iters=5, name_len=60):
     return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
 
 
-def kernel_times(fn, iters=5):
-    """GPU microseconds per call of ``fn``, per kernel name."""
-    return profile_calls(fn, iters)[0]
-
-
 def breakdown(shapes, fla):
     res = {}
     for name in shapes:
-        B, T, HQ, H, K, V = SHAPES[name]
-        q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
-        ts = (q, k, v, g, beta)
-        G = HQ // H
-        rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
-        runs = {"ours": lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]}
-        if fla is not None:
-            runs["fla"] = lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0]
-        for impl, run in runs.items():
-            for mode, fn in (("fwd", run), ("fwdbwd", fwd_bwd(run, ts))):
-                if mode == "fwd":
-                    with torch.no_grad():
-                        t = kernel_times(fn)
-                else:
-                    t = kernel_times(fn)
-                res[f"{name}/{impl}/{mode}"] = t
-                print(f"\n{name} {impl} {mode}: total {sum(t.values()):.1f} us")
-                for kname, us in t.items():
-                    print(f"  {us:9.1f} us  {kname}")
+        res.update(_breakdown_shape(name, fla))
+    return res
+
+
+def _breakdown_shape(name, fla):
+    res = {}
+    B, T, HQ, H, K, V = SHAPES[name]
+    q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
+    ts = (q, k, v, g, beta)
+    G = HQ // H
+    rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
+    runs = {"ours": lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]}
+    if fla is not None:
+        runs["fla"] = lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0]
+    for impl, run in runs.items():
+        for mode, fn in (("fwd", run), ("fwdbwd", fwd_bwd(run, ts))):
+            with torch.set_grad_enabled(mode == "fwdbwd"):
+                t, wall = profile_calls(fn)
+            # wall time per call under the profiler: above the kernels' sum when launches leave the GPU idle
+            # (host-side work); the profiler adds some of its own
+            res[f"{name}/{impl}/{mode}"] = {"kernels_us": t, "kernels_total_us": sum(t.values()), "wall_us": wall * 1e6}
+            print(f"\n{name} {impl} {mode}: total {sum(t.values()):.1f} us of kernels, {wall * 1e6:.1f} us wall")
+            for kname, us in t.items():
+                print(f"  {us:9.1f} us  {kname}")
     return res
 
 
@@ -111,61 +112,67 @@ def sweep(shapes, only):
     """Each kernel alone under every launch setting; the inputs are the real intermediates of a forward."""
     res = {}
     for name in shapes:
-        B, T, HQ, H, K, V = SHAPES[name]
-        q, k, v, g, beta = (x.detach() for x in inputs(B, T, HQ, H, K, V))
-        L = cf.Layout(q, v, None)
-        qf, kf, vf, gf, bf = cf.Layout.flat(q, k, v, g, beta)
-        gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False)
-        do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
-        tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
-        f32 = torch.float32
-        dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=q.dtype)
-        ddl = dvl  # in place, as the launcher runs it
-        dhs = torch.empty_like(hs)
-        dql = torch.randn(*hs.shape, device="cuda", dtype=f32)  # the q term of the state gradient (GQA)
-        o = torch.empty(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
-        dq, dkq = torch.empty_like(qf), torch.empty(L.tokens, HQ, K, device="cuda", dtype=f32)
-        dgq = torch.empty(L.tokens, HQ, device="cuda", dtype=f32)
-        dk, dv = torch.empty_like(kf), torch.empty_like(vf)
-        dbeta, dg = torch.empty(L.tokens, H, device="cuda", dtype=f32), torch.empty(L.tokens, H, device="cuda", dtype=f32)
-        S = {**cf.launch_settings(H, HQ // H, K, V, False), **cb.launch_settings(H, HQ // H, K, V, False)}
-        c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
-        kernels = {
-            "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
-                kf, gf, bf, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
-            "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
-                kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
-            "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
-                kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
-            "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
-                qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
-            "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
-                qf, kf, gcum, do, dvl, dql, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
-            "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
-                qf, kf, w, gcum, do, dvl, dql, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5,
-                **c("state_bwd", ov), num_warps=nw, num_stages=ns),
-            "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
-                qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
-            "wy_bwd": lambda ov, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
-                kf, vf, bf, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
-                **c("wy_bwd", ov), num_warps=nw, num_stages=ns),
-        }
-        for kname, launch in kernels.items():
-            if kname not in only:
+        res.update(_sweep_shape(name, only))
+    return res
+
+
+def _sweep_shape(name, only):
+    res = {}
+    B, T, HQ, H, K, V = SHAPES[name]
+    q, k, v, g, beta = (x.detach() for x in inputs(B, T, HQ, H, K, V))
+    L = cf.Layout(q, v, None)
+    qf, kf, vf, gf, bf = cf.Layout.flat(q, k, v, g, beta)
+    gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False)
+    do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
+    tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
+    f32 = torch.float32
+    dvl = torch.randn(L.tokens, H, V, device="cuda", dtype=q.dtype)
+    ddl = dvl  # in place, as the launcher runs it
+    dhs = torch.empty_like(hs)
+    dql = torch.randn(*hs.shape, device="cuda", dtype=f32)  # the q term of the state gradient (GQA)
+    o = torch.empty(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
+    dq, dkq = torch.empty_like(qf), torch.empty(L.tokens, HQ, K, device="cuda", dtype=f32)
+    dgq = torch.empty(L.tokens, HQ, device="cuda", dtype=f32)
+    dk, dv = torch.empty_like(kf), torch.empty_like(vf)
+    dbeta, dg = torch.empty(L.tokens, H, device="cuda", dtype=f32), torch.empty(L.tokens, H, device="cuda", dtype=f32)
+    S = {**cf.launch_settings(H, HQ // H, K, V, False), **cb.launch_settings(H, HQ // H, K, V, False)}
+    c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
+    kernels = {
+        "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
+            kf, gf, bf, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
+        "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
+            kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
+        "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
+            kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
+        "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
+            qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
+        "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
+            qf, kf, gcum, do, dvl, dql, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
+        "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
+            qf, kf, w, gcum, do, dvl, dql, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5,
+            **c("state_bwd", ov), num_warps=nw, num_stages=ns),
+        "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
+            qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
+        "wy_bwd": lambda ov, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
+            kf, vf, bf, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
+            **c("wy_bwd", ov), num_warps=nw, num_stages=ns),
+    }
+    for kname, launch in kernels.items():
+        if kname not in only:
+            continue
+        rows = []
+        for ov, nw, ns in candidates(kname, K, V):  # (not ``o``: the output kernel's buffer has that name)
+            try:
+                us = bench(functools.partial(launch, ov, nw, ns))
+            except Exception as e:  # out of shared memory / registers for this setting
+                rows.append({**ov, "warps": nw, "stages": ns, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+                print(f"{name} {kname} {ov} w{nw} s{ns}: {rows[-1]['error']}", flush=True)
                 continue
-            rows = []
-            for ov, nw, ns in candidates(kname, K, V):  # (not ``o``: the output kernel's buffer has that name)
-                try:
-                    us = bench(lambda: launch(ov, nw, ns))
-                except Exception as e:  # out of shared memory / registers for this setting
-                    rows.append({**ov, "warps": nw, "stages": ns, "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                    print(f"{name} {kname} {ov} w{nw} s{ns}: {rows[-1]['error']}", flush=True)
-                    continue
-                rows.append({**ov, "warps": nw, "stages": ns, "us": us})
-            ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-            res[f"{name}/{kname}"] = rows
-            best = ", ".join(" ".join(f"{k}{r[k]}" for k in r if k != "us") + f": {r['us']:.1f}" for r in ok[:4])
-            print(f"{name} {kname:10s} best: {best}", flush=True)
+            rows.append({**ov, "warps": nw, "stages": ns, "us": us})
+        ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+        res[f"{name}/{kname}"] = rows
+        best = ", ".join(" ".join(f"{k}{r[k]}" for k in r if k != "us") + f": {r['us']:.1f}" for r in ok[:4])
+        print(f"{name} {kname:10s} best: {best}", flush=True)
     return res
 
 

@@ -15,8 +15,8 @@ step 60 python scripts/check_kernels_gpu.py --front --output "$out/kernels_gpu_f
 step 40 python scripts/check_kernels_gpu.py --kl --output "$out/kernels_gpu_kl.json"
 step 420 python scripts/check_kernels_gpu.py --cases 0,2,5,6,7,8,9,10,17,1,3,4,11,14,12,13,15,16 \
     --output "$out/kernels_gpu_errors.json"
-step 300 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"
-step 120 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
+step 540 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"
+step 240 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
 step 240 python scripts/bench_distill.py --variants --output "$out/bench_distill_variants.json"
 if [ $# -ge 3 ]; then
     step 400 bash scripts/gpu_quality.sh "$2" "$3" "$out/quality"

@@ -107,8 +107,8 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / (bench(lambda: dst.copy_(src)) * 1e-3)
 
 
-def fmt(r, key):
-    return f"{r[key]:.2f}" if key in r else "–"
+def fmt(r, key, digits=2):
+    return f"{r[key]:.{digits}f}" if key in r else "–"
 
 
 def markdown(rows) -> str:
@@ -119,7 +119,7 @@ def markdown(rows) -> str:
         lines.append(f"| {r['shape']} | {r['B']}×{r['T']} | {r['q_heads']}/{r['kv_heads']} | {f('ours_fwd_ms')} | {f('fla_fwd_ms')} | "
                      f"{f('sdpa_fwd_ms')} | {f('ours_fwdbwd_ms')} | {f('fla_fwdbwd_ms')} | {f('sdpa_fwdbwd_ms')} | "
                      f"{f('speedup_fwd_vs_fla')}× | {f('speedup_fwdbwd_vs_fla')}× | "
-                     f"{r.get('ours_peak_mib', 0):.0f}/{r.get('fla_peak_mib', 0):.0f} |")
+                     f"{fmt(r, 'ours_peak_mib', 0)}/{fmt(r, 'fla_peak_mib', 0)} |")
     return "\n".join(lines)
 
 
@@ -165,7 +165,8 @@ def main():
 
     md = markdown(rows)
     print(md)
-    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; fla guard on gated backward was {'on (disabled here)' if guard else 'off'}")
+    fla_line = "fla not run" if fla is None else f"fla guard on gated backward was {'on (disabled here)' if guard else 'off'}"
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s; {fla_line}")
     if args.markdown:
         args.markdown.write_text(md + "\n")
 

@@ -186,7 +186,7 @@ def main():
                    "solve, prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
     shapes = args.shapes.split(",")
-    fla, guard = (None, None) if args.no_fla else load_fla()
+    fla, guard = (None, False) if args.no_fla else load_fla()  # as load_fla returns when fla is missing
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard,
            "breakdown_us_per_call": {} if args.no_breakdown else breakdown(shapes, fla)}

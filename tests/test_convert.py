@@ -90,6 +90,36 @@ def test_gdn_block_fused_front_equals_pytorch_front():
         assert ((got_g[n] - ref_g[n]).norm() / ref_g[n].norm()).item() < 1e-4, n
 
 
+def test_gdn_block_fused_front_in_half_precision():
+    """A half-precision block on the fused path (q, k̂ and u stay fp16: the front's kernels compute in float32
+    inside, the operator applies the softmax scale) against the float32 block: output and ρ's gradient are
+    as close as those of the fp16 block on the PyTorch front (float32 front, cast for the operator)."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("llama")
+    x = ids(teacher, B=2, T=40)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)
+    cap = capture_attention(teacher, x, [0], position_ids=pos)[0]
+    model = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(fused_front=False))
+    base = model.model.layers[0].self_attn
+    with torch.no_grad():
+        base.beta_proj.weight.normal_(0, 0.05, generator=torch.Generator().manual_seed(0))
+    w = torch.randn(cap.output.shape, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for name, dtype, fused in (("ref", torch.float32, False), ("torch", torch.float16, False), ("fused", torch.float16, True)):
+        gdn = copy.deepcopy(base).to(dtype)
+        gdn.options = GDNOptions(fused_front=fused)
+        out = gdn.attention_output(cap.hidden_states.to(dtype), tuple(t.to(dtype) for t in cap.position_embeddings), pos)
+        assert out.dtype == dtype
+        (out.float() * w).sum().backward()
+        runs[name] = (out.detach().float(), gdn.rho.grad.float(), gdn.k_proj.weight.grad.float(), gdn.q_proj.weight.grad.float())
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    assert rel(runs["fused"][0], runs["ref"][0]) < 1e-2
+    for i, what in enumerate(("output", "drho", "dk_proj", "dq_proj")):
+        err_fused, err_torch = rel(runs["fused"][i], runs["ref"][i]), rel(runs["torch"][i], runs["ref"][i])
+        assert err_fused < 2 * err_torch + 1e-3, (what, err_fused, err_torch)
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_convert_save_load_round_trip(tmp_path, family):
     model = linearize.convert(tiny_model(family), calibration_ids=calib(tiny_model(family)))

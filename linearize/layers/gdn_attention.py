@@ -126,11 +126,14 @@ class GDNAttention(nn.Module):
         self.rho.copy_(calibrate_rho(q.float() * self.scaling, self.num_kv_heads))
 
     def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False):
-        """q (scaled) and the Taylor front's GDN inputs, in float32 (float64 if the model is).
-        ``fused``: the Triton front (no padding mask, no carried sums; ``front.sums`` is then None)."""
+        """``(q, scale, front)``: q and the Taylor front's GDN inputs; the operator takes ``scale·q``.
+
+        PyTorch front: everything in float32 (float64 if the model is), q scaled (scale 1). Fused front
+        (``fused``: the Triton kernels; no padding mask, no carried sums, ``front.sums`` None): q, k̂ and u
+        stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
+        softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
         q, k, v = project_qkv(self, hidden_states, position_embeddings)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q, k, v = q.to(dt) * self.scaling, k.to(dt), v.to(dt)
         form = "seed" if self.options.form == "taylor-seed" else "stable"
         beta_factor = 2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt))
         if fused and form == "stable" and mask is None and initial is None and dt == torch.float32:
@@ -140,13 +143,16 @@ class GDNAttention(nn.Module):
             kh, u, g, beta, v_mean = taylor_front_triton(k, v, self.rho.to(dt), self.options.beta_max,
                                                          beta_factor=beta_factor, cu_seqlens=cu_seqlens)
             front = TaylorInputs(k=kh, v=u, g=g, beta=beta, v_mean=v_mean, sums=None)
+            scale = self.scaling
         else:
+            q, k, v = q.to(dt) * self.scaling, k.to(dt), v.to(dt)
             front = taylor_front(
                 q, k, v, form=form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
                 beta_factor=beta_factor, mask=mask, initial=initial, cu_seqlens=cu_seqlens,
             )
+            scale = 1.0
         front.g = front.g * torch.exp(self.gate_proj(hidden_states).to(dt))
-        return q, front
+        return q, scale, front
 
     def forward(
         self,
@@ -194,17 +200,19 @@ class GDNAttention(nn.Module):
         want = self.options.fused_front
         fused = (not output_final_state and _triton_usable(hidden_states)
                  and (want is True or (want is None and hidden_states.is_cuda)))
-        q, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
-        if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head
+        q, scale, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
+        if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head (never fused)
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
             o = o[:, None]
         else:
-            # the front runs in float32 (prefix sums over long documents); the chunkwise operator runs in
+            # the front computes in float32 (prefix sums over long documents); the chunkwise operator runs in
             # the model's own precision — bf16/fp16 tensor cores on the GPU, float32 state inside — like
-            # the softmax attention it replaces. g and β stay float32.
+            # the softmax attention it replaces. g and β stay float32. (On the fused path q, k̂, u already
+            # are in that precision and these casts do nothing.)
             cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else q.dtype
             o, state = gated_delta_rule(
-                q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta, initial_state=h0,
+                q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta, scale=scale,
+                initial_state=h0,
                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=self.options.backend,
             )
         o = taylor_back(o, front.v_mean)  # (B, T, Hq, V)

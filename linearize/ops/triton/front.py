@@ -136,8 +136,8 @@ def _front_fwd_kernel(
         b_kbar = s_k / t[:, None]
         b_vbar = s_v / t[:, None]
         tm1, b_kc, n, b_vc, live, b_raw, beta, coef = _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, r, beta_max, eps)
-        tl.store(khat + p_k, b_kc / tl.maximum(n, eps)[:, None], mask=m_tk)
-        tl.store(u + p_v, coef[:, None] * b_vc, mask=m_tv)
+        tl.store(khat + p_k, (b_kc / tl.maximum(n, eps)[:, None]).to(khat.dtype.element_ty), mask=m_tk)
+        tl.store(u + p_v, (coef[:, None] * b_vc).to(u.dtype.element_ty), mask=m_tv)
         tl.store(g + row * H + i_h, tl.log(tl.where(live, 1.0 - 1.0 / t, 1.0)), mask=m_t)
         tl.store(beta_out + row * H + i_h, beta, mask=m_t)
         tl.store(vbar + p_v, b_vbar, mask=m_tv)
@@ -235,8 +235,9 @@ class FusedTaylorFront(torch.autograd.Function):
         kf, vf = Layout.flat(k, v)
         bff = beta_factor.contiguous().view(B * T, H) if beta_factor is not None else kf
         f32 = dict(dtype=torch.float32, device=k.device)
-        khat, kbar = torch.empty(B * T, H, K, **f32), torch.empty(B * T, H, K, **f32)
-        u, vbar = torch.empty(B * T, H, V, **f32), torch.empty(B * T, H, V, **f32)
+        # k̂ and u in the inputs' dtype (what the operator takes); k̄, v̄ and everything inside in float32
+        khat, kbar = torch.empty(B * T, H, K, dtype=k.dtype, device=k.device), torch.empty(B * T, H, K, **f32)
+        u, vbar = torch.empty(B * T, H, V, dtype=v.dtype, device=k.device), torch.empty(B * T, H, V, **f32)
         g, beta = torch.empty(B * T, H, **f32), torch.empty(B * T, H, **f32)
         sub, BK, BV = _blocks(K, V)
         sums = torch.empty(max(L.NC, 1), H, K + V, **f32)
@@ -279,6 +280,8 @@ class FusedTaylorFront(torch.autograd.Function):
 
 
 def taylor_front_triton(k, v, rho, beta_max, beta_factor=None, cu_seqlens=None, eps=1e-12):
-    """``(k̂, u, g, β, v̄)`` of the stable Taylor form, float32, as :func:`linearize.ops.taylor.taylor_front`
-    computes them without a mask or carried sums. ``rho``: ``(H,)`` tensor."""
+    """``(k̂, u, g, β, v̄)`` of the stable Taylor form, as :func:`linearize.ops.taylor.taylor_front` computes
+    them without a mask or carried sums. ``rho``: ``(H,)`` tensor. k and v may be bf16/fp16: the kernels
+    compute in float32 and return k̂ and u in k's and v's dtype (g, β, v̄ in float32); the gradients of k
+    and v come back in their dtypes."""
     return FusedTaylorFront.apply(k, v, rho, beta_factor, cu_seqlens, beta_max, eps)

@@ -50,6 +50,7 @@ class StageConfig:
     batch_size: int = 4
     trainable: str = "rho,gate_proj,beta_proj"  # comma-separated name substrings; "all" = every parameter
     loss: str = "nmse"  # align: "mse" or "nmse"; distill: ignored
+    layer_weights: dict[int, float] = field(default_factory=dict)  # align: {layer index: weight}, others 1.0
     temperature: float = 1.0  # distill: KL temperature
     ce_weight: float = 0.0  # distill: weight of next-token cross-entropy added to the KL
     kl_chunk: int = 1024  # distill: tokens per chunk of the vocabulary-sized KL
@@ -180,6 +181,9 @@ def validate(cfg: RecipeConfig) -> None:
             raise RecipeError(f"stages.{i}: steps and batch_size must be at least 1")
         if st.loss not in ("mse", "nmse"):
             raise RecipeError(f"stages.{i}.loss must be 'mse' or 'nmse'; got {st.loss!r}")
+        bad = {k: w for k, w in st.layer_weights.items() if not (w >= 0 and w < float("inf"))}
+        if bad:
+            raise RecipeError(f"stages.{i}.layer_weights must be finite and ≥ 0; got {bad}")
     if cfg.precision not in ("fp32", "bf16"):
         raise RecipeError(f"precision must be 'fp32' or 'bf16'; got {cfg.precision!r}")
     if cfg.parallel not in ("ddp", "fsdp"):

@@ -88,6 +88,60 @@ def test_chunked_kl_equals_full_kl():
 # training, checkpoints, resume ------------------------------------------------------------------
 
 
+def test_row_squared_error_matches_float64_autograd():
+    """The align loss's fused per-row squared error: value and gradient against float64 autograd."""
+    from linearize.distill.trainer import _RowSquaredError
+
+    torch.manual_seed(0)
+    out = torch.randn(3, 17, 40, dtype=torch.bfloat16, requires_grad=True)
+    ref = torch.randn(3, 17, 40, dtype=torch.bfloat16)
+    w = torch.randn(3)
+    got = _RowSquaredError.apply(out, ref)
+    (got * w).sum().backward()
+    out64 = out.detach().double().requires_grad_(True)
+    want = (out64 - ref.double()).pow(2).sum((1, 2))
+    (want * w.double()).sum().backward()
+    assert got.dtype == torch.float32 and out.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(out.grad.double(), out64.grad, rtol=8e-3, atol=1e-6)  # bf16 rounding of the gradient
+
+
+def test_align_loss_weights_layers_and_stops_gradient_at_weight_zero():
+    """layer_weights: the loss is Σ w_i·L_i / Σ w_i over the per-layer losses; a layer of weight 0 gets no
+    gradient; the per-layer values are the (normalized) MSE computed directly from the teacher's capture."""
+    from conftest import tiny_model
+
+    import linearize
+    from linearize.config import RecipeConfig
+    from linearize.distill.trainer import Run, align_loss, align_weights, gdn_layers
+    from linearize.eval import capture_attention
+
+    teacher = tiny_model("llama", num_hidden_layers=3).eval().requires_grad_(False)
+    student = linearize.convert(__import__("copy").deepcopy(teacher), calibration_ids=torch.randint(0, 96, (1, 32)))
+    run = Run(RecipeConfig(), Path("."), torch.device("cpu"), torch.float32, teacher, student, None, None)
+    ids = torch.randint(0, 96, (2, 24))
+    pos = torch.arange(24).expand(2, 24)
+    loss, per_layer = align_loss(run, ids, pos, "nmse", {0: 3.0, 2: 0.0})
+    vals = {i: float(v) for i, v in per_layer.items()}
+    assert loss.item() == pytest.approx((3 * vals[0] + vals[1]) / 4, rel=1e-6)
+    caps = capture_attention(teacher, ids, [1], position_ids=pos)
+    out = gdn_layers(student)[1](caps[1].hidden_states, caps[1].position_embeddings, position_ids=pos, pre_o_proj=True)
+    ref = caps[1].output.double()
+    want = ((out.double() - ref).pow(2).mean((1, 2)) / ref.pow(2).mean((1, 2))).mean()
+    assert vals[1] == pytest.approx(want.item(), rel=1e-5)
+    for p in student.parameters():
+        p.requires_grad_(False)
+    layers = gdn_layers(student)
+    for attn in layers.values():
+        attn.rho.requires_grad_(True)
+    loss.backward()
+    assert layers[2].rho.grad is None and layers[0].rho.grad.abs().sum() > 0 and layers[1].rho.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match=r"layer_weights names layers \[7\]"):
+        align_weights(layers, {7: 1.0})
+    with pytest.raises(ValueError, match="weight 0"):
+        align_weights(layers, {0: 0.0, 1: 0.0, 2: 0.0})
+
+
 def test_distill_runs_and_saves_a_loadable_model(tiny_dir, tmp_path):
     import linearize
 
@@ -197,6 +251,17 @@ def test_cli_distill_empty_dataset(tiny_dir, tmp_path):
 def test_cli_distill_seq_len_beyond_teacher(tiny_dir, tmp_path):
     one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, tmp_path / "o", **{"data.seq_len": 100000})),
              "exceeds the teacher's 512 positions")
+
+
+def test_cli_distill_layer_weights_of_unconverted_layer(tiny_dir, tmp_path):
+    one_line(*cli(recipe_file(tmp_path), *overrides(tiny_dir, tmp_path / "o", **{"stages.0.layer_weights": "{99: 2.0}"})),
+             "stages.0.layer_weights names layers [99]")
+    assert not (tmp_path / "o").exists()
+
+
+def test_load_recipe_negative_layer_weight():
+    with pytest.raises(RecipeError, match=r"stages.0.layer_weights must be finite and ≥ 0"):
+        load_recipe(None, ["stages.0.layer_weights={1: -2.0}"])
 
 
 def test_cli_distill_refuses_other_runs_directory(tiny_dir, tmp_path):

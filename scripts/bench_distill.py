@@ -11,7 +11,8 @@ with the PyTorch front; the teacher is timed on the same rows for each.
 SmolLM2-135M architecture (random weights: throughput does not depend on their values), bf16, on
 CUDA. Timed per step with CUDA events (median after warm-up):
 - teacher: full-model forward + backward of next-token cross-entropy, every parameter trainable;
-- align: one teacher forward (no grad) + every GDN block on the teacher's input, backward;
+- align: one teacher forward (no grad) + every GDN block on the teacher's input, backward; the teacher's
+  capturing forward alone is timed too (``teacher_capture_s``; ``align_gdn_blocks_s`` is the rest);
 - distill: teacher forward (no grad) + student forward + chunked KL, backward into the attention blocks.
 Targets (issue 5): align ≥ 2×, distill ≥ 0.7× the teacher's tokens/s.
 """
@@ -90,6 +91,13 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
                                 options=GDNOptions(fused_front=fused_front))
     float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
     run = Run(RecipeConfig(), Path("."), dev, dt, teacher, student, None, None)
+    # the part of an align step that is the teacher's own forward (no grad, capturing every layer's
+    # attention input and output): what is left of the step is the GDN blocks' forward, loss and backward
+    from linearize.distill.trainer import gdn_layers
+    from linearize.eval import capture_attention
+
+    layers = list(gdn_layers(student))
+    rows["teacher_capture_s"], _ = timed(lambda: capture_attention(teacher, ids, layers, position_ids=pos), iters)
     for name in ("align", "distill"):
         st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)
         opt, _, _ = make_optimizer(run, st)
@@ -111,6 +119,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
         rows[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s"]
     rows["align_vs_teacher"] = rows["align_tokens_per_s"] / rows["teacher_fwd_bwd_tokens_per_s"]
     rows["distill_vs_teacher"] = rows["distill_tokens_per_s"] / rows["teacher_fwd_bwd_tokens_per_s"]
+    rows["align_gdn_blocks_s"] = rows["align_s"] - rows["teacher_capture_s"]
     return rows
 
 

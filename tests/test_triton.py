@@ -149,6 +149,32 @@ def test_fused_taylor_front_equals_pytorch_front(poisoned, case):
         assert torch.isfinite(mine).all() and rel(mine, ref) < 1e-5, what
 
 
+@pytest.mark.parametrize("B, T, H, D, cos_rows", [(2, 37, 3, 16, 2), (1, 50, 9, 64, 1), (3, 5, 1, 256, 3)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dtype, tol):
+    """RoPE in one Triton pass against transformers' apply_rotary_pos_emb in float64: output and the
+    gradient of x, per-row and shared position embeddings, head counts that are not powers of two."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from linearize.ops.triton.rope import apply_rope_triton, rope_usable
+
+    gen = torch.Generator().manual_seed(B * T + D)
+    x = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
+    ang = torch.rand(cos_rows, T, D // 2, generator=gen, dtype=torch.float64) * 6
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    dy = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
+    xr = x.to(dtype).double().requires_grad_(True)  # the reference sees the same rounded inputs
+    want, _ = apply_rotary_pos_emb(xr, xr, cos.to(dtype).double(), sin.to(dtype).double(), unsqueeze_dim=2)
+    want.backward(dy.to(dtype).double())
+    xt = x.to(dtype).requires_grad_(True)
+    assert rope_usable(xt, cos)
+    got = apply_rope_triton(xt, cos, sin)
+    got.backward(dy.to(dtype))
+    assert got.dtype == dtype and xt.grad.dtype == dtype
+    assert rel(got.double(), want) < tol and rel(xt.grad.double(), xr.grad) < tol
+    assert not rope_usable(xt, cos[..., : D // 2])  # partial rotary: left to transformers
+
+
 def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
     """Rows past a document's end read g = 0; with a chunk's log-decay below −88.7 (exp overflows in fp32)
     the masked products must not turn 0·inf into NaN that reaches real rows (packed, partial chunks)."""

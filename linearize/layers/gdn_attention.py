@@ -132,7 +132,7 @@ class GDNAttention(nn.Module):
         (``fused``: the Triton kernels; no padding mask, no carried sums, ``front.sums`` None): q, k̂ and u
         stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
         softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
-        q, k, v = project_qkv(self, hidden_states, position_embeddings)
+        q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         form = "seed" if self.options.form == "taylor-seed" else "stable"
         beta_factor = 2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt))

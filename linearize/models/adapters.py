@@ -14,8 +14,10 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return model.model.layers
 
 
-def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, ...]:
-    """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale."""
+def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
+                fused: bool = False) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale.
+    ``fused``: RoPE through one Triton pass each way (``linearize/ops/triton/rope.py``) where it applies."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     B, T, _ = hidden_states.shape
@@ -26,6 +28,11 @@ def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_emb
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = position_embeddings
+    if fused:
+        from ..ops.triton.rope import apply_rope_triton, rope_usable
+
+        if rope_usable(q, cos) and rope_usable(k, cos):
+            return apply_rope_triton(q, cos, sin), apply_rope_triton(k, cos, sin), v
     # apply_rotary_pos_emb wants (B, H, T, D) with unsqueeze_dim=1; (B, T, H, D) takes unsqueeze_dim=2
     q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
     return q, k, v

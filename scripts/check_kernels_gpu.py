@@ -107,6 +107,32 @@ def check_front(B, T, H, K, V, cu=None, seed=0, dtype=torch.float32):
             "tolerance": tol, "pass": worst <= tol}
 
 
+def check_rope(B, T, H, D, dtype, seed=0):
+    """RoPE in one Triton pass (linearize/ops/triton/rope.py) against transformers' apply_rotary_pos_emb in
+    float64 on the same rounded x, cos, sin: output and the gradient of x."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    from linearize.ops.triton.rope import apply_rope_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(B, T, H, D, device="cuda", generator=gen).to(dtype)
+    ang = torch.arange(T, device="cuda")[:, None] * 10000.0 ** (-torch.arange(0, D, 2, device="cuda") / D)
+    cos, sin = (f(torch.cat([ang, ang], -1))[None].expand(B, T, D).to(dtype) for f in (torch.cos, torch.sin))
+    dy = torch.randn(B, T, H, D, device="cuda", generator=gen).to(dtype)
+    xr = x.double().requires_grad_(True)
+    want, _ = apply_rotary_pos_emb(xr, xr, cos.double(), sin.double(), unsqueeze_dim=2)
+    want.backward(dy.double())
+    xt = x.clone().requires_grad_(True)
+    got = apply_rope_triton(xt, cos, sin)
+    got.backward(dy)
+    res = {}
+    for n, a, b in (("y", got, want), ("dx", xt.grad, xr.grad)):
+        res[n] = ((a.double() - b).norm() / b.norm()).item() if torch.isfinite(a).all() else math.inf
+    worst, tol = max(res.values()), TOL[dtype]
+    return {"kind": "rope", "B": B, "T": T, "q_heads": H, "kv_heads": H, "K": D, "V": D,
+            "dtype": str(dtype).split(".")[-1], "beta": "rope", "cu_seqlens": None, "errors": res, "max_error": worst, "tolerance": tol, "pass": worst <= tol}
+
+
 def check_kl(R, V, T, ce_w, seed=0):
     """The fused distillation loss (linearize/ops/triton/kl.py) on bf16 logits against float64 autograd."""
     from linearize.ops.kl import kl_loss
@@ -138,6 +164,7 @@ def main():
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="three cases only (bf16 2x8192, fp32 GQA, fp32 packed)")
     p.add_argument("--front", action="store_true", help="the fused Taylor front only (ops/triton/front.py)")
+    p.add_argument("--rope", action="store_true", help="the fused RoPE only (ops/triton/rope.py)")
     p.add_argument("--kl", action="store_true", help="the fused distillation loss only (ops/triton/kl.py)")
     p.add_argument("--cases", default=None, help="comma-separated indices into the full case list (0-17), "
                    "to split the check over several calls")
@@ -164,6 +191,9 @@ def main():
                  dict(front=True, B=2, T=4096, H=8, K=128, V=128), dict(front=True, B=1, T=3000, H=1, K=256, V=256)]
         # a bf16 model's path: k and v in bf16, k̂ and u returned in bf16
         cases += [dict(c, dtype=torch.bfloat16) for c in cases[:2]]
+    if args.rope:  # SmolLM2 training rows (q and k), Llama-3-8B q
+        cases = [dict(rope=True, B=16, T=2048, H=H, D=64, dtype=dt) for dt in (torch.bfloat16, torch.float32) for H in (9, 3)]
+        cases.append(dict(rope=True, B=1, T=4096, H=32, D=128, dtype=torch.bfloat16))
     if args.kl:  # one chunk of SmolLM2-sized logits, KL alone and KL + CE at T=2
         cases = [dict(kl=True, R=4096, V=49152, T=1.0, ce_w=None), dict(kl=True, R=4096, V=49152, T=2.0, ce_w=0.01)]
     rows = []
@@ -174,6 +204,8 @@ def main():
         with poisoned_outputs():  # every buffer the kernels' launcher allocates starts as NaN
             if c.get("front"):
                 row = check_front(**{k: v for k, v in c.items() if k != "front"})
+            elif c.get("rope"):
+                row = check_rope(**{k: v for k, v in c.items() if k != "rope"})
             elif c.get("kl"):
                 row = check_kl(**{k: v for k, v in c.items() if k != "kl"})
             else:

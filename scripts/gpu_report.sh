@@ -12,6 +12,7 @@ out=$1
 mkdir -p "$out"
 step() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "== exit $?"; }
 step 60 python scripts/check_kernels_gpu.py --front --output "$out/kernels_gpu_front.json"
+step 40 python scripts/check_kernels_gpu.py --rope --output "$out/kernels_gpu_rope.json"
 step 40 python scripts/check_kernels_gpu.py --kl --output "$out/kernels_gpu_kl.json"
 step 420 python scripts/check_kernels_gpu.py --cases 0,2,5,6,7,8,9,10,17,1,3,4,11,14,12,13,15,16 \
     --output "$out/kernels_gpu_errors.json"

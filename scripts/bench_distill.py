@@ -39,23 +39,31 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
-def timed(step, iters: int) -> tuple[float, list[float]]:
-    """(median, every step's) seconds of ``iters`` steps after two warm-up steps."""
+def timed(step, iters: int, host: list | None = None) -> tuple[float, list[float]]:
+    """(median, every step's) seconds of ``iters`` steps after two warm-up steps. ``host``: gets each step's
+    host seconds — until ``step()`` returns, before waiting on the GPU — a step whose host time is close to
+    its total kept the GPU waiting on Python (launches, autograd), not the other way round."""
     for _ in range(2):
         step()
     times = []
     for _ in range(iters):
         if torch.cuda.is_available():
+            torch.cuda.synchronize()
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             a.record()
             step()
             b.record()
+            if host is not None:
+                host.append(time.perf_counter() - t0)
             b.synchronize()
             times.append(a.elapsed_time(b) / 1e3)
         else:  # a smoke run of the script itself on the CPU (--tiny)
             t0 = time.perf_counter()
             step()
             times.append(time.perf_counter() - t0)
+            if host is not None:
+                host.append(times[-1])
     return statistics.median(times), times
 
 
@@ -107,7 +115,9 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
             loss.backward()
             opt.zero_grad(set_to_none=True)
 
-        rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters)
+        host = []
+        rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters, host)
+        rows[f"{name}_host_s"] = statistics.median(host)
         if profile and dev.type == "cuda":
             prof = gpu_profile(step)
             rows[f"{name}_profile"] = prof

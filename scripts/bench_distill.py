@@ -77,7 +77,27 @@ def gpu_profile(step, iters: int = 2) -> dict:
     return {"kernel_ms_total": sum(per_us.values()) / 1e3, "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}
 
 
-def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False) -> dict:
+def host_profile(step, iters: int = 3, top: int = 30) -> list[dict]:
+    """Where one step's host (Python) time goes: cProfile over ``iters`` steps, the ``top`` functions by
+    their own time, milliseconds per step."""
+    import cProfile
+    import pstats
+
+    step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(iters):
+        step()
+    prof.disable()
+    torch.cuda.synchronize()
+    st = pstats.Stats(prof)
+    rows = [{"function": f"{Path(f).name}:{line}:{fn}", "calls_per_step": cc / iters, "own_ms_per_step": tt * 1e3 / iters,
+             "cum_ms_per_step": ct * 1e3 / iters} for (f, line, fn), (cc, nc, tt, ct, _) in st.stats.items()]
+    return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
+
+
+def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False, host: bool = False) -> dict:
     """Seconds per step of the teacher's forward+backward and of the align and distill steps."""
     from linearize.layers import GDNOptions
 
@@ -118,6 +138,11 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
         host = []
         rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters, host)
         rows[f"{name}_host_s"] = statistics.median(host)
+        if host and dev.type == "cuda":
+            rows[f"{name}_host_profile"] = hp = host_profile(step)
+            print(f"{name}: host time per step by function (own ms, calls)")
+            for r in hp[:20]:
+                print(f"  {r['own_ms_per_step']:8.2f} ms {r['calls_per_step']:7.0f}  {r['function']}")
         if profile and dev.type == "cuda":
             prof = gpu_profile(step)
             rows[f"{name}_profile"] = prof
@@ -147,6 +172,8 @@ def main():
     p.add_argument("--variants", action="store_true", help="rows and packed rows, each with both fronts, in one run")
     p.add_argument("--profile", action="store_true",
                    help="also profile the align and distill steps: GPU ms per kernel name, kernel total against wall")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also cProfile the align and distill steps: host ms per function (is the step Python-bound?)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -175,7 +202,7 @@ def main():
            "B": B, "T": T, "iters": args.iters, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
     variants = []
     for name, pos, fused in plan:
-        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile)}
+        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile, args.host_profile)}
         variants.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.variants:

@@ -88,22 +88,25 @@ def test_chunked_kl_equals_full_kl():
 # training, checkpoints, resume ------------------------------------------------------------------
 
 
-def test_row_squared_error_matches_float64_autograd():
-    """The align loss's fused per-row squared error: value and gradient against float64 autograd."""
+@pytest.mark.parametrize("dtype, tol", [(torch.bfloat16, 8e-3), (torch.float32, 1e-6)])
+def test_row_squared_error_matches_float64_autograd(dtype, tol):
+    """The align loss's fused per-row squared error: value and gradient against float64 autograd; its
+    input is left as it was."""
     from linearize.distill.trainer import _RowSquaredError
 
     torch.manual_seed(0)
-    out = torch.randn(3, 17, 40, dtype=torch.bfloat16, requires_grad=True)
-    ref = torch.randn(3, 17, 40, dtype=torch.bfloat16)
+    out = torch.randn(3, 17, 40, dtype=dtype, requires_grad=True)
+    ref = torch.randn(3, 17, 40, dtype=dtype)
+    before = out.detach().clone()
     w = torch.randn(3)
     got = _RowSquaredError.apply(out, ref)
     (got * w).sum().backward()
     out64 = out.detach().double().requires_grad_(True)
     want = (out64 - ref.double()).pow(2).sum((1, 2))
     (want * w.double()).sum().backward()
-    assert got.dtype == torch.float32 and out.grad.dtype == torch.bfloat16
+    assert got.dtype == torch.float32 and out.grad.dtype == dtype and torch.equal(out.detach(), before)
     torch.testing.assert_close(got.double(), want.detach(), rtol=1e-6, atol=0)
-    torch.testing.assert_close(out.grad.double(), out64.grad, rtol=8e-3, atol=1e-6)  # bf16 rounding of the gradient
+    torch.testing.assert_close(out.grad.double(), out64.grad, rtol=tol, atol=1e-6)  # bf16: rounding of the gradient
 
 
 def test_align_loss_weights_layers_and_stops_gradient_at_weight_zero():
@@ -140,6 +143,54 @@ def test_align_loss_weights_layers_and_stops_gradient_at_weight_zero():
         align_weights(layers, {7: 1.0})
     with pytest.raises(ValueError, match="weight 0"):
         align_weights(layers, {0: 0.0, 1: 0.0, 2: 0.0})
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_align_loss_batched_blocks_equal_layer_by_layer(packed):
+    """The align stage's one-call path (every block's heads side by side through the fused Triton front
+    and operator, under TRITON_INTERPRET=1 here) gives the layer-by-layer losses and gradients."""
+    import copy
+
+    from conftest import tiny_model
+
+    import linearize
+    from linearize.config import RecipeConfig
+    from linearize.distill.trainer import Run, align_loss, gdn_layers
+    from linearize.layers import GDNOptions
+    from linearize.layers.gdn_attention import batched_attention_outputs
+
+    teacher = tiny_model("llama", num_hidden_layers=3).eval().requires_grad_(False)
+    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 96, (1, 32)),
+                                options=GDNOptions(fused_front=True))
+    torch.manual_seed(1)
+    with torch.no_grad():  # move the new parameters off their identity init, so every term matters
+        for attn in gdn_layers(student).values():
+            for lin in (attn.gate_proj, attn.beta_proj):
+                lin.weight.normal_(0, 0.2)
+            attn.rho.mul_(1.3)
+    run = Run(RecipeConfig(), Path("."), torch.device("cpu"), torch.float32, teacher, student, None, None)
+    ids = torch.randint(0, 96, (2, 80))
+    pos = torch.arange(80).expand(2, 80)
+    if packed:
+        pos = torch.cat([torch.arange(30), torch.arange(50)]).expand(2, 80)
+    named = [(n, p.requires_grad_(True)) for n, p in student.named_parameters() if "self_attn" in n and "o_proj" not in n]
+    params = [p for _, p in named]
+    got = {}
+    for batched in (True, False):
+        loss, per_layer = align_loss(run, ids, pos, "nmse", {1: 2.0}, batched=batched)
+        grads = torch.autograd.grad(loss, params)
+        got[batched] = (loss.detach(), torch.stack(list(per_layer.values())), grads)
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-5, atol=0)
+    for (n, _), a, b in zip(named, got[True][2], got[False][2]):
+        assert b.abs().sum() > 0, n
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7, msg=n)
+    # the batched path did run (it is not the fallback)
+    from linearize.eval import capture_attention
+
+    caps = capture_attention(teacher, ids, [0, 1, 2], position_ids=pos)
+    assert batched_attention_outputs(list(gdn_layers(student).values()), [caps[i].hidden_states for i in range(3)],
+                                     caps[0].position_embeddings, pos) is not None
 
 
 def test_distill_runs_and_saves_a_loadable_model(tiny_dir, tmp_path):

@@ -324,30 +324,37 @@ class _RowSquaredError(torch.autograd.Function):
     @staticmethod
     def forward(ctx, out, ref):
         ctx.save_for_backward(out, ref)
-        return torch.linalg.vector_norm(out.float().sub_(ref), dim=(1, 2)).square()
+        return torch.linalg.vector_norm(out.float() - ref, dim=(1, 2)).square()  # not in place: fp32 out is out
 
     @staticmethod
     def backward(ctx, grad):
         out, ref = ctx.saved_tensors
-        return out.float().sub_(ref).mul_(2 * grad[:, None, None]).to(out.dtype), None
+        return (out.float() - ref).mul_(2 * grad[:, None, None]).to(out.dtype), None
 
 
-def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None) -> tuple[torch.Tensor, dict]:
+def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
+               batched: bool = True) -> tuple[torch.Tensor, dict]:
     """Weighted mean over the converted layers of each block's (normalized) MSE to the teacher's attention
     output (``layer_weights``: ``{layer index: weight}``, others 1); and ``{layer: loss}`` as detached
     0-dim tensors — read back (``per_layer_values``) only after the backward, so no layer waits on a host
-    sync while the GPU drains its queue."""
+    sync while the GPU drains its queue. ``batched``: all blocks in one front and operator call where
+    :func:`linearize.layers.gdn_attention.batched_attention_outputs` applies (not under FSDP)."""
     from ..eval import capture_attention
+    from ..layers.gdn_attention import batched_attention_outputs
 
     layers = gdn_layers(run.student)
     weights = align_weights(layers, layer_weights)
     caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos)
+    outs = None
+    pe = caps[next(iter(layers))].position_embeddings
+    if batched and not run.fsdp and all(caps[i].position_embeddings is pe for i in layers):
+        outs = batched_attention_outputs(list(layers.values()), [caps[i].hidden_states for i in layers], pe, pos)
     per_layer = {}
     total = 0.0
-    for i, gdn in layers.items():
+    for j, (i, gdn) in enumerate(layers.items()):
         cap = caps[i]
-        # through the block's forward (not attention_output), so FSDP gathers its weights when sharded
-        out = gdn(cap.hidden_states, cap.position_embeddings, position_ids=pos, pre_o_proj=True)
+        # layer by layer through the block's forward (not attention_output), so FSDP gathers its weights
+        out = outs[j] if outs is not None else gdn(cap.hidden_states, cap.position_embeddings, position_ids=pos, pre_o_proj=True)
         ref = cap.output.detach()
         n = ref[0].numel()
         err = _RowSquaredError.apply(out, ref) / n  # per row, so shards average exactly

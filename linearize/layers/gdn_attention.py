@@ -217,3 +217,44 @@ class GDNAttention(nn.Module):
             )
         o = taylor_back(o, front.v_mean)  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums
+
+
+def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Tensor], position_embeddings,
+                              position_ids: torch.Tensor | None = None) -> list[torch.Tensor] | None:
+    """Every block's :meth:`GDNAttention.attention_output` on its own input, in one front launch and one
+    operator call: the blocks' heads side by side, as if one layer had all of them (each head's state
+    and prefix means are its own, so the result is the same). The distill align stage runs every
+    converted layer on the teacher's captured inputs; layer by layer, Python and kernel launches
+    (about 25 per layer) cost more time than the GPU work.
+
+    Returns None where it does not apply — fewer than two blocks, or blocks that differ in head
+    layout, scale, β bound, backend or dtype, or that are not on the fused path (the Triton front: CUDA,
+    or ``fused_front=True``) — and the caller runs the blocks one by one."""
+    from ..ops.triton.front import taylor_front_triton
+
+    b0, h0 = blocks[0], hidden[0] if hidden else None
+    same = ("head_dim", "num_heads", "num_kv_heads", "scaling")
+    if (len(blocks) < 2 or not _triton_usable(h0) or h0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or any(getattr(b, a) != getattr(b0, a) for b in blocks for a in same)
+            or any(b.options.form != "stable" or b.options.beta_max != b0.options.beta_max
+                   or b.options.backend != b0.options.backend for b in blocks)
+            or any(b.options.fused_front is False or (b.options.fused_front is None and not h.is_cuda)
+                   for b, h in zip(blocks, hidden))
+            or any(h.shape != h0.shape or h.dtype != h0.dtype for h in hidden)):
+        return None
+    B, T, _ = h0.shape
+    cos, sin = position_embeddings
+    cu = packed_cu_seqlens(position_ids) if position_ids is not None else None
+    if cu is not None:  # packed documents: one flat row, documents given by cu (as attention_output does)
+        flat = lambda x: x.reshape(1, B * T, *x.shape[2:])
+        hidden = [flat(h) for h in hidden]
+        cos, sin = flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1))
+    parts = [(*project_qkv(b, h, (cos, sin), fused=True), b.beta_proj(h), b.gate_proj(h)) for b, h in zip(blocks, hidden)]
+    q, k, v, beta_logit, gate_logit = (torch.cat(x, dim=2) for x in zip(*parts))
+    rho = torch.cat([b.rho.float() for b in blocks])
+    kh, u, g, beta, v_mean = taylor_front_triton(k, v, rho, b0.options.beta_max,
+                                                 beta_factor=2 * torch.sigmoid(beta_logit.float()), cu_seqlens=cu)
+    g = g * torch.exp(gate_logit.float())
+    o, _ = gated_delta_rule(q=q, k=kh, v=u, g=g, beta=beta, scale=b0.scaling, cu_seqlens=cu, backend=b0.options.backend)
+    o = taylor_back(o, v_mean).reshape(B, T, len(blocks), -1).to(h0.dtype)  # (B, T, layer, Hq·D)
+    return [o[:, :, i] for i in range(len(blocks))]

@@ -257,4 +257,6 @@ def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Ten
     g = g * torch.exp(gate_logit.float())
     o, _ = gated_delta_rule(q=q, k=kh, v=u, g=g, beta=beta, scale=b0.scaling, cu_seqlens=cu, backend=b0.options.backend)
     o = taylor_back(o, v_mean).reshape(B, T, len(blocks), -1).to(h0.dtype)  # (B, T, layer, Hq·D)
-    return [o[:, :, i] for i in range(len(blocks))]
+    # unbind, not o[:, :, i]: its backward stacks the layers' gradients in one pass, where 30 selects
+    # would each fill and add a gradient of the full (B, T, layer, Hq·D) size
+    return list(o.unbind(2))

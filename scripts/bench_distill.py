@@ -135,9 +135,9 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
             loss.backward()
             opt.zero_grad(set_to_none=True)
 
-        host = []
-        rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters, host)
-        rows[f"{name}_host_s"] = statistics.median(host)
+        host_times = []
+        rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters, host_times)
+        rows[f"{name}_host_s"] = statistics.median(host_times)
         if host and dev.type == "cuda":
             rows[f"{name}_host_profile"] = hp = host_profile(step)
             print(f"{name}: host time per step by function (own ms, calls)")

@@ -27,6 +27,11 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖a − ref‖ / ‖ref‖ in float64; inf where ``a`` holds a NaN or an Inf."""
+    return ((a.double() - ref).norm() / ref.norm()).item() if torch.isfinite(a).all() else math.inf
+
+
 def make_inputs(B, T, H, G, K, V, dtype, seed, beta_mode, N):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
@@ -62,9 +67,7 @@ def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, see
             got += [x.grad for x in leaves]
         outs[name] = got
     for n, a, b in zip(NAMES, outs["ours"], outs["ref"]):
-        finite = bool(torch.isfinite(a).all())
-        err = ((a.double() - b).norm() / b.norm()).item() if finite else math.inf
-        res[n] = err
+        res[n] = rel_err(a, b)
     worst = max(res.values())
     return {"B": B, "T": T, "q_heads": H * G, "kv_heads": H, "K": K, "V": V, "dtype": str(dtype).split(".")[-1],
             "beta": beta_mode, "cu_seqlens": cu, "errors": res, "max_error": worst,
@@ -97,9 +100,7 @@ def check_front(B, T, H, K, V, cu=None, seed=0, dtype=torch.float32):
         sum((o.double() * torch.randn(o.shape, device="cuda", generator=g2, dtype=torch.float64)).sum() for o in outs).backward()
         got[name] = [o.detach() for o in outs] + [x.grad for x in leaves]
     names = ("khat", "u", "g", "beta", "vbar", "dk", "dv", "drho", "dbeta_factor")
-    res = {}
-    for n, a, b in zip(names, got["ours"], got["ref"]):
-        res[n] = ((a.double() - b).norm() / b.norm()).item() if torch.isfinite(a).all() else math.inf
+    res = {n: rel_err(a, b) for n, a, b in zip(names, got["ours"], got["ref"])}
     worst = max(res.values())
     tol = TOL[dtype]
     return {"kind": "taylor_front", "B": B, "T": T, "q_heads": H, "kv_heads": H, "K": K, "V": V,
@@ -125,9 +126,7 @@ def check_rope(B, T, H, D, dtype, seed=0):
     xt = x.clone().requires_grad_(True)
     got = apply_rope_triton(xt, cos, sin)
     got.backward(dy)
-    res = {}
-    for n, a, b in (("y", got, want), ("dx", xt.grad, xr.grad)):
-        res[n] = ((a.double() - b).norm() / b.norm()).item() if torch.isfinite(a).all() else math.inf
+    res = {"y": rel_err(got, want), "dx": rel_err(xt.grad, xr.grad)}
     worst, tol = max(res.values()), TOL[dtype]
     return {"kind": "rope", "B": B, "T": T, "q_heads": H, "kv_heads": H, "K": D, "V": D,
             "dtype": str(dtype).split(".")[-1], "beta": "rope", "cu_seqlens": None, "errors": res, "max_error": worst, "tolerance": tol, "pass": worst <= tol}

@@ -189,17 +189,18 @@ class GDNAttention(nn.Module):
         cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
         if cu is None:
             return self._attend(hidden_states, position_embeddings, mask, None, None, False)[0]
-        flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # (B, T, ...) -> (1, B·T, ...)
-        cos, sin = position_embeddings
-        o = self._attend(flat(hidden_states), (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1))),
-                         None, None, None, False, cu)[0]
-        return o.view(B, T, -1)
+        (flat,), pe = _flatten_rows([hidden_states], position_embeddings)
+        return self._attend(flat, pe, None, None, None, False, cu)[0].view(B, T, -1)
+
+    def _fused(self, hidden_states: torch.Tensor, output_final_state: bool = False) -> bool:
+        """Whether this call takes the fused Triton path (front, RoPE): asked for, or by default on CUDA."""
+        want = self.options.fused_front
+        return (not output_final_state and _triton_usable(hidden_states)
+                and (want is True or (want is None and hidden_states.is_cuda)))
 
     def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
         B, T, _ = hidden_states.shape
-        want = self.options.fused_front
-        fused = (not output_final_state and _triton_usable(hidden_states)
-                 and (want is True or (want is None and hidden_states.is_cuda)))
+        fused = self._fused(hidden_states, output_final_state)
         q, scale, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head (never fused)
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
@@ -219,6 +220,15 @@ class GDNAttention(nn.Module):
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums
 
 
+def _flatten_rows(hidden: list[torch.Tensor], position_embeddings):
+    """``(B, T, ...)`` → ``(1, B·T, ...)`` for each hidden state and for the position embeddings: packed
+    documents run as one row whose document offsets are ``cu_seqlens``."""
+    B, T = hidden[0].shape[:2]
+    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])
+    cos, sin = position_embeddings
+    return [flat(h) for h in hidden], (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1)))
+
+
 def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Tensor], position_embeddings,
                               position_ids: torch.Tensor | None = None) -> list[torch.Tensor] | None:
     """Every block's :meth:`GDNAttention.attention_output` on its own input, in one front launch and one
@@ -234,22 +244,18 @@ def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Ten
 
     b0, h0 = blocks[0], hidden[0] if hidden else None
     same = ("head_dim", "num_heads", "num_kv_heads", "scaling")
-    if (len(blocks) < 2 or not _triton_usable(h0) or h0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+    if (len(blocks) < 2 or h0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or any(getattr(b, a) != getattr(b0, a) for b in blocks for a in same)
             or any(b.options.form != "stable" or b.options.beta_max != b0.options.beta_max
                    or b.options.backend != b0.options.backend for b in blocks)
-            or any(b.options.fused_front is False or (b.options.fused_front is None and not h.is_cuda)
-                   for b, h in zip(blocks, hidden))
+            or any(not b._fused(h) for b, h in zip(blocks, hidden))
             or any(h.shape != h0.shape or h.dtype != h0.dtype for h in hidden)):
         return None
     B, T, _ = h0.shape
-    cos, sin = position_embeddings
     cu = packed_cu_seqlens(position_ids) if position_ids is not None else None
     if cu is not None:  # packed documents: one flat row, documents given by cu (as attention_output does)
-        flat = lambda x: x.reshape(1, B * T, *x.shape[2:])
-        hidden = [flat(h) for h in hidden]
-        cos, sin = flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1))
-    parts = [(*project_qkv(b, h, (cos, sin), fused=True), b.beta_proj(h), b.gate_proj(h)) for b, h in zip(blocks, hidden)]
+        hidden, position_embeddings = _flatten_rows(hidden, position_embeddings)
+    parts = [(*project_qkv(b, h, position_embeddings, fused=True), b.beta_proj(h), b.gate_proj(h)) for b, h in zip(blocks, hidden)]
     q, k, v, beta_logit, gate_logit = (torch.cat(x, dim=2) for x in zip(*parts))
     rho = torch.cat([b.rho.float() for b in blocks])
     kh, u, g, beta, v_mean = taylor_front_triton(k, v, rho, b0.options.beta_max,

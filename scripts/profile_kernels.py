@@ -145,7 +145,7 @@ def _sweep_shape(name, only):
         "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
             kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
         "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
-            qf, kf, v_new, gcum, hs, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
+            qf, kf, v_new, gcum, hs, o, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
         "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
             qf, kf, gcum, do, dvl, dql, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
         "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](

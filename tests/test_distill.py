@@ -145,10 +145,11 @@ def test_align_loss_weights_layers_and_stops_gradient_at_weight_zero():
         align_weights(layers, {0: 0.0, 1: 0.0, 2: 0.0})
 
 
-@pytest.mark.parametrize("packed", [False, True])
-def test_align_loss_batched_blocks_equal_layer_by_layer(packed):
+@pytest.mark.parametrize("packed, backend", [(False, "auto"), (True, "auto"), (True, "triton")])
+def test_align_loss_batched_blocks_equal_layer_by_layer(packed, backend):
     """The align stage's one-call path (every block's heads side by side through the fused Triton front
-    and operator, under TRITON_INTERPRET=1 here) gives the layer-by-layer losses and gradients."""
+    and operator, and the Triton loss sums, under TRITON_INTERPRET=1 here) gives the layer-by-layer
+    losses and gradients (PyTorch loss; the operator of ``backend``: "auto" is PyTorch on the CPU)."""
     import copy
 
     from conftest import tiny_model
@@ -161,7 +162,7 @@ def test_align_loss_batched_blocks_equal_layer_by_layer(packed):
 
     teacher = tiny_model("llama", num_hidden_layers=3).eval().requires_grad_(False)
     student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 96, (1, 32)),
-                                options=GDNOptions(fused_front=True))
+                                options=GDNOptions(fused_front=True, backend=backend))
     torch.manual_seed(1)
     with torch.no_grad():  # move the new parameters off their identity init, so every term matters
         for attn in gdn_layers(student).values():

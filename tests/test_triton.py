@@ -71,6 +71,35 @@ def test_gated_delta_rule_triton_gradients_equal_reference(poisoned, case, dtype
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+@pytest.mark.parametrize("case", [CASES[1], CASES[2]])
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+def test_triton_output_with_v_offset_equals_taylor_back(poisoned, case, dtype, tol):
+    """``v_offset`` (the Taylor back ``+ v̄`` fused into the output kernel): the output and every gradient,
+    the offset's included, against float64 ``taylor_back`` over the reference loop; GQA and packed."""
+    from linearize.ops import taylor_back
+    from linearize.ops.triton import chunk_gated_delta_rule_triton
+
+    B, T, H, G, K, V, cu = case
+    inputs = gdn_inputs(B, T, H, G, K, V, seed=T + 3, dtype=torch.float64, beta_scale=2.0)
+    vm = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    cu = torch.tensor(cu) if cu else None
+    got = {}
+    for backend, dt in (("reference", torch.float64), ("triton", dtype)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in inputs]
+        off = vm.to(torch.float64 if dt == torch.float64 else torch.float32).clone().requires_grad_(True)
+        if backend == "reference":
+            o = taylor_back(gated_delta_rule(*leaves, scale=0.6, cu_seqlens=cu, backend=backend)[0], off)
+        else:
+            o, _ = chunk_gated_delta_rule_triton(*leaves, scale=0.6, cu_seqlens=cu, v_offset=off)
+        w = torch.randn(o.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+        (o.double() * w).sum().backward()
+        got[backend] = [o.detach()] + [x.grad for x in leaves] + [off.grad]
+    for name, a, b in zip("o q k v g beta v_offset".split(), got["triton"], got["reference"]):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+    assert got["triton"][0].dtype == dtype and got["triton"][-1].dtype == torch.float32
+
+
 def test_gated_delta_rule_triton_gradients_without_state_inputs(poisoned):
     """No initial state and no final-state gradient: the kernels' other branch."""
     inputs = gdn_inputs(2, 70, 2, 2, 16, 16, seed=11, dtype=torch.float64)
@@ -201,3 +230,27 @@ def test_triton_backend_rejects_key_heads_beyond_its_limit():
     o, _ = gated_delta_rule(q, k, v, g, beta, backend="auto")  # CPU: torch, as for any CPU tensor
     ref, _ = gated_delta_rule(q.double(), k.double(), v.double(), g.double(), beta.double(), backend="reference")
     assert rel(o, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 1e-3)])
+def test_row_squared_errors_equal_float64(poisoned, dtype, tol):
+    """The align loss's Triton sums: per row Σ(o − r)² and Σr², and the gradient 2g(o − r), on a strided
+    (B, T, L, D) output (one layer's slice is not contiguous) with ragged T and D, against float64."""
+    from linearize.ops.triton.rowsq import row_squared_errors
+
+    B, T, L, D = 3, 45, 2, 80
+    gen = torch.Generator().manual_seed(8)
+    o = torch.randn(B, T, L, D, generator=gen).to(dtype).requires_grad_(True)
+    refs = [torch.randn(B, T, D, generator=gen).to(dtype) for _ in range(L)]
+    sse, rsq = row_squared_errors(o, refs)
+    w = torch.randn(L, B, generator=gen, dtype=torch.float64)
+    (sse.double() * w).sum().backward()
+    o64 = o.detach().double().requires_grad_(True)
+    r64 = torch.stack([r.double() for r in refs], 2)
+    want = (o64 - r64).pow(2).sum((1, 3)).T  # (L, B)
+    (want * w).sum().backward()
+    assert sse.dtype == rsq.dtype == torch.float32 and not rsq.requires_grad and o.grad.dtype == dtype
+    assert rel(sse, want) < tol and rel(rsq, r64.pow(2).sum((1, 3)).T) < tol
+    assert torch.isfinite(o.grad).all() and rel(o.grad, o64.grad) < tol
+    with pytest.raises(ValueError, match="refs must be 2 tensors"):
+        row_squared_errors(o, refs[:1])

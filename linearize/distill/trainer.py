@@ -332,36 +332,52 @@ class _RowSquaredError(torch.autograd.Function):
         return (out.float() - ref).mul_(2 * grad[:, None, None]).to(out.dtype), None
 
 
+def _row_errors(out: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's per-row ``(Σ (out − ref)², Σ ref²)``, float32, ``(B,)`` each; the first differentiable."""
+    if out.is_cuda:
+        from ..ops.triton.rowsq import row_squared_errors
+
+        sse, ref_sq = row_squared_errors(out.unsqueeze(2), [ref])
+        return sse[0], ref_sq[0]
+    with torch.no_grad():
+        ref_sq = torch.linalg.vector_norm(ref, dim=(1, 2), dtype=torch.float32).square()
+    return _RowSquaredError.apply(out, ref), ref_sq
+
+
 def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
                batched: bool = True) -> tuple[torch.Tensor, dict]:
     """Weighted mean over the converted layers of each block's (normalized) MSE to the teacher's attention
     output (``layer_weights``: ``{layer index: weight}``, others 1); and ``{layer: loss}`` as detached
     0-dim tensors — read back (``per_layer_values``) only after the backward, so no layer waits on a host
     sync while the GPU drains its queue. ``batched``: all blocks in one front and operator call where
-    :func:`linearize.layers.gdn_attention.batched_attention_outputs` applies (not under FSDP)."""
+    :func:`linearize.layers.gdn_attention.batched_attention_outputs` applies (not under FSDP), and every
+    layer's squared errors in one Triton pass each way (``ops/triton/rowsq.py``) on the stacked output."""
     from ..eval import capture_attention
     from ..layers.gdn_attention import batched_attention_outputs
 
     layers = gdn_layers(run.student)
     weights = align_weights(layers, layer_weights)
     caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos)
-    outs = None
+    refs = [caps[i].output.detach() for i in layers]
+    o = None
     pe = caps[next(iter(layers))].position_embeddings
     if batched and not run.fsdp and all(caps[i].position_embeddings is pe for i in layers):
-        outs = batched_attention_outputs(list(layers.values()), [caps[i].hidden_states for i in layers], pe, pos)
+        o = batched_attention_outputs(list(layers.values()), [caps[i].hidden_states for i in layers], pe, pos)
+    if o is not None:  # (B, T, layer, D)
+        from ..ops.triton.rowsq import row_squared_errors
+
+        sse, ref_sq = row_squared_errors(o, refs)
+        rows = list(zip(sse.unbind(0), ref_sq.unbind(0)))
+    else:  # layer by layer through the block's forward (not attention_output), so FSDP gathers its weights
+        rows = [_row_errors(gdn(caps[i].hidden_states, caps[i].position_embeddings, position_ids=pos, pre_o_proj=True),
+                            ref) for (i, gdn), ref in zip(layers.items(), refs)]
     per_layer = {}
     total = 0.0
-    for j, (i, gdn) in enumerate(layers.items()):
-        cap = caps[i]
-        # layer by layer through the block's forward (not attention_output), so FSDP gathers its weights
-        out = outs[j] if outs is not None else gdn(cap.hidden_states, cap.position_embeddings, position_ids=pos, pre_o_proj=True)
-        ref = cap.output.detach()
+    for i, ref, (sse_i, ref_sq_i) in zip(layers, refs, rows):
         n = ref[0].numel()
-        err = _RowSquaredError.apply(out, ref) / n  # per row, so shards average exactly
+        err = sse_i / n  # per row, so shards average exactly
         if kind == "nmse":  # over the teacher's own mean square (a constant)
-            with torch.no_grad():
-                ref_ms = torch.linalg.vector_norm(ref, dim=(1, 2), dtype=torch.float32).square() / n
-            err = err / ref_ms.clamp_min(1e-12)
+            err = err / (ref_sq_i / n).clamp_min(1e-12)
         err = err.mean()
         per_layer[i] = err.detach()
         if weights[i]:

@@ -204,19 +204,19 @@ class GDNAttention(nn.Module):
         q, scale, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head (never fused)
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
-            o = o[:, None]
+            o = taylor_back(o[:, None], front.v_mean)  # (B, 1, Hq, V)
         else:
             # the front computes in float32 (prefix sums over long documents); the chunkwise operator runs in
             # the model's own precision — bf16/fp16 tensor cores on the GPU, float32 state inside — like
             # the softmax attention it replaces. g and β stay float32. (On the fused path q, k̂, u already
-            # are in that precision and these casts do nothing.)
+            # are in that precision and these casts do nothing.) The Taylor back ``+ v̄`` is the operator's
+            # v_offset: the Triton backend adds it in its output kernel.
             cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else q.dtype
             o, state = gated_delta_rule(
                 q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta, scale=scale,
-                initial_state=h0,
-                output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=self.options.backend,
-            )
-        o = taylor_back(o, front.v_mean)  # (B, T, Hq, V)
+                initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                backend=self.options.backend, v_offset=front.v_mean,
+            )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums
 
 
@@ -230,8 +230,9 @@ def _flatten_rows(hidden: list[torch.Tensor], position_embeddings):
 
 
 def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Tensor], position_embeddings,
-                              position_ids: torch.Tensor | None = None) -> list[torch.Tensor] | None:
-    """Every block's :meth:`GDNAttention.attention_output` on its own input, in one front launch and one
+                              position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Every block's :meth:`GDNAttention.attention_output` on its own input, stacked ``(B, T, block, Hq·D)``
+    (block i is ``[:, :, i]``), in one front launch and one
     operator call: the blocks' heads side by side, as if one layer had all of them (each head's state
     and prefix means are its own, so the result is the same). The distill align stage runs every
     converted layer on the teacher's captured inputs; layer by layer, Python and kernel launches
@@ -261,8 +262,9 @@ def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Ten
     kh, u, g, beta, v_mean = taylor_front_triton(k, v, rho, b0.options.beta_max,
                                                  beta_factor=2 * torch.sigmoid(beta_logit.float()), cu_seqlens=cu)
     g = g * torch.exp(gate_logit.float())
-    o, _ = gated_delta_rule(q=q, k=kh, v=u, g=g, beta=beta, scale=b0.scaling, cu_seqlens=cu, backend=b0.options.backend)
-    o = taylor_back(o, v_mean).reshape(B, T, len(blocks), -1).to(h0.dtype)  # (B, T, layer, Hq·D)
-    # unbind, not o[:, :, i]: its backward stacks the layers' gradients in one pass, where 30 selects
-    # would each fill and add a gradient of the full (B, T, layer, Hq·D) size
-    return list(o.unbind(2))
+    o, _ = gated_delta_rule(q=q, k=kh, v=u, g=g, beta=beta, scale=b0.scaling, cu_seqlens=cu, backend=b0.options.backend,
+                            v_offset=v_mean)
+    # (B, T, layer, Hq·D). A caller that takes the blocks apart should use unbind, not o[:, :, i]: unbind's
+    # backward stacks the layers' gradients in one pass, where 30 selects would each fill and add a
+    # gradient of the full size
+    return o.reshape(B, T, len(blocks), -1).to(h0.dtype)

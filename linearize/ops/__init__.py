@@ -1,7 +1,7 @@
 """The gated delta rule (GDN) operator and the Taylor front/back that feed it softmax attention's q, k, v.
 
 Public entry point: :func:`gated_delta_rule` with ``backend="auto" | "torch" | "reference"``
-(``"triton"`` joins when the kernels land). See SPEC §3 for the contract.
+or ``"triton"``. See SPEC §3 for the contract.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ def gated_delta_rule(
     output_final_state: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     backend: str = "auto",
+    v_offset: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated delta rule: ``h_t = α_t (I − β_t k_t k_tᵀ) h_{t−1} + β_t k_t v_tᵀ``, ``o_t = h_tᵀ (scale·q_t)``.
 
@@ -66,6 +67,9 @@ def gated_delta_rule(
             starts from its own initial state (zero by default).
         backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise PyTorch),
             ``"triton"`` (the kernels of ``ops/triton``), or ``"auto"`` (Triton on CUDA, else torch).
+        v_offset: ``[B, T, H, V]`` or None — added to the output of every query head of its KV head
+            (the Taylor back ``+ v̄``, :func:`taylor_back`); the Triton backend adds it, in float32,
+            inside its output kernel, before the output's one rounding to v's dtype.
     Returns:
         ``(o [B, T, G·H, V] in v's dtype, final_state or None)``; states are float32 (float64 for
         float64 inputs).
@@ -88,13 +92,18 @@ def gated_delta_rule(
             raise ValueError(f"the Triton backend takes float16, bfloat16 or float32; got {q.dtype} (use backend='torch')")
         if not _triton_usable(q):
             raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch'")
-        from .triton import chunk_gated_delta_rule_triton as fn
-    else:
-        fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
-    return fn(
+        from .triton import chunk_gated_delta_rule_triton
+
+        return chunk_gated_delta_rule_triton(
+            q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+            cu_seqlens=cu_seqlens, v_offset=v_offset,
+        )
+    fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
+    o, state = fn(
         q, k, v, g, beta,
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
     )
+    return (o if v_offset is None else taylor_back(o, v_offset).to(o.dtype)), state
 
 
 __all__ = [

@@ -369,10 +369,13 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, k, v_new, gcum, hs, o, chunk_indices, cu_seqlens, chunk_offsets, scale,
+    q, k, v_new, gcum, hs, o, vm, chunk_indices, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, HAS_VM: tl.constexpr,
 ):
+    """Per (V block, chunk, query head): ``o = scale·(γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ)``, plus the KV
+    head's ``vm`` row (float32, ``[tokens, H, V]``) when ``HAS_VM`` — the Taylor back ``+ v̄``, added before
+    the one rounding to o's dtype."""
     i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hq // G
     HQ: tl.constexpr = H * G
@@ -402,7 +405,10 @@ def _output_kernel(
         b_o = tl.dot(b_q, b_h.to(b_q.dtype))
         b_A = tl.dot(b_q, tl.trans(b_k)) * decay
         b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A.to(b_d.dtype), b_d)
-    tl.store(o + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], (b_o * scale).to(o.dtype.element_ty),
+    b_o = b_o * scale
+    if HAS_VM:
+        b_o += tl.load(vm + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    tl.store(o + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_v[None, :])
 
 
@@ -480,7 +486,8 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
                                       "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if ieee else 4)),
         # wide V blocks: fewer recomputes of q·kᵀ
-        "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax)}, 4, 1 if wide else 2),
+        "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax), "HAS_VM": False}, 4,
+                   1 if wide else 2),
     }
 
 
@@ -558,17 +565,19 @@ def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_sta
     return (gcum, w, u, tm, *states(L, k, w, u, gcum, initial_state, output_final_state))
 
 
-def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens):
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, v_offset=None):
     """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state, T)``, T = (I + A)⁻¹ of every
-    chunk, ``[tokens, H, 64]`` in k's dtype (float32 for float32 inputs), for the backward."""
+    chunk, ``[tokens, H, 64]`` in k's dtype (float32 for float32 inputs), for the backward. ``v_offset``
+    (``[B, T, H, V]``, float32): added to every query head's output of its KV head (the Taylor back)."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     q, k, v, g, beta = Layout.flat(q, k, v, g, beta)
     gcum, _, _, tm, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state)
     o = torch.empty(L.tokens, L.HQ, L.V, dtype=v.dtype, device=q.device)
     if L.NC:
+        vm = Layout.flat(v_offset.float())[0] if v_offset is not None else o
         fn, c, warps, stages = launch_settings(L.H, L.G, L.K, L.V, L.ieee)["output"]
         fn[(triton.cdiv(L.V, c["BV"]), L.NC, L.HQ)](
-            q, k, v_new, gcum, hs, o, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale, **c,
-            num_warps=warps, num_stages=stages)
+            q, k, v_new, gcum, hs, o, vm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale,
+            **{**c, "HAS_VM": v_offset is not None}, num_warps=warps, num_stages=stages)
     return o.view(B, T, L.HQ, L.V), ht, tm

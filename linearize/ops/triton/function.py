@@ -12,8 +12,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens):
-        o, ht, tm = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens)
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset=None):
+        o, ht, tm = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                               v_offset)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm)
         ctx.scale = scale
         return o, ht
@@ -23,14 +24,24 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
         # of the forward's intermediates only T is kept; the backward launcher recomputes the others
         q, k, v, g, beta, h0, cu_seqlens, tm = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, tm)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None
+        dvo = None
+        if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
+            B, T, HQ, V = do.shape
+            H = v.shape[2]
+            dvo = do.view(B, T, H, HQ // H, V).sum(3, dtype=torch.float32)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo
 
 
 def chunk_gated_delta_rule_triton(
-    q, k, v, g, beta, *, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None
+    q, k, v, g, beta, *, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None, v_offset=None
 ):
-    """Triton chunkwise GDN; same contract as :func:`linearize.ops.gated_delta_rule`."""
+    """Triton chunkwise GDN; same contract as :func:`linearize.ops.gated_delta_rule`, plus ``v_offset``
+    (``[B, T, H, V]``, float32, or None): added to the output of every query head of its KV head before the
+    output's one rounding — ``taylor_back(o, v_offset)`` fused into the output kernel."""
     if q.dtype not in DTYPES:
         raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
-    o, ht = ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens)
+    if v_offset is not None and v_offset.shape != v.shape:
+        raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
+    o, ht = ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens,
+                                      v_offset)
     return o, ht

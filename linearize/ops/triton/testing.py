@@ -6,7 +6,7 @@ import contextlib
 
 import torch
 
-from . import chunk_bwd, chunk_fwd, front
+from . import chunk_bwd, chunk_fwd, front, rowsq
 
 
 class _NaNTorch:
@@ -27,7 +27,7 @@ class _NaNTorch:
 @contextlib.contextmanager
 def poisoned_outputs():
     """Inside the block, every buffer the Triton launcher allocates starts as NaN."""
-    modules = (chunk_fwd, chunk_bwd, front)
+    modules = (chunk_fwd, chunk_bwd, front, rowsq)
     saved = [m.torch for m in modules]
     for m in modules:
         m.torch = _NaNTorch()

@@ -77,6 +77,28 @@ def gpu_profile(step, iters: int = 2) -> dict:
     return {"kernel_ms_total": sum(per_us.values()) / 1e3, "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}
 
 
+def op_profile(step, iters: int = 2, top: int = 30) -> dict:
+    """Which operators the GPU time goes to: milliseconds per step of the kernels each PyTorch operator
+    launched itself (``self_device_time_total`` of ``torch.profiler``'s averages, top ``top``), so the
+    anonymous elementwise kernels of ``gpu_profile`` get a name (aten::copy_, aten::add, …). Triton
+    kernels have no operator around them and are left out here (``gpu_profile`` lists them)."""
+    step()
+    torch.cuda.synchronize()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(iters):
+            step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        us = e.self_cuda_time_total if us is None else us
+        if us > 0 and e.device_type == torch.autograd.DeviceType.CPU:
+            rows.append((e.key, us / 1e3 / iters, e.count / iters))
+    rows.sort(key=lambda r: -r[1])
+    return {name: {"ms": ms, "calls": calls} for name, ms, calls in rows[:top]}
+
+
 def host_profile(step, iters: int = 3, top: int = 30) -> list[dict]:
     """Where one step's host (Python) time goes: cProfile over ``iters`` steps, the ``top`` functions by
     their own time, milliseconds per step."""
@@ -149,6 +171,10 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
             print(f"{name}: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
             for kname, ms in prof["top_kernels_ms"].items():
                 print(f"  {ms:8.2f} ms  {kname}")
+            rows[f"{name}_ops"] = ops = op_profile(step)
+            print(f"{name}: GPU ms per step by operator (self time)")
+            for op, r in ops.items():
+                print(f"  {r['ms']:8.2f} ms {r['calls']:6.0f}  {op}")
     tokens = ids.numel()
     for k in ("teacher_fwd_bwd", "align", "distill"):
         rows[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s"]

@@ -46,10 +46,14 @@ def make_inputs(B, T, H, G, K, V, dtype, seed, beta_mode, N):
     return [x.to(dtype) for x in (q, k, v, g, beta)] + [h0]
 
 
-def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, seed=0):
+def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, seed=0, v_offset=False):
+    """``v_offset``: also the Taylor back fused in the output kernel (a float32 ``[B, T, H, V]`` offset, and
+    its gradient ``dv_offset``)."""
     N = B if cu is None else len(cu) - 1
     cu_t = torch.tensor(cu, device="cuda") if cu is not None else None
     inputs = make_inputs(B, T, H, G, K, V, dtype, seed, beta_mode, N)
+    if v_offset:
+        inputs.append(torch.randn(B, T, H, V, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed + 2)))
     scale = K**-0.5
     res = {}
     outs = {}
@@ -57,7 +61,7 @@ def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, see
         leaves = [x.detach().to(dt if i < 5 else (torch.float64 if name == "ref" else torch.float32)).clone()
                   .requires_grad_(grads) for i, x in enumerate(inputs)]
         o, ht = gated_delta_rule(*leaves[:5], scale=scale, initial_state=leaves[5], output_final_state=True,
-                                 cu_seqlens=cu_t, backend=backend)
+                                 cu_seqlens=cu_t, backend=backend, v_offset=leaves[6] if v_offset else None)
         got = [o.detach(), ht.detach()]
         if grads:
             gen = torch.Generator(device="cuda").manual_seed(seed + 1)
@@ -66,10 +70,10 @@ def check(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, see
             ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
             got += [x.grad for x in leaves]
         outs[name] = got
-    for n, a, b in zip(NAMES, outs["ours"], outs["ref"]):
+    for n, a, b in zip(NAMES + ("dv_offset",), outs["ours"], outs["ref"]):
         res[n] = rel_err(a, b)
     worst = max(res.values())
-    return {"B": B, "T": T, "q_heads": H * G, "kv_heads": H, "K": K, "V": V, "dtype": str(dtype).split(".")[-1],
+    return {"kind": "operator + v_offset" if v_offset else "operator", "B": B, "T": T, "q_heads": H * G, "kv_heads": H, "K": K, "V": V, "dtype": str(dtype).split(".")[-1],
             "beta": beta_mode, "cu_seqlens": cu, "errors": res, "max_error": worst,
             "tolerance": TOL[dtype], "pass": worst <= TOL[dtype]}
 
@@ -132,6 +136,28 @@ def check_rope(B, T, H, D, dtype, seed=0):
             "dtype": str(dtype).split(".")[-1], "beta": "rope", "cu_seqlens": None, "errors": res, "max_error": worst, "tolerance": tol, "pass": worst <= tol}
 
 
+def check_rowsq(B, T, L, D, dtype, seed=0):
+    """The align loss's sums (linearize/ops/triton/rowsq.py) on a (B, T, L, D) output against float64."""
+    from linearize.ops.triton.rowsq import row_squared_errors
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    o = torch.randn(B, T, L, D, device="cuda", generator=gen).to(dtype)
+    refs = [torch.randn(B, T, D, device="cuda", generator=gen).to(dtype) for _ in range(L)]
+    w = torch.randn(L, B, device="cuda", generator=gen, dtype=torch.float64)
+    o_ = o.clone().requires_grad_(True)
+    sse, rsq = row_squared_errors(o_, refs)
+    (sse.double() * w).sum().backward()
+    o64 = o.double().requires_grad_(True)
+    r64 = torch.stack([r.double() for r in refs], 2)
+    want = (o64 - r64).pow(2).sum((1, 3)).T
+    (want * w).sum().backward()
+    res = {"sse": rel_err(sse, want.detach()), "ref_sq": rel_err(rsq, r64.pow(2).sum((1, 3)).T), "do": rel_err(o_.grad, o64.grad)}
+    worst, tol = max(res.values()), TOL[dtype]
+    return {"kind": "rowsq", "B": B, "T": T, "q_heads": L, "kv_heads": L, "K": D, "V": D,
+            "dtype": str(dtype).split(".")[-1], "beta": "rowsq", "cu_seqlens": None, "errors": res, "max_error": worst,
+            "tolerance": tol, "pass": worst <= tol}
+
+
 def check_kl(R, V, T, ce_w, seed=0):
     """The fused distillation loss (linearize/ops/triton/kl.py) on bf16 logits against float64 autograd."""
     from linearize.ops.kl import kl_loss
@@ -165,6 +191,8 @@ def main():
     p.add_argument("--front", action="store_true", help="the fused Taylor front only (ops/triton/front.py)")
     p.add_argument("--rope", action="store_true", help="the fused RoPE only (ops/triton/rope.py)")
     p.add_argument("--kl", action="store_true", help="the fused distillation loss only (ops/triton/kl.py)")
+    p.add_argument("--align", action="store_true", help="the align stage's fused pieces only: the operator with "
+                   "v_offset (the Taylor back) at the batched align shape, and the loss sums (ops/triton/rowsq.py)")
     p.add_argument("--cases", default=None, help="comma-separated indices into the full case list (0-17), "
                    "to split the check over several calls")
     args = p.parse_args()
@@ -195,6 +223,10 @@ def main():
         cases.append(dict(rope=True, B=1, T=4096, H=32, D=128, dtype=torch.bfloat16))
     if args.kl:  # one chunk of SmolLM2-sized logits, KL alone and KL + CE at T=2
         cases = [dict(kl=True, R=4096, V=49152, T=1.0, ce_w=None), dict(kl=True, R=4096, V=49152, T=2.0, ce_w=0.01)]
+    if args.align:  # SmolLM2's 30 layers side by side (90 KV / 270 q heads, d=64), and their stacked output
+        cases = [dict(B=2, T=2048, H=90, G=3, K=64, V=64, dtype=torch.bfloat16, v_offset=True)]
+        cases += [dict(B=1, T=3000, H=6, G=3, K=64, V=64, dtype=torch.bfloat16, cu=[0, 1, 700, 2048, 3000], v_offset=True)]
+        cases += [dict(rowsq=True, B=4, T=2048, L=30, D=576, dtype=dt) for dt in (torch.bfloat16, torch.float32)]
     rows = []
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
             "torch": torch.__version__, "triton": __import__("triton").__version__,
@@ -207,6 +239,8 @@ def main():
                 row = check_rope(**{k: v for k, v in c.items() if k != "rope"})
             elif c.get("kl"):
                 row = check_kl(**{k: v for k, v in c.items() if k != "kl"})
+            elif c.get("rowsq"):
+                row = check_rowsq(**{k: v for k, v in c.items() if k != "rowsq"})
             else:
                 row = check(**c)
         rows.append(row)

@@ -52,15 +52,24 @@ def attention_modules(model) -> list[torch.nn.Module]:
     return [layer.self_attn for layer in decoder_layers(model)]
 
 
+class _Captured(Exception):
+    """Raised by :func:`capture_attention`'s last hook to end the forward early."""
+
+
 @torch.no_grad()
 def capture_attention(
-    model, input_ids: torch.Tensor, layers: list[int] | None = None, position_ids: torch.Tensor | None = None
+    model, input_ids: torch.Tensor, layers: list[int] | None = None, position_ids: torch.Tensor | None = None,
+    stop_early: bool = False,
 ) -> dict[int, AttentionCapture]:
     """Run the teacher once; return each chosen layer's attention input and output.
 
-    ``position_ids`` restarting inside a row mark packed documents (attention stays inside each)."""
+    ``position_ids`` restarting inside a row mark packed documents (attention stays inside each).
+    ``stop_early``: end the forward as soon as the last chosen layer's attention output is captured —
+    its ``o_proj``, the later layers, the final norm and the LM head do not run (not for a model whose
+    layers FSDP gathers: its hooks would be left mid-forward)."""
     mods = attention_modules(model)
     layers = list(range(len(mods))) if layers is None else layers
+    last = max(layers) if layers else None
     got: dict[int, dict] = {i: {} for i in layers}
     handles = []
     for i in layers:
@@ -70,11 +79,15 @@ def capture_attention(
 
         def o_in(mod, args, i=i):
             got[i]["output"] = args[0]
+            if stop_early and i == last:
+                raise _Captured
 
         handles.append(mods[i].register_forward_pre_hook(pre, with_kwargs=True))
         handles.append(mods[i].o_proj.register_forward_pre_hook(o_in))
     try:
         model(input_ids=input_ids, position_ids=position_ids, use_cache=False, logits_to_keep=1)  # no (B, T, V) logits
+    except _Captured:
+        pass
     finally:
         for h in handles:
             h.remove()

@@ -125,6 +125,12 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
 
     dev, dt = ids.device, next(teacher.parameters()).dtype
     teacher.requires_grad_(True)
+    try:  # as the trainer passes them: None for rows of one document each (linearize/ of stop 13 on)
+        from linearize.distill.trainer import batch_positions
+
+        pos = batch_positions(pos, dev)
+    except ImportError:  # an older linearize/ (scripts/ab_trees.sh): the positions as they are
+        pos = pos.to(dev)
 
     def teacher_step():
         loss = teacher(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
@@ -147,7 +153,10 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     from linearize.eval import capture_attention
 
     layers = list(gdn_layers(student))
-    rows["teacher_capture_s"], _ = timed(lambda: capture_attention(teacher, ids, layers, position_ids=pos), iters)
+    import inspect
+
+    early = {"stop_early": True} if "stop_early" in inspect.signature(capture_attention).parameters else {}  # as align_loss
+    rows["teacher_capture_s"], _ = timed(lambda: capture_attention(teacher, ids, layers, position_ids=pos, **early), iters)
     for name in ("align", "distill"):
         st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)
         opt, _, _ = make_optimizer(run, st)
@@ -216,7 +225,7 @@ def main():
     teacher = LlamaForCausalLM(cfg).to(dev, dt).eval()
     B, T = args.batch, args.seq_len
     ids = torch.randint(0, cfg.vocab_size, (B, T), device=dev)
-    rows_pos = torch.arange(T, device=dev).expand(B, T)
+    rows_pos = torch.arange(T).expand(B, T)  # on the host, as the trainer's data is
     doc = args.doc_len or 512
     if args.variants:
         plan = [("rows + fused front", rows_pos, True), ("rows + PyTorch front", rows_pos, False),

@@ -145,6 +145,43 @@ def test_align_loss_weights_layers_and_stops_gradient_at_weight_zero():
         align_weights(layers, {0: 0.0, 1: 0.0, 2: 0.0})
 
 
+def test_capture_stop_early_gives_the_same_captures_without_the_rest_of_the_model():
+    """``stop_early``: the captures equal a full forward's, and nothing after the last chosen layer's
+    attention runs (its o_proj, later layers, the final norm)."""
+    from conftest import tiny_model
+
+    from linearize.eval import capture_attention
+
+    model = tiny_model("llama", num_hidden_layers=3).eval()
+    ids = torch.randint(0, 96, (2, 20))
+    ran = []
+    model.model.norm.register_forward_hook(lambda *a: ran.append("norm"))
+    model.model.layers[1].self_attn.o_proj.register_forward_hook(lambda *a: ran.append("o_proj 1"))
+    model.model.layers[0].self_attn.o_proj.register_forward_hook(lambda *a: ran.append("o_proj 0"))
+    full = capture_attention(model, ids, [0, 1])
+    assert ran == ["o_proj 0", "o_proj 1", "norm"]
+    ran.clear()
+    early = capture_attention(model, ids, [0, 1], stop_early=True)
+    assert ran == ["o_proj 0"]
+    for i in (0, 1):
+        assert torch.equal(full[i].output, early[i].output) and torch.equal(full[i].hidden_states, early[i].hidden_states)
+
+
+def test_batch_positions_none_only_for_one_document_per_row():
+    """Rows that each hold one document from position 0 go to the models without position_ids (their
+    default); packed rows keep theirs; the labels are the same either way."""
+    from linearize.distill.trainer import batch_positions, next_token_labels
+
+    rows = torch.arange(16).expand(3, 16)
+    packed = torch.cat([torch.arange(5), torch.arange(11)]).expand(3, 16)
+    assert batch_positions(rows, torch.device("cpu")) is None
+    assert torch.equal(batch_positions(packed, torch.device("cpu")), packed)
+    assert torch.equal(batch_positions(rows + 1, torch.device("cpu")), rows + 1)
+    ids = torch.randint(0, 50, (3, 16))
+    assert torch.equal(next_token_labels(ids, None), next_token_labels(ids, rows))
+    assert (next_token_labels(ids, packed)[:, 4] == -100).all()
+
+
 @pytest.mark.parametrize("packed, backend", [(False, "auto"), (True, "auto"), (True, "triton")])
 def test_align_loss_batched_blocks_equal_layer_by_layer(packed, backend):
     """The align stage's one-call path (every block's heads side by side through the fused Triton front

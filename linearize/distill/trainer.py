@@ -357,7 +357,7 @@ def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
 
     layers = gdn_layers(run.student)
     weights = align_weights(layers, layer_weights)
-    caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos)
+    caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos, stop_early=not run.fsdp)
     refs = [caps[i].output.detach() for i in layers]
     o = None
     pe = caps[next(iter(layers))].position_embeddings
@@ -410,11 +410,23 @@ def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, c
     return total
 
 
+def batch_positions(pos: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """The ``position_ids`` to give the models for a batch whose positions are ``pos`` (on the host): None
+    when every row is one document from position 0 — the models' own default, with no document tables to
+    build, and no host sync in transformers' mask code, which reads ``position_ids`` back to look for
+    packed documents — else ``pos`` on ``device``."""
+    if pos.device.type == "cpu" and torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
+        return None
+    return pos.to(device)
+
+
 def next_token_labels(ids, pos):
-    """Labels for next-token prediction; no target across a document boundary or at a row end."""
+    """Labels for next-token prediction; no target across a document boundary (``pos`` None: every row is
+    one document) or at a row end."""
     labels = ids.roll(-1, dims=1)
     labels[:, -1] = -100
-    labels[:, :-1][pos[:, 1:] == 0] = -100
+    if pos is not None:
+        labels[:, :-1][pos[:, 1:] == 0] = -100
     return labels
 
 
@@ -442,7 +454,7 @@ def evaluate(run: Run, chunk: int = 1024) -> dict:
     made ``chunk`` tokens at a time through each LM head, never for the whole batch."""
     ids, pos = run.data.heldout_ids, run.data.heldout_pos
     rows = max(1, min(ids.shape[0], run.cfg.data.eval_tokens // ids.shape[1]))
-    ids, pos = ids[:rows].to(run.device), pos[:rows].to(run.device)
+    ids, pos = ids[:rows].to(run.device), batch_positions(pos[:rows], run.device)
     labels = next_token_labels(ids, pos).flatten()
     hidden = {name: last_hidden(m, ids, pos).flatten(0, 1) for name, m in (("teacher", run.teacher), ("student", run.student))}
     ce = {"teacher": 0.0, "student": 0.0}
@@ -637,7 +649,7 @@ def train(run: Run, resume: bool, progress=None) -> dict:
             t0 = time.perf_counter()
             rows = batch_rows(run.data.train_ids.shape[0], st.batch_size, step, cfg.seed)[rank::size]
             ids = run.data.train_ids[rows].to(run.device)
-            pos = run.data.train_pos[rows].to(run.device)
+            pos = batch_positions(run.data.train_pos[rows], run.device)
             if st.name == "align":
                 loss, per_layer = align_loss(run, ids, pos, st.loss, st.layer_weights)
             else:

@@ -178,6 +178,35 @@ def test_fused_taylor_front_equals_pytorch_front(poisoned, case):
         assert torch.isfinite(mine).all() and rel(mine, ref) < 1e-5, what
 
 
+def test_fused_taylor_front_half_precision_inputs(poisoned):
+    """fp16 k and v (a half-precision model's path): k̂, u and the gradients of k and v come back in fp16,
+    each rounded once from the kernels' float32, within fp16 rounding of the float64 PyTorch front."""
+    from linearize.ops.taylor import taylor_front
+    from linearize.ops.triton.front import taylor_front_triton
+
+    B, T, H, K, V = 1, 200, 2, 64, 64
+    gen = torch.Generator().manual_seed(3)
+    k = (torch.randn(B, T, H, K, generator=gen) + 0.3).half()
+    v = torch.randn(B, T, H, V, generator=gen).half()
+    rho = torch.rand(H, generator=gen) + 0.5
+    cu = torch.tensor([0, 70, 200])
+    got = {}
+    for name, dt in (("torch", torch.float64), ("triton", torch.float16)):
+        leaves = [k.to(dt).clone().requires_grad_(True), v.to(dt).clone().requires_grad_(True)]
+        r = rho.to(torch.float64 if dt == torch.float64 else torch.float32)
+        if name == "torch":
+            fr = taylor_front(k.new_zeros(B, T, H, K).double(), *leaves, rho=r, cu_seqlens=cu)
+            outs = (fr.k, fr.v, fr.g, fr.beta, fr.v_mean)
+        else:
+            outs = taylor_front_triton(*leaves, r, 1.0, cu_seqlens=cu)
+            assert outs[0].dtype == outs[1].dtype == torch.float16
+        g2 = torch.Generator().manual_seed(9)
+        sum((o.double() * torch.randn(o.shape, generator=g2, dtype=torch.float64)).sum() for o in outs).backward()
+        got[name] = [x.grad for x in leaves]
+    for what, mine, ref in zip(("dk", "dv"), got["triton"], got["torch"]):
+        assert mine.dtype == torch.float16 and torch.isfinite(mine).all() and rel(mine, ref) < 2e-3, what
+
+
 @pytest.mark.parametrize("B, T, H, D, cos_rows", [(2, 37, 3, 16, 2), (1, 50, 9, 64, 1), (3, 5, 1, 256, 3)])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
 def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dtype, tol):

@@ -220,6 +220,24 @@ class GDNAttention(nn.Module):
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums
 
 
+def _v_beta_gate(block: GDNAttention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(v [B, T, H, D], β logit, gate logit)`` of one block: ``v_proj``, ``beta_proj`` and ``gate_proj`` as
+    one GEMM on their stacked weights where all three are plain ``nn.Linear`` (not LoRA-wrapped), so the
+    input is read once and the two 3-wide products are not GEMMs of their own, forward or backward; the
+    outputs are views of the one product. Otherwise the three modules, one by one."""
+    lins = (block.v_proj, block.beta_proj, block.gate_proj)
+    B, T, _ = h.shape
+    if not all(isinstance(m, nn.Linear) for m in lins):
+        return block.v_proj(h).view(B, T, -1, block.head_dim), block.beta_proj(h), block.gate_proj(h)
+    weights = [m.weight for m in lins]  # through float32_trainables' casts where the trainer set them
+    bias = None
+    if any(m.bias is not None for m in lins):
+        bias = torch.cat([m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(lins, weights)])
+    out = torch.nn.functional.linear(h, torch.cat(weights), bias)
+    v, beta_logit, gate_logit = out.split([w.shape[0] for w in weights], dim=-1)
+    return v.view(B, T, -1, block.head_dim), beta_logit, gate_logit
+
+
 def _flatten_rows(hidden: list[torch.Tensor], position_embeddings):
     """``(B, T, ...)`` → ``(1, B·T, ...)`` for each hidden state and for the position embeddings: packed
     documents run as one row whose document offsets are ``cu_seqlens``."""
@@ -256,7 +274,7 @@ def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Ten
     cu = packed_cu_seqlens(position_ids) if position_ids is not None else None
     if cu is not None:  # packed documents: one flat row, documents given by cu (as attention_output does)
         hidden, position_embeddings = _flatten_rows(hidden, position_embeddings)
-    parts = [(*project_qkv(b, h, position_embeddings, fused=True), b.beta_proj(h), b.gate_proj(h)) for b, h in zip(blocks, hidden)]
+    parts = [(*project_qkv(b, h, position_embeddings, fused=True, with_v=False)[:2], *_v_beta_gate(b, h)) for b, h in zip(blocks, hidden)]
     q, k, v, beta_logit, gate_logit = (torch.cat(x, dim=2) for x in zip(*parts))
     rho = torch.cat([b.rho.float() for b in blocks])
     kh, u, g, beta, v_mean = taylor_front_triton(k, v, rho, b0.options.beta_max,

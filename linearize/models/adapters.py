@@ -15,16 +15,17 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
-                fused: bool = False) -> tuple[torch.Tensor, ...]:
+                fused: bool = False, with_v: bool = True) -> tuple[torch.Tensor, ...]:
     """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale.
-    ``fused``: RoPE through one Triton pass each way (``linearize/ops/triton/rope.py``) where it applies."""
+    ``fused``: RoPE through one Triton pass each way (``linearize/ops/triton/rope.py``) where it applies.
+    ``with_v=False``: v is left to the caller (returned as None)."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     B, T, _ = hidden_states.shape
     d = attn.head_dim
     q = attn.q_proj(hidden_states).view(B, T, -1, d)
     k = attn.k_proj(hidden_states).view(B, T, -1, d)
-    v = attn.v_proj(hidden_states).view(B, T, -1, d)
+    v = attn.v_proj(hidden_states).view(B, T, -1, d) if with_v else None
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
     cos, sin = position_embeddings

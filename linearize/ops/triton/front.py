@@ -6,10 +6,12 @@ Per token ``t`` (counted from 1 in its document), from the running sums Σk and 
     β = clip(ρ n/(t−1) · f, 0, β_max) (0 at t = 1)           u = n ṽ/(t β)   (0 where β = 0)
     g = log(1 − 1/t)  (0 at t = 1)
 
-Forward, three launches: each 64-token chunk's Σk, Σv (per chunk and KV head); an exclusive scan of those
-per (document, KV head), one row per chunk — the running sums entering every chunk; then every chunk at
-once, writing k̂, u, g, β, v̄ and k̄ (kept for the backward). One program per document walking its whole
-length left the GPU idle at training shapes (16 rows × 3 KV heads = 48 programs).
+Forward, three launches: the Σk, Σv of each sub-block of every 64-token chunk (one program per chunk and
+KV head); an exclusive scan of those per (document, KV head), one row per sub-block — the running sums
+entering every sub-block, kept for the backward; then every chunk at once, writing k̂, u, g, β and v̄.
+One program per document walking its whole length left the GPU idle at training shapes (16 rows × 3 KV
+heads = 48 programs). The backward recomputes k̄ and v̄ from the kept running sums, bit for bit (the same
+float32 operations on the same values), instead of reading float32 copies of them.
 
 The backward is the transpose: the gradient reaching Σk_t and Σv_t is local (from k, v, k̄, v̄ and the
 output gradients), so each chunk first sums it, a reverse scan gives the suffix sums over later chunks,
@@ -69,16 +71,15 @@ def _front_sums_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr,
 ):
-    """Per (chunk, KV head): Σk and Σv over the chunk's tokens → ``sums[chunk, head, :K]`` and ``[K:K+V]``."""
+    """Per (chunk, KV head): Σk and Σv over each of the chunk's sub-blocks of BT tokens →
+    ``sums[chunk · CH/BT + sub-block, head, :K]`` and ``[K:K+V]``."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    acc_k = tl.zeros([BK], dtype=tl.float32)
-    acc_v = tl.zeros([BV], dtype=tl.float32)
-    for sub in range(CH // BT):
-        rows = _chunk_rows(k, v, k, bos, L, i_c * (CH // BT) + sub, i_h, H, K, V, BT, BK, BV, False)
-        acc_k += tl.sum(rows[7], axis=0)  # k, then v, as float32
-        acc_v += tl.sum(rows[8], axis=0)
-    _store_sums(sums, i_t, i_h, acc_k, acc_v, H, K, V, BK, BV)
+    NS: tl.constexpr = CH // BT
+    for sub in range(NS):
+        rows = _chunk_rows(k, v, k, bos, L, i_c * NS + sub, i_h, H, K, V, BT, BK, BV, False)
+        # k, then v, as float32
+        _store_sums(sums, i_t * NS + sub, i_h, tl.sum(rows[7], axis=0), tl.sum(rows[8], axis=0), H, K, V, BK, BV)
 
 
 @triton.jit
@@ -98,12 +99,14 @@ def _load_sums(sums, i_t, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr
 
 
 @triton.jit
-def _front_scan_kernel(sums, chunk_offsets, H: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, REVERSE: tl.constexpr):
-    """Per (document, KV head), in place over its chunks' sums: the exclusive prefix sums (``REVERSE``: the
-    exclusive suffix sums) — the running sums entering each chunk. One row of ``W`` floats per chunk."""
+def _front_scan_kernel(sums, chunk_offsets, H: tl.constexpr, W: tl.constexpr, BW: tl.constexpr, REVERSE: tl.constexpr,
+                       NS: tl.constexpr):
+    """Per (document, KV head), in place over its sums, ``NS`` rows per chunk: the exclusive prefix sums
+    (``REVERSE``: the exclusive suffix sums) — the running sums entering each row's tokens. One row of ``W``
+    floats per chunk (``NS`` = 1) or per sub-block."""
     i_n, i_h = tl.program_id(0), tl.program_id(1)
-    boh = tl.load(chunk_offsets + i_n).to(tl.int64)
-    nc = tl.load(chunk_offsets + i_n + 1).to(tl.int64) - boh
+    boh = tl.load(chunk_offsets + i_n).to(tl.int64) * NS
+    nc = tl.load(chunk_offsets + i_n + 1).to(tl.int64) * NS - boh
     o = tl.arange(0, BW)
     m = o < W
     acc = tl.zeros([BW], dtype=tl.float32)
@@ -117,42 +120,47 @@ def _front_scan_kernel(sums, chunk_offsets, H: tl.constexpr, W: tl.constexpr, BW
 
 @triton.jit
 def _front_fwd_kernel(
-    k, v, bf, khat, u, g, beta_out, vbar, kbar, rho, sums, chunk_indices, cu_seqlens, chunk_offsets, beta_max, eps,
+    k, v, bf, khat, u, g, beta_out, vbar, rho, sums, chunk_indices, cu_seqlens, chunk_offsets, beta_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_BF: tl.constexpr,
 ):
-    """Per (chunk, KV head), from the running sums entering the chunk (``_front_scan_kernel``'s output)."""
+    """Per (chunk, KV head), from the running sums entering each sub-block (``_front_scan_kernel``'s output)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
-    carry_k, carry_v = _load_sums(sums, i_t, i_h, H, K, V, BK, BV)
-    for sub in range(CH // BT):
-        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, i_c * (CH // BT) + sub, i_h,
+    NS: tl.constexpr = CH // BT
+    for sub in range(NS):
+        row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, i_c * NS + sub, i_h,
                                                                         H, K, V, BT, BK, BV, USE_BF)
-        s_k = tl.cumsum(b_k, axis=0) + carry_k[None, :]
-        s_v = tl.cumsum(b_v, axis=0) + carry_v[None, :]
-        carry_k += tl.sum(b_k, axis=0)
-        carry_v += tl.sum(b_v, axis=0)
-        b_kbar = s_k / t[:, None]
-        b_vbar = s_v / t[:, None]
+        b_kbar, b_vbar = _means(b_k, b_v, t, sums, i_t * NS + sub, i_h, H, K, V, BK, BV)
         tm1, b_kc, n, b_vc, live, b_raw, beta, coef = _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, r, beta_max, eps)
         tl.store(khat + p_k, (b_kc / tl.maximum(n, eps)[:, None]).to(khat.dtype.element_ty), mask=m_tk)
         tl.store(u + p_v, (coef[:, None] * b_vc).to(u.dtype.element_ty), mask=m_tv)
         tl.store(g + row * H + i_h, tl.log(tl.where(live, 1.0 - 1.0 / t, 1.0)), mask=m_t)
         tl.store(beta_out + row * H + i_h, beta, mask=m_t)
         tl.store(vbar + p_v, b_vbar, mask=m_tv)
-        tl.store(kbar + p_k, b_kbar, mask=m_tk)
+
+
+@triton.jit
+def _means(b_k, b_v, t, sums, i_s, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BK: tl.constexpr,
+           BV: tl.constexpr):
+    """``(k̄, v̄)`` of a sub-block's rows: (running sums entering the sub-block + in-block prefix sums) / t.
+    The forward and the backward both compute them here, so the backward's are the forward's exactly."""
+    carry_k, carry_v = _load_sums(sums, i_s, i_h, H, K, V, BK, BV)
+    return ((tl.cumsum(b_k, axis=0) + carry_k[None, :]) / t[:, None],
+            (tl.cumsum(b_v, axis=0) + carry_v[None, :]) / t[:, None])
 
 
 @triton.jit
 def _front_bwd_kernel(
-    k, v, bf, kbar, vbar, dkhat, du, dbeta, dvbar, dk, dv, dbf, drho, rho, sums, chunk_indices, cu_seqlens,
+    k, v, bf, carry, dkhat, du, dbeta, dvbar, dk, dv, dbf, drho, rho, sums, chunk_indices, cu_seqlens,
     chunk_offsets, beta_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_BF: tl.constexpr, SUMS: tl.constexpr,
 ):
     """Per (chunk, KV head). ``SUMS``: only the chunk's totals of ∂L/∂Σk_t and ∂L/∂Σv_t (→ ``sums``, then
-    reverse-scanned); otherwise, from the suffix sums over later chunks, every gradient, sub-blocks in reverse."""
+    reverse-scanned); otherwise, from the suffix sums over later chunks, every gradient, sub-blocks in reverse.
+    ``carry``: the forward's running sums entering every sub-block (k̄ and v̄ are recomputed from them)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
@@ -165,8 +173,7 @@ def _front_bwd_kernel(
     for i in range(NS):
         row, m_t, p_k, p_v, m_tk, m_tv, t, b_k, b_v, b_f = _chunk_rows(k, v, bf, bos, L, i_c * NS + NS - 1 - i, i_h,
                                                                         H, K, V, BT, BK, BV, USE_BF)
-        b_kbar = tl.load(kbar + p_k, mask=m_tk, other=0.0)
-        b_vbar = tl.load(vbar + p_v, mask=m_tv, other=0.0)
+        b_kbar, b_vbar = _means(b_k, b_v, t, carry, i_t * NS + NS - 1 - i, i_h, H, K, V, BK, BV)
         tm1, b_kc, n, b_vc, live, b_raw, beta, coef = _front_terms(b_k, b_v, b_kbar, b_vbar, t, b_f, r, beta_max, eps)
 
         b_dkhat = tl.load(dkhat + p_k, mask=m_tk, other=0.0).to(tl.float32)
@@ -197,8 +204,8 @@ def _front_bwd_kernel(
                 tl.store(dbf + row * H + i_h, draw * r * n / tm1, mask=m_t)
             rev_k = tl.sum(d_sk, axis=0)[None, :] - tl.cumsum(d_sk, axis=0) + d_sk + suf_k[None, :]
             rev_v = tl.sum(d_sv, axis=0)[None, :] - tl.cumsum(d_sv, axis=0) + d_sv + suf_v[None, :]
-            tl.store(dk + p_k, b_dkc + rev_k, mask=m_tk)
-            tl.store(dv + p_v, b_dvc * (1.0 + 1.0 / tm1)[:, None] + rev_v, mask=m_tv)
+            tl.store(dk + p_k, (b_dkc + rev_k).to(dk.dtype.element_ty), mask=m_tk)
+            tl.store(dv + p_v, (b_dvc * (1.0 + 1.0 / tm1)[:, None] + rev_v).to(dv.dtype.element_ty), mask=m_tv)
         suf_k += tl.sum(d_sk, axis=0)
         suf_v += tl.sum(d_sv, axis=0)
     if SUMS:
@@ -216,11 +223,11 @@ def _blocks(K: int, V: int) -> tuple[int, int, int]:
     return min(BT, max(8, 2048 // max(BK, BV))), BK, BV
 
 
-def _scan(L: Layout, sums, reverse: bool):
-    """The running sums entering every chunk (reverse: the sums over every later chunk), in place."""
+def _scan(L: Layout, sums, reverse: bool, rows_per_chunk: int = 1):
+    """The running sums entering every chunk or sub-block (reverse: the sums over every later chunk), in place."""
     W = sums.shape[-1]
     _front_scan_kernel[(L.N, L.H)](sums, L.chunk_offsets, H=L.H, W=W, BW=triton.next_power_of_2(W), REVERSE=reverse,
-                                   num_warps=1)
+                                   NS=rows_per_chunk, num_warps=1)
 
 
 class FusedTaylorFront(torch.autograd.Function):
@@ -236,46 +243,48 @@ class FusedTaylorFront(torch.autograd.Function):
         bff = beta_factor.contiguous().view(B * T, H) if beta_factor is not None else kf
         f32 = dict(dtype=torch.float32, device=k.device)
         # k̂ and u in the inputs' dtype (what the operator takes); k̄, v̄ and everything inside in float32
-        khat, kbar = torch.empty(B * T, H, K, dtype=k.dtype, device=k.device), torch.empty(B * T, H, K, **f32)
+        khat = torch.empty(B * T, H, K, dtype=k.dtype, device=k.device)
         u, vbar = torch.empty(B * T, H, V, dtype=v.dtype, device=k.device), torch.empty(B * T, H, V, **f32)
         g, beta = torch.empty(B * T, H, **f32), torch.empty(B * T, H, **f32)
         sub, BK, BV = _blocks(K, V)
-        sums = torch.empty(max(L.NC, 1), H, K + V, **f32)
+        # the running sums entering every sub-block, kept for the backward (K + V floats per sub-block and head)
+        carry = torch.empty(max(L.NC, 1) * (BT // sub), H, K + V, **f32)
         if L.NC:
             tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
-            _front_sums_kernel[(L.NC, H)](kf, vf, sums, *tables, H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
+            _front_sums_kernel[(L.NC, H)](kf, vf, carry, *tables, H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
                                           num_warps=FRONT_WARPS)
-            _scan(L, sums, reverse=False)
-            _front_fwd_kernel[(L.NC, H)](kf, vf, bff, khat, u, g, beta, vbar, kbar, rho.contiguous(), sums, *tables,
+            _scan(L, carry, reverse=False, rows_per_chunk=BT // sub)
+            _front_fwd_kernel[(L.NC, H)](kf, vf, bff, khat, u, g, beta, vbar, rho.contiguous(), carry, *tables,
                                         float(beta_max), float(eps), H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
                                         USE_BF=beta_factor is not None, num_warps=FRONT_WARPS)
-        ctx.save_for_backward(kf, vf, beta_factor, kbar, vbar, rho, cu_seqlens)
+        ctx.save_for_backward(kf, vf, beta_factor, carry, rho, cu_seqlens)
         ctx.meta = (B, T, H, K, V, float(beta_max), float(eps))
         return tuple(x.view(B, T, *x.shape[1:]) for x in (khat, u, g, beta, vbar))
 
     @staticmethod
     def backward(ctx, dkhat, du, dg, dbeta, dvbar):
-        kf, vf, beta_factor, kbar, vbar, rho, cu_seqlens = ctx.saved_tensors
+        kf, vf, beta_factor, carry, rho, cu_seqlens = ctx.saved_tensors
         B, T, H, K, V, beta_max, eps = ctx.meta
         L = Layout(kf.view(B, T, H, K), vf.view(B, T, H, V), cu_seqlens)
         f32 = dict(dtype=torch.float32, device=kf.device)
         grads = [x.contiguous().view(B * T, *x.shape[2:]) if x is not None else torch.zeros((B * T, H, *s), **f32)
                  for x, s in ((dkhat, (K,)), (du, (V,)), (dbeta, ()), (dvbar, (V,)))]
-        dk, dv = torch.empty(B * T, H, K, **f32), torch.empty(B * T, H, V, **f32)
+        # dk, dv in k's and v's dtypes: the kernel rounds its float32 values once, as it stores them
+        dk, dv = torch.empty(B * T, H, K, dtype=kf.dtype, device=kf.device), torch.empty(B * T, H, V, dtype=vf.dtype, device=kf.device)
         drho = torch.empty(B * T, H, **f32)
         dbf = torch.empty(B * T, H, **f32) if beta_factor is not None else drho
         bff = beta_factor.contiguous().view(B * T, H) if beta_factor is not None else kf
         sub, BK, BV = _blocks(K, V)
         sums = torch.empty(max(L.NC, 1), H, K + V, **f32)
         if L.NC:
-            args = (kf, vf, bff, kbar, vbar, *grads, dk, dv, dbf, drho, rho.contiguous(), sums, L.chunk_indices,
+            args = (kf, vf, bff, carry, *grads, dk, dv, dbf, drho, rho.contiguous(), sums, L.chunk_indices,
                     L.cu_seqlens, L.chunk_offsets, beta_max, eps)
             meta = dict(H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV, USE_BF=beta_factor is not None, num_warps=FRONT_WARPS)
             _front_bwd_kernel[(L.NC, H)](*args, SUMS=True, **meta)
             _scan(L, sums, reverse=True)
             _front_bwd_kernel[(L.NC, H)](*args, SUMS=False, **meta)
         dbf_out = dbf.view(B, T, H).to(beta_factor.dtype) if beta_factor is not None else None
-        return (dk.view(B, T, H, K).to(kf.dtype), dv.view(B, T, H, V).to(vf.dtype), drho.sum(0).to(rho.dtype),
+        return (dk.view(B, T, H, K), dv.view(B, T, H, V), drho.sum(0).to(rho.dtype),
                 dbf_out, None, None, None)
 
 

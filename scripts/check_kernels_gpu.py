@@ -221,6 +221,7 @@ def main():
     if args.rope:  # SmolLM2 training rows (q and k), Llama-3-8B q
         cases = [dict(rope=True, B=16, T=2048, H=H, D=64, dtype=dt) for dt in (torch.bfloat16, torch.float32) for H in (9, 3)]
         cases.append(dict(rope=True, B=1, T=4096, H=32, D=128, dtype=torch.bfloat16))
+        cases.append(dict(rope=True, B=4, T=2048, H=270, D=64, dtype=torch.bfloat16))  # 30 SmolLM2 layers' q at once
     if args.kl:  # one chunk of SmolLM2-sized logits, KL alone and KL + CE at T=2
         cases = [dict(kl=True, R=4096, V=49152, T=1.0, ce_w=None), dict(kl=True, R=4096, V=49152, T=2.0, ce_w=0.01)]
     if args.align:  # SmolLM2's 30 layers side by side (90 KV / 270 q heads, d=64), and their stacked output

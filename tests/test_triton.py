@@ -207,7 +207,8 @@ def test_fused_taylor_front_half_precision_inputs(poisoned):
         assert mine.dtype == torch.float16 and torch.isfinite(mine).all() and rel(mine, ref) < 2e-3, what
 
 
-@pytest.mark.parametrize("B, T, H, D, cos_rows", [(2, 37, 3, 16, 2), (1, 50, 9, 64, 1), (3, 5, 1, 256, 3)])
+@pytest.mark.parametrize("B, T, H, D, cos_rows", [(2, 37, 3, 16, 2), (1, 50, 9, 64, 1), (3, 5, 1, 256, 3),
+                                                  (2, 7, 40, 64, 1)])  # 40 heads: two head blocks
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
 def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dtype, tol):
     """RoPE in one Triton pass against transformers' apply_rotary_pos_emb in float64: output and the

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..compat import attention_cache
-from ..models.adapters import project_qkv
+from ..models.adapters import apply_rope, project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
 from ..ops.taylor import DEFAULT_BETA_MAX, calibrate_rho, taylor_back, taylor_front
@@ -274,8 +274,10 @@ def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Ten
     cu = packed_cu_seqlens(position_ids) if position_ids is not None else None
     if cu is not None:  # packed documents: one flat row, documents given by cu (as attention_output does)
         hidden, position_embeddings = _flatten_rows(hidden, position_embeddings)
-    parts = [(*project_qkv(b, h, position_embeddings, fused=True, with_v=False)[:2], *_v_beta_gate(b, h)) for b, h in zip(blocks, hidden)]
+    parts = [(*project_qkv(b, h, position_embeddings, with_v=False, rope=False)[:2], *_v_beta_gate(b, h))
+             for b, h in zip(blocks, hidden)]
     q, k, v, beta_logit, gate_logit = (torch.cat(x, dim=2) for x in zip(*parts))
+    q, k = apply_rope(q, k, position_embeddings, fused=True)  # every layer's heads in one pass each way
     rho = torch.cat([b.rho.float() for b in blocks])
     kh, u, g, beta, v_mean = taylor_front_triton(k, v, rho, b0.options.beta_max,
                                                  beta_factor=2 * torch.sigmoid(beta_logit.float()), cu_seqlens=cu)

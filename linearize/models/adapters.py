@@ -15,11 +15,11 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
-                fused: bool = False, with_v: bool = True) -> tuple[torch.Tensor, ...]:
+                fused: bool = False, with_v: bool = True, rope: bool = True) -> tuple[torch.Tensor, ...]:
     """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale.
     ``fused``: RoPE through one Triton pass each way (``linearize/ops/triton/rope.py``) where it applies.
-    ``with_v=False``: v is left to the caller (returned as None)."""
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+    ``with_v=False``: v is left to the caller (returned as None). ``rope=False``: q and k before RoPE
+    (the caller applies it, :func:`apply_rope`)."""
 
     B, T, _ = hidden_states.shape
     d = attn.head_dim
@@ -28,12 +28,21 @@ def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_emb
     v = attn.v_proj(hidden_states).view(B, T, -1, d) if with_v else None
     if getattr(attn, "q_norm", None) is not None:
         q, k = attn.q_norm(q), attn.k_norm(k)
+    if not rope:
+        return q, k, v
+    return (*apply_rope(q, k, position_embeddings, fused), v)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, position_embeddings, fused: bool = False):
+    """RoPE of q and k, ``[B, T, H, D]`` (any head counts): transformers' function, or with ``fused`` one
+    Triton pass each (``linearize/ops/triton/rope.py``) where that applies."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
     cos, sin = position_embeddings
     if fused:
         from ..ops.triton.rope import apply_rope_triton, rope_usable
 
         if rope_usable(q, cos) and rope_usable(k, cos):
-            return apply_rope_triton(q, cos, sin), apply_rope_triton(k, cos, sin), v
+            return apply_rope_triton(q, cos, sin), apply_rope_triton(k, cos, sin)
     # apply_rotary_pos_emb wants (B, H, T, D) with unsqueeze_dim=1; (B, T, H, D) takes unsqueeze_dim=2
-    q, k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
-    return q, k, v
+    return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)

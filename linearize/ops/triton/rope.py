@@ -7,7 +7,7 @@ shapes those passes cost more GPU time than the GDN operator. Here, with ``x = (
     forward   y₁ = x₁c₁ − x₂s₁            y₂ = x₂c₂ + x₁s₂
     backward  dx₁ = dy₁c₁ + dy₂s₂         dx₂ = dy₂c₂ − dy₁s₁      (rotate_half transposed)
 
-in float32, one program per token covering every head. ``cos``/``sin`` are the model's position
+in float32, one program per (token, block of up to ``2048 // D`` heads). ``cos``/``sin`` are the model's position
 embeddings, ``(B, T, D)`` or ``(1, T, D)``; they take no gradient (they are functions of the positions).
 ``tests/test_triton.py`` checks it against transformers' function in float64 under ``TRITON_INTERPRET=1``.
 """
@@ -25,7 +25,7 @@ def _rope_kernel(x, cos, sin, y, T, cos_batch_stride, H: tl.constexpr, HALF: tl.
     row = tl.program_id(0).to(tl.int64)  # token index in the flattened (B·T)
     c_row = (row // T) * cos_batch_stride + (row % T) * (2 * HALF)
     o_d = tl.arange(0, HALF)
-    o_h = tl.arange(0, BH)
+    o_h = tl.program_id(1) * BH + tl.arange(0, BH)
     m = (o_h < H)[:, None]
     p1 = row * H * 2 * HALF + o_h[:, None] * (2 * HALF) + o_d[None, :]
     x1 = tl.load(x + p1, mask=m, other=0.0).to(tl.float32)
@@ -49,8 +49,10 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel():
-        _rope_kernel[(B * T,)](x, cos, sin, y, T, 0 if cos.shape[0] == 1 else T * D, H=H, HALF=D // 2,
-                               BH=triton.next_power_of_2(H), BACKWARD=backward, num_warps=1 if H * D <= 1024 else 4)
+        BH = min(triton.next_power_of_2(H), max(1, 2048 // D))  # many heads (every layer's, side by side): blocks
+        _rope_kernel[(B * T, triton.cdiv(H, BH))](x, cos, sin, y, T, 0 if cos.shape[0] == 1 else T * D, H=H,
+                                                  HALF=D // 2, BH=BH, BACKWARD=backward,
+                                                  num_warps=1 if BH * D <= 1024 else 4)
     return y
 
 

@@ -100,6 +100,8 @@ def candidates(kname, K, V):
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
         grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
+    elif kname == "output":
+        grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)]
     elif kname == "prepare":
         grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
     else:

@@ -69,7 +69,7 @@ def capture_attention(
     layers FSDP gathers: its hooks would be left mid-forward)."""
     mods = attention_modules(model)
     layers = list(range(len(mods))) if layers is None else layers
-    last = max(layers) if layers else None
+    last = max(i % len(mods) for i in layers) if layers else None
     got: dict[int, dict] = {i: {} for i in layers}
     handles = []
     for i in layers:
@@ -79,7 +79,7 @@ def capture_attention(
 
         def o_in(mod, args, i=i):
             got[i]["output"] = args[0]
-            if stop_early and i == last:
+            if stop_early and i % len(mods) == last:
                 raise _Captured
 
         handles.append(mods[i].register_forward_pre_hook(pre, with_kwargs=True))

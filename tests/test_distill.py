@@ -163,6 +163,8 @@ def test_capture_stop_early_gives_the_same_captures_without_the_rest_of_the_mode
     ran.clear()
     early = capture_attention(model, ids, [0, 1], stop_early=True)
     assert ran == ["o_proj 0"]
+    attn = model.model.layers[1].self_attn
+    assert not attn._forward_pre_hooks and not attn.o_proj._forward_pre_hooks  # removed despite the early end
     for i in (0, 1):
         assert torch.equal(full[i].output, early[i].output) and torch.equal(full[i].hidden_states, early[i].hidden_states)
 

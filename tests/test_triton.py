@@ -202,8 +202,8 @@ def test_fused_taylor_front_half_precision_inputs(poisoned):
             assert outs[0].dtype == outs[1].dtype == torch.float16
         g2 = torch.Generator().manual_seed(9)
         sum((o.double() * torch.randn(o.shape, generator=g2, dtype=torch.float64)).sum() for o in outs).backward()
-        got[name] = [x.grad for x in leaves]
-    for what, mine, ref in zip(("dk", "dv"), got["triton"], got["torch"]):
+        got[name] = [x.grad for x in leaves] + [outs[0].detach(), outs[1].detach()]
+    for what, mine, ref in zip(("dk", "dv", "k̂", "u"), got["triton"], got["torch"]):
         assert mine.dtype == torch.float16 and torch.isfinite(mine).all() and rel(mine, ref) < 2e-3, what
 
 

@@ -351,7 +351,9 @@ def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
     0-dim tensors — read back (``per_layer_values``) only after the backward, so no layer waits on a host
     sync while the GPU drains its queue. ``batched``: all blocks in one front and operator call where
     :func:`linearize.layers.gdn_attention.batched_attention_outputs` applies (not under FSDP), and every
-    layer's squared errors in one Triton pass each way (``ops/triton/rowsq.py``) on the stacked output."""
+    layer's squared errors in one Triton pass each way (``ops/triton/rowsq.py``) on the stacked output.
+    A layer of weight 0 adds nothing to the loss; layer by layer its block gets no gradient, on the batched
+    path (one operator call for all blocks) a zero one."""
     from ..eval import capture_attention
     from ..layers.gdn_attention import batched_attention_outputs
 

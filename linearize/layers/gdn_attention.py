@@ -222,12 +222,17 @@ class GDNAttention(nn.Module):
 
 def _v_beta_gate(block: GDNAttention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(v [B, T, H, D], β logit, gate logit)`` of one block: ``v_proj``, ``beta_proj`` and ``gate_proj`` as
-    one GEMM on their stacked weights where all three are plain ``nn.Linear`` (not LoRA-wrapped), so the
+    one GEMM on their stacked weights where all three are plain ``nn.Linear`` (or the trainer's float32
+    parametrized ones; not LoRA-wrapped, quantized or hooked), so the
     input is read once and the two 3-wide products are not GEMMs of their own, forward or backward; the
     outputs are views of the one product. Otherwise the three modules, one by one."""
+    from torch.nn.utils import parametrize
+
     lins = (block.v_proj, block.beta_proj, block.gate_proj)
     B, T, _ = h.shape
-    if not all(isinstance(m, nn.Linear) for m in lins):
+    plain = lambda m: (type(m) is nn.Linear or (parametrize.is_parametrized(m) and isinstance(m, nn.Linear))) and not (  # noqa: E731
+        m._forward_hooks or m._forward_pre_hooks)  # not quantized or hooked Linear subclasses: their weight is not the map
+    if not all(plain(m) for m in lins):
         return block.v_proj(h).view(B, T, -1, block.head_dim), block.beta_proj(h), block.gate_proj(h)
     weights = [m.weight for m in lins]  # through float32_trainables' casts where the trainer set them
     bias = None

@@ -232,7 +232,7 @@ def _scan(L: Layout, sums, reverse: bool, rows_per_chunk: int = 1):
 
 class FusedTaylorFront(torch.autograd.Function):
     """Chunk-parallel: every kernel but the scan runs one program per (64-token chunk, KV head); the scan
-    runs per (document, KV head) over one row of sums per chunk."""
+    runs per (document, KV head) over one row of sums per sub-block (forward) or per chunk (backward)."""
 
     @staticmethod
     def forward(ctx, k, v, rho, beta_factor, cu_seqlens, beta_max, eps):

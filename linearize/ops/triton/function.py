@@ -28,7 +28,7 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
         if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
             B, T, HQ, V = do.shape
             H = v.shape[2]
-            dvo = do.view(B, T, H, HQ // H, V).sum(3, dtype=torch.float32)
+            dvo = do.reshape(B, T, H, HQ // H, V).sum(3, dtype=torch.float32)
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo
 
 

@@ -67,36 +67,18 @@ def timed(step, iters: int, host: list | None = None) -> tuple[float, list[float
     return statistics.median(times), times
 
 
-def gpu_profile(step, iters: int = 2) -> dict:
-    """Where one step's GPU time goes: milliseconds per step summed per kernel name (top 25), the total of
-    all kernels, and the step's wall time, to tell GPU-bound from host-bound steps."""
+def gpu_profile(step, iters: int = 2) -> tuple[dict, dict]:
+    """Where one step's GPU time goes, from one profiled run: milliseconds per step summed per kernel name
+    (top 25), the total of all kernels, and the step's wall time, to tell GPU-bound from host-bound steps;
+    and per PyTorch operator, the milliseconds of the kernels it launched itself (top 30), which names the
+    anonymous elementwise kernels (aten::copy_, aten::add, …); Triton kernels have no operator around them."""
     from profile_kernels import profile_calls
 
-    per_us, wall = profile_calls(step, iters, name_len=80)
+    ops = {}
+    per_us, wall = profile_calls(step, iters, name_len=80, ops=ops)
     top = {k: us / 1e3 for k, us in list(per_us.items())[:25]}
-    return {"kernel_ms_total": sum(per_us.values()) / 1e3, "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}
-
-
-def op_profile(step, iters: int = 2, top: int = 30) -> dict:
-    """Which operators the GPU time goes to: milliseconds per step of the kernels each PyTorch operator
-    launched itself (``self_device_time_total`` of ``torch.profiler``'s averages, top ``top``), so the
-    anonymous elementwise kernels of ``gpu_profile`` get a name (aten::copy_, aten::add, …). Triton
-    kernels have no operator around them and are left out here (``gpu_profile`` lists them)."""
-    step()
-    torch.cuda.synchronize()
-    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
-    with torch.profiler.profile(activities=acts) as prof:
-        for _ in range(iters):
-            step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None)
-        us = e.self_cuda_time_total if us is None else us
-        if us > 0 and e.device_type == torch.autograd.DeviceType.CPU:
-            rows.append((e.key, us / 1e3 / iters, e.count / iters))
-    rows.sort(key=lambda r: -r[1])
-    return {name: {"ms": ms, "calls": calls} for name, ms, calls in rows[:top]}
+    by_op = {k: {"ms": us / 1e3, "calls": n} for k, (us, n) in sorted(ops.items(), key=lambda kv: -kv[1][0])[:30]}
+    return {"kernel_ms_total": sum(per_us.values()) / 1e3, "wall_ms_profiled": wall * 1e3, "top_kernels_ms": top}, by_op
 
 
 def host_profile(step, iters: int = 3, top: int = 30) -> list[dict]:
@@ -140,7 +122,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     rows = {}
     rows["teacher_fwd_bwd_s"], rows["teacher_fwd_bwd_steps_s"] = timed(teacher_step, iters)
     if profile and dev.type == "cuda":
-        rows["teacher_fwd_bwd_profile"] = gpu_profile(teacher_step)
+        rows["teacher_fwd_bwd_profile"] = gpu_profile(teacher_step)[0]
     teacher.requires_grad_(False)
     vocab = teacher.config.vocab_size
     student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, vocab, (1, 512), device=dev),
@@ -175,12 +157,11 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
             for r in hp[:20]:
                 print(f"  {r['own_ms_per_step']:8.2f} ms {r['calls_per_step']:7.0f}  {r['function']}")
         if profile and dev.type == "cuda":
-            prof = gpu_profile(step)
-            rows[f"{name}_profile"] = prof
+            prof, ops = gpu_profile(step)
+            rows[f"{name}_profile"], rows[f"{name}_ops"] = prof, ops
             print(f"{name}: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
             for kname, ms in prof["top_kernels_ms"].items():
                 print(f"  {ms:8.2f} ms  {kname}")
-            rows[f"{name}_ops"] = ops = op_profile(step)
             print(f"{name}: GPU ms per step by operator (self time)")
             for op, r in ops.items():
                 print(f"  {r['ms']:8.2f} ms {r['calls']:6.0f}  {op}")

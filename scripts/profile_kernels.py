@@ -36,9 +36,10 @@ SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128
           "smollm2-16x2048": (16, 2048, 9, 3, 64, 64), "llama3-8b-2x4096": (2, 4096, 32, 8, 128, 128)}
 
 
-def profile_calls(fn, iters=5, name_len=60):
+def profile_calls(fn, iters=5, name_len=60, ops: dict | None = None):
     """``(GPU microseconds per call of fn per kernel name, most first; wall seconds per call)``, after one
-    warm-up call, under ``torch.profiler``."""
+    warm-up call, under ``torch.profiler``. ``ops``: also filled, from the same run, with ``{operator:
+    (GPU µs per call of the kernels it launched itself, calls per call)}`` (``self_device_time_total``)."""
     fn()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -53,6 +54,12 @@ def profile_calls(fn, iters=5, name_len=60):
         if e.device_type == torch.autograd.DeviceType.CUDA:
             dt = getattr(e, "device_time", None)
             out[e.name[:name_len]] += (dt if dt is not None else e.cuda_time) / iters
+    if ops is not None:
+        for e in prof.key_averages():
+            us = getattr(e, "self_device_time_total", None)
+            us = e.self_cuda_time_total if us is None else us
+            if us > 0 and e.device_type == torch.autograd.DeviceType.CPU:
+                ops[e.key] = (us / iters, e.count / iters)
     return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
 
 

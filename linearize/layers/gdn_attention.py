@@ -226,13 +226,9 @@ def _v_beta_gate(block: GDNAttention, h: torch.Tensor) -> tuple[torch.Tensor, to
     parametrized ones; not LoRA-wrapped, quantized or hooked), so the
     input is read once and the two 3-wide products are not GEMMs of their own, forward or backward; the
     outputs are views of the one product. Otherwise the three modules, one by one."""
-    from torch.nn.utils import parametrize
-
     lins = (block.v_proj, block.beta_proj, block.gate_proj)
     B, T, _ = h.shape
-    plain = lambda m: (type(m) is nn.Linear or (parametrize.is_parametrized(m) and isinstance(m, nn.Linear))) and not (  # noqa: E731
-        m._forward_hooks or m._forward_pre_hooks)  # not quantized or hooked Linear subclasses: their weight is not the map
-    if not all(plain(m) for m in lins):
+    if not all(_plain_linear(m) for m in lins):
         return block.v_proj(h).view(B, T, -1, block.head_dim), block.beta_proj(h), block.gate_proj(h)
     weights = [m.weight for m in lins]  # through float32_trainables' casts where the trainer set them
     bias = None
@@ -241,6 +237,15 @@ def _v_beta_gate(block: GDNAttention, h: torch.Tensor) -> tuple[torch.Tensor, to
     out = torch.nn.functional.linear(h, torch.cat(weights), bias)
     v, beta_logit, gate_logit = out.split([w.shape[0] for w in weights], dim=-1)
     return v.view(B, T, -1, block.head_dim), beta_logit, gate_logit
+
+
+def _plain_linear(m: nn.Module) -> bool:
+    """Whether ``m`` computes ``x Wᵀ + b`` from its ``weight`` and ``bias``: ``nn.Linear`` itself, or with the
+    trainer's float32 parametrization, and no hooks (a quantized subclass's weight is not its map)."""
+    from torch.nn.utils import parametrize
+
+    linear = type(m) is nn.Linear or (isinstance(m, nn.Linear) and parametrize.is_parametrized(m))
+    return linear and not (m._forward_hooks or m._forward_pre_hooks)
 
 
 def _flatten_rows(hidden: list[torch.Tensor], position_embeddings):

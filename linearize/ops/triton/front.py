@@ -242,7 +242,7 @@ class FusedTaylorFront(torch.autograd.Function):
         kf, vf = Layout.flat(k, v)
         bff = beta_factor.contiguous().view(B * T, H) if beta_factor is not None else kf
         f32 = dict(dtype=torch.float32, device=k.device)
-        # k̂ and u in the inputs' dtype (what the operator takes); k̄, v̄ and everything inside in float32
+        # k̂ and u in the inputs' dtype (what the operator takes); v̄ and everything inside in float32
         khat = torch.empty(B * T, H, K, dtype=k.dtype, device=k.device)
         u, vbar = torch.empty(B * T, H, V, dtype=v.dtype, device=k.device), torch.empty(B * T, H, V, **f32)
         g, beta = torch.empty(B * T, H, **f32), torch.empty(B * T, H, **f32)

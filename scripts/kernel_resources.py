@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops.triton import chunk_bwd as cb  # noqa: E402
 from linearize.ops.triton import chunk_fwd as cf  # noqa: E402
 
-TABLES = {"chunk_indices", "cu_seqlens", "chunk_offsets"}
+TABLES = {"chunk_indices", "group_indices", "cu_seqlens", "chunk_offsets"}
 # pointer arguments stored in the input dtype (the rest are float32 buffers)
 INPUT_DTYPE = {"q", "k", "v", "w", "u", "tm", "dvl", "ddl", "v_new", "hs", "dhs", "do", "dq", "dk", "dv", "o", "h0", "dh0"}
 

@@ -107,8 +107,9 @@ def candidates(kname, K, V):
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
         grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
-    elif kname == "output":
-        grid = [({"BV": bv}, nw, ns) for bv in (32, 64, 128) for nw in (4, 8) for ns in (1, 2, 3)]
+    elif kname == "output":  # E: chunks per program (one state read per E chunks)
+        grid = [({"BV": bv, "E": e}, nw, ns) for e in (1, 2, 4, 8) for bv in (64, 128) for nw in (4, 8)
+                for ns in (1, 2, 3)]
     elif kname == "prepare":
         grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
     else:
@@ -145,6 +146,13 @@ def _sweep_shape(name, only):
     dk, dv = torch.empty_like(kf), torch.empty_like(vf)
     dbeta, dg = torch.empty(L.tokens, H, device="cuda", dtype=f32), torch.empty(L.tokens, H, device="cuda", dtype=f32)
     S = {**cf.launch_settings(H, HQ // H, K, V, False), **cb.launch_settings(H, HQ // H, K, V, False)}
+    by_every = {1: hs}
+
+    def kept(every):  # the states the output kernel reads: one per ``every`` chunks
+        if every not in by_every:
+            by_every[every] = cf.states(L, kf, w, u, gcum, None, False, every)[0]
+        return by_every[every]
+
     c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
     kernels = {
         "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
@@ -153,8 +161,9 @@ def _sweep_shape(name, only):
             kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
         "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
             kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
-        "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.NC, HQ)](
-            qf, kf, v_new, gcum, hs, o, o, *tables, K**-0.5, **c("output", ov), num_warps=nw, num_stages=ns),
+        "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.groups(ov["E"])[1], HQ)](
+            qf, kf, v_new, gcum, kept(ov["E"]), o, o, L.groups(ov["E"])[0], *tables[1:], K**-0.5, **c("output", ov),
+            num_warps=nw, num_stages=ns),
         "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
             qf, kf, gcum, do, dvl, dql, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
         "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](

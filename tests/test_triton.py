@@ -100,6 +100,27 @@ def test_triton_output_with_v_offset_equals_taylor_back(poisoned, case, dtype, t
     assert got["triton"][0].dtype == dtype and got["triton"][-1].dtype == torch.float32
 
 
+@pytest.mark.parametrize("group", [2, 3, 8])
+@pytest.mark.parametrize("case", [CASES[1], (1, 600, 2, 2, 16, 32, [0, 37, 101, 600])])
+def test_triton_output_groups_carry_the_state(poisoned, monkeypatch, case, group):
+    """The output kernel reads one state per ``group`` chunks and carries it across the group's other
+    chunks itself: outputs and final state against the float64 reference, with groups that end mid-sequence,
+    one-chunk tail groups, and packed documents whose first chunk is not a multiple of the group."""
+    from linearize.ops.triton import chunk_fwd
+
+    monkeypatch.setattr(chunk_fwd, "OUTPUT_GROUP", group)
+    B, T, H, G, K, V, cu = case
+    q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=T + group, dtype=torch.float64, beta_scale=2.0)
+    cu = torch.tensor(cu) if cu else None
+    N = B if cu is None else len(cu) - 1
+    h0 = torch.randn(N, H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    ref_o, ref_h = gated_delta_rule(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
+                                    cu_seqlens=cu, backend="reference")
+    o, h = gated_delta_rule(*(x.float() for x in (q, k, v, g, beta)), scale=0.5, initial_state=h0.float(),
+                            output_final_state=True, cu_seqlens=cu, backend="triton")
+    assert rel(o, ref_o) < 1e-5 and rel(h, ref_h) < 1e-5
+
+
 def test_gated_delta_rule_triton_gradients_without_state_inputs(poisoned):
     """No initial state and no final-state gradient: the kernels' other branch."""
     inputs = gdn_inputs(2, 70, 2, 2, 16, 16, seed=11, dtype=torch.float64)

@@ -6,9 +6,11 @@ The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); fo
    in registers (16×16 diagonal blocks by forward substitution, the rest by products); T is kept for the backward.
 1. ``_prepare_kernel``  per (chunk, KV head): in-chunk cumsum of g, ``W = T (β γ k)`` and ``U = T (β v)``.
 2. ``_state_kernel``    per (sequence, KV head, V block): the only sequential part — carries the fp32
-   state across chunks, writes the state entering each chunk and ``Δ = U − W h``.
-3. ``_output_kernel``   per (chunk, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``;
-   query head ``h_q`` reads KV head ``h_q // G``, so K/V are never repeated in memory.
+   state across chunks, writes ``Δ = U − W h`` and the state entering each chunk (in the forward, of every
+   8th chunk only).
+3. ``_output_kernel``   per (8 chunks, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``,
+   carrying h from chunk to chunk on Δ; query head ``h_q`` reads KV head ``h_q // G``, so K/V are never
+   repeated in memory.
 
 Every sequence layout is handled as packed documents: a dense ``[B, T]`` batch is the packing of B
 equal-length documents, so one code path serves both.
@@ -197,6 +199,22 @@ def _sequence(cu_seqlens, chunk_offsets, i_n):
 
 
 @triton.jit
+def _slot(boh, i_n, i_c, EVERY: tl.constexpr):
+    """Row of ``hs`` holding the state entering chunk ``i_c`` (a multiple of ``EVERY``) of sequence ``i_n``, whose
+    first chunk is ``boh`` overall: the chunk itself when every state is kept, else ``boh // E + i_n + i_c // E``
+    — rising within a sequence and past the previous sequence's last row, in ``n_slots(NC, N, E)`` rows."""
+    if EVERY == 1:
+        return boh + i_c
+    else:
+        return boh // EVERY + i_n + i_c // EVERY
+
+
+def n_slots(NC: int, N: int, every: int) -> int:
+    """Rows of ``hs`` for ``NC`` chunks in ``N`` sequences, one state kept per ``every`` chunks (``_slot``)."""
+    return max(NC, 1) if every == 1 else NC // every + N + 1
+
+
+@triton.jit
 def _kv_load(p, kb, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
     """Rows ``kb·KB …`` (a K block) and columns ``o_v`` of a row-major [K, V] state at ``p``, as fp32."""
     o_k = kb * KB + tl.arange(0, KB)
@@ -326,10 +344,10 @@ def _state_kernel(
     k, w, u, gcum, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr, EVERY: tl.constexpr,
 ):
-    """Per (V block, sequence × KV head), over the chunks in order: store the state h entering the chunk,
-    ``Δ = U − W h``, then ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV)
+    """Per (V block, sequence × KV head), over the chunks in order: store the state h entering the chunk
+    (of every ``EVERY``-th chunk only, at its ``_slot``), ``Δ = U − W h``, then ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV)
     fp32 blocks (K blocks of KB rows), so each product is (BT, KB)·(KB, BV) and the blocks update
     independently; the decay is applied to Δ's rows rather than to k. Pointers move to the sequence and
     the chunk first, so tile offsets stay 32-bit."""
@@ -344,14 +362,17 @@ def _state_kernel(
     u += (bos * H + i_h) * V
     v_new += (bos * H + i_h) * V
     gcum += bos * H + i_h
-    hs += (boh * H + i_h) * K * V
+    hs += (_slot(boh, i_n, 0, EVERY) * H + i_h) * K * V
 
     b_h1, b_h2, b_h3, b_h4 = _blocks_start(h0 + i_nh.to(tl.int64) * K * V, USE_H0, o_v, m_v, K, V, KB, BV)
     for i_t in range(tl.cdiv(T, BT)):
         t0 = i_t * BT
         m_t = o_r < T - t0
-        # the state entering chunk i_t, for the output kernel
-        _blocks_store(hs + i_t * (H * K * V), b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
+        # the state entering chunk i_t, for the output kernel (which carries it over the next EVERY − 1 chunks)
+        if EVERY == 1:
+            _blocks_store(hs + i_t * (H * K * V), b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
+        elif i_t % EVERY == 0:
+            _blocks_store(hs + (i_t // EVERY) * (H * K * V), b_h1, b_h2, b_h3, b_h4, o_v, m_v, K, V, KB)
         b_d = _blocks_rows_dot(w + t0 * (H * K), H * K, o_r, m_t, b_h1, b_h2, b_h3, b_h4, K, KB, True, IEEE)  # −W h
         p_tv = o_r[:, None] * (H * V) + o_v[None, :]
         m_tv = m_t[:, None] & m_v[None, :]
@@ -369,64 +390,96 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, k, v_new, gcum, hs, o, vm, chunk_indices, cu_seqlens, chunk_offsets, scale,
+    q, k, v_new, gcum, hs, o, vm, group_indices, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, HAS_VM: tl.constexpr,
+    E: tl.constexpr,
 ):
-    """Per (V block, chunk, query head): ``o = scale·(γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ)``, plus the KV
-    head's ``vm`` row (float32, ``[tokens, H, V]``) when ``HAS_VM`` — the Taylor back ``+ v̄``, added before
-    the one rounding to o's dtype."""
-    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Per (V block, group of ``E`` consecutive chunks of one sequence, query head), chunk by chunk:
+    ``o = scale·(γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ)``, plus the KV head's ``vm`` row (float32,
+    ``[tokens, H, V]``) when ``HAS_VM`` — the Taylor back ``+ v̄``, added before the one rounding to o's dtype.
+    Only the state entering the group's first chunk is read (the state kernel keeps one per ``E`` chunks);
+    the program carries it to the next chunk itself, ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)`` — the state kernel's
+    update, on the Δ it stored — so the states cost 1/E of their traffic, and the loop lets Triton load
+    the next chunk under this one's products."""
+    i_v, i_p, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hq // G
     HQ: tl.constexpr = H * G
-    bos, T, boh, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    i_n = tl.load(group_indices + i_p * 2).to(tl.int64)
+    c0 = tl.load(group_indices + i_p * 2 + 1).to(tl.int64) * E
+    bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
     o_r = tl.arange(0, BT)
-    o_t = i_c * BT + o_r
-    m_t = o_t < T
-    row = bos + o_t
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
+    q += (bos * HQ + i_hq) * K
+    k += (bos * H + i_h) * K
+    v_new += (bos * H + i_h) * V
+    vm += (bos * H + i_h) * V
+    o += (bos * HQ + i_hq) * V
+    gcum += bos * H + i_h
+    b_h = tl.load(hs + (_slot(boh, i_n, c0, E) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+    for i_c in range(c0, tl.minimum(c0 + E, tl.cdiv(T, BT))):
+        t0 = i_c * BT
+        m_t = o_r < T - t0
+        m_tk = m_t[:, None] & m_k[None, :]
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + t0 * (HQ * K) + o_r[:, None] * (HQ * K) + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + t0 * (H * K) + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+        b_d = tl.load(v_new + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
+        b_g = tl.load(gcum + (t0 + o_r) * H, mask=m_t, other=0.0)
+        causal = (o_r[:, None] >= o_r[None, :]) & m_t[:, None]  # rows past the document's end read g = 0
+        decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+        if IEEE:
+            b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision="ieee")
+            b_A = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee") * decay
+            b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A, b_d.to(tl.float32), input_precision="ieee")
+        else:
+            b_o = tl.dot(b_q, b_h.to(b_q.dtype))
+            b_A = tl.dot(b_q, tl.trans(b_k)) * decay
+            b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A.to(b_d.dtype), b_d)
+        b_o = b_o * scale
+        if HAS_VM:
+            b_o += tl.load(vm + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
+        tl.store(o + t0 * (HQ * V) + o_r[:, None] * (HQ * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        if E > 1:  # the state entering the next chunk
+            g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
+            b_de = b_d.to(tl.float32) * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]
+            if IEEE:
+                b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_k.to(tl.float32)), b_de, input_precision="ieee")
+            else:
+                b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_k), b_de.to(b_k.dtype))
 
-    b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_d = tl.load(v_new + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
-    causal = (o_r[:, None] >= o_r[None, :]) & m_t[:, None]  # rows past the document's end read g = 0
-    decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-    if IEEE:
-        b_o = tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision="ieee")
-        b_A = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee") * decay
-        b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A, b_d.to(tl.float32), input_precision="ieee")
-    else:
-        b_o = tl.dot(b_q, b_h.to(b_q.dtype))
-        b_A = tl.dot(b_q, tl.trans(b_k)) * decay
-        b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A.to(b_d.dtype), b_d)
-    b_o = b_o * scale
-    if HAS_VM:
-        b_o += tl.load(vm + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    tl.store(o + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_t[:, None] & m_v[None, :])
 
-
-def _chunk_tables(cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """``(chunk_indices [NC, 2] = (sequence, chunk in sequence), chunk_offsets [N+1], NC)``.
-    One device→host copy of ``cu_seqlens`` (the grid size depends on it); the rest is vectorized."""
+def _chunk_tables(cu_seqlens: torch.Tensor) -> tuple:
+    """``(chunk_indices [NC, 2] = (sequence, chunk in sequence), chunk_offsets [N+1], NC, counts, groups)``:
+    ``counts`` the chunks of each sequence, on the host; ``groups`` the output kernel's group tables by group
+    size, filled by ``Layout.groups``. One device→host copy of ``cu_seqlens`` (the grid size depends on
+    it); the rest is vectorized."""
     dev = cu_seqlens.device
     cu = cu_seqlens.to("cpu", torch.int64)
     counts = (cu[1:] - cu[:-1] + BT - 1) // BT
     offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
     NC = int(offsets[-1])
+    return _indices(counts, dev), offsets.to(dev, torch.int32), NC, counts, {}
+
+
+def _indices(counts: torch.Tensor, dev) -> torch.Tensor:
+    """``[Σ counts, 2]`` int32 on ``dev``: (sequence, index in sequence) of every item, ``counts`` items per
+    sequence (host tensor); one row of zeros when there are none."""
+    n = int(counts.sum())
+    if n == 0:
+        return torch.zeros(1, 2, dtype=torch.int32, device=dev)
     seq = torch.repeat_interleave(torch.arange(counts.numel()), counts)
-    idx = torch.stack([seq, torch.arange(NC) - offsets[seq]], 1) if NC else torch.zeros(1, 2, dtype=torch.int64)
-    return idx.to(dev, torch.int32), offsets.to(dev, torch.int32), NC
+    offsets = torch.cat([counts.new_zeros(1), counts.cumsum(0)])
+    return torch.stack([seq, torch.arange(n) - offsets[seq]], 1).to(dev, torch.int32)
 
 
-def _dense_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """The tables of B documents of length T, built without reading anything back from the GPU."""
+def _dense_tables(B: int, T: int, device) -> tuple:
+    """The tables of B documents of length T (as ``_chunk_tables``), built without reading anything back
+    from the GPU."""
     key = (B, T, str(device))
     if key not in _DENSE:
         n = triton.cdiv(T, BT)
@@ -437,7 +490,7 @@ def _dense_tables(B: int, T: int, device) -> tuple[torch.Tensor, torch.Tensor, t
             idx = torch.zeros(1, 2, dtype=torch.int32, device=device)
         off = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=device) if n else torch.zeros(B + 1, dtype=torch.int32, device=device)
         _DENSE.clear()  # one shape at a time is what training and benchmarks use
-        _DENSE[key] = (cu, idx, off, B * n)
+        _DENSE[key] = (cu, idx, off, B * n, torch.full((B,), n, dtype=torch.int64), {})
     return _DENSE[key]
 
 
@@ -484,11 +537,15 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # 4 stages: fastest at every V block in the sweep (bf16); IEEE fp32 tiles take twice the shared memory
         # (sm_90 compiles, scripts/kernel_resources.py: fp32 at 3 stages reaches 181 KB at K=128)
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
-                                      "USE_H0": False, "STORE_HT": False}, 4, 1 if wide else (2 if ieee else 4)),
-        # wide V blocks: fewer recomputes of q·kᵀ
-        "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax), "HAS_VM": False}, 4,
-                   1 if wide else 2),
+                                      "USE_H0": False, "STORE_HT": False, "EVERY": 1}, 4, 1 if wide else (2 if ieee else 4)),
+        # wide V blocks: fewer recomputes of q·kᵀ; E chunks per program, the state carried between them (one
+        # kept per E chunks); 8 warps hold the [K, BV] fp32 state
+        "output": (_output_kernel, {**common, "G": G, "BV": min(128 if not wide else 64, vmax), "HAS_VM": False,
+                                    "E": 1 if wide else OUTPUT_GROUP}, 4 if wide else 8, 1 if wide else 2),
     }
+
+
+OUTPUT_GROUP = 8  # chunks per output program (K ≤ 128), so one state in 8 is written and read
 
 
 class Layout:
@@ -502,17 +559,28 @@ class Layout:
         self.G = self.HQ // self.H
         self.tokens = B * T
         if cu_seqlens is None:  # a dense batch is B packed documents of length T
-            self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = _dense_tables(B, T, q.device)
+            tables = _dense_tables(B, T, q.device)
         else:
             def tables():
                 cu = cu_seqlens.to(device=q.device, dtype=torch.int32)
                 return (cu, *_chunk_tables(cu))
 
-            self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC = _PACKED.get(cu_seqlens, tables)
+            tables = _PACKED.get(cu_seqlens, tables)
+        self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC, self._counts, self._groups = tables
         self.N = self.cu_seqlens.numel() - 1
         self.ieee = q.dtype == torch.float32
         self.BK = _block_k(self.K)
         self.device = q.device
+
+    def groups(self, E: int) -> tuple[torch.Tensor, int]:
+        """``(group_indices [NG, 2] = (sequence, group in sequence), NG)``: each sequence's chunks in groups of
+        ``E`` (the last one shorter), the output kernel's grid. Built once per chunk table (host → device)."""
+        if E == 1:
+            return self.chunk_indices, self.NC
+        if E not in self._groups:
+            counts = (self._counts + E - 1) // E
+            self._groups[E] = (_indices(counts, self.device), int(counts.sum()))
+        return self._groups[E]
 
     @staticmethod
     def flat(*xs):
@@ -542,27 +610,28 @@ def prepare(L: Layout, k, v, g, beta, tm=None):
     return gcum, w, u, tm
 
 
-def states(L: Layout, k, w, u, gcum, initial_state, output_final_state):
-    """Kernel 2, the sequential one: the state entering every chunk and Δ = U − W h (and the final state).
-    Returns ``(hs, v_new, ht)``."""
+def states(L: Layout, k, w, u, gcum, initial_state, output_final_state, every: int = 1):
+    """Kernel 2, the sequential one: the state entering every chunk (every ``every``-th chunk: ``_slot``) and
+    Δ = U − W h (and the final state). Returns ``(hs, v_new, ht)``."""
     H, K, V, ieee, dev = L.H, L.K, L.V, L.ieee, L.device
     v_new = torch.empty_like(u)
-    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=k.dtype if not ieee else torch.float32, device=dev)
+    hs = torch.empty(n_slots(L.NC, L.N, every), H, K, V, dtype=k.dtype if not ieee else torch.float32, device=dev)
     ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     fn, c, warps, stages = launch_settings(H, L.G, K, V, ieee, L.N * H, dev)["state_fwd"]
     fn[(triton.cdiv(V, c["BV"]), L.N * H)](
         k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
-        L.cu_seqlens, L.chunk_offsets, **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None},
+        L.cu_seqlens, L.chunk_offsets,
+        **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None, "EVERY": every},
         num_warps=warps, num_stages=stages,
     )
     return hs, v_new, ht
 
 
-def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, tm=None):
+def prepare_and_states(L: Layout, k, v, g, beta, initial_state, output_final_state, tm=None, every: int = 1):
     """``prepare`` then ``states``. Returns ``(gcum, w, u, tm, hs, v_new, ht)``."""
     gcum, w, u, tm = prepare(L, k, v, g, beta, tm)
-    return (gcum, w, u, tm, *states(L, k, w, u, gcum, initial_state, output_final_state))
+    return (gcum, w, u, tm, *states(L, k, w, u, gcum, initial_state, output_final_state, every))
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, v_offset=None):
@@ -572,12 +641,14 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     q, k, v, g, beta = Layout.flat(q, k, v, g, beta)
-    gcum, _, _, tm, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state)
+    fn, c, warps, stages = launch_settings(L.H, L.G, L.K, L.V, L.ieee)["output"]
+    gcum, _, _, tm, hs, v_new, ht = prepare_and_states(L, k, v, g, beta, initial_state, output_final_state,
+                                                       every=c["E"])
     o = torch.empty(L.tokens, L.HQ, L.V, dtype=v.dtype, device=q.device)
     if L.NC:
         vm = Layout.flat(v_offset.float())[0] if v_offset is not None else o
-        fn, c, warps, stages = launch_settings(L.H, L.G, L.K, L.V, L.ieee)["output"]
-        fn[(triton.cdiv(L.V, c["BV"]), L.NC, L.HQ)](
-            q, k, v_new, gcum, hs, o, vm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale,
+        groups, NG = L.groups(c["E"])
+        fn[(triton.cdiv(L.V, c["BV"]), NG, L.HQ)](
+            q, k, v_new, gcum, hs, o, vm, groups, L.cu_seqlens, L.chunk_offsets, scale,
             **{**c, "HAS_VM": v_offset is not None}, num_warps=warps, num_stages=stages)
     return o.view(B, T, L.HQ, L.V), ht, tm

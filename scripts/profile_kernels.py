@@ -108,8 +108,7 @@ def candidates(kname, K, V):
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
         grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
     elif kname == "output":  # E: chunks per program (one state read per E chunks)
-        grid = [({"BV": bv, "E": e}, nw, ns) for e in (1, 2, 4, 8) for bv in (64, 128) for nw in (4, 8)
-                for ns in (1, 2, 3)]
+        grid = [({"BV": bv, "E": e}, nw, ns) for e in (1, 4, 8) for bv in (64, 128) for nw in (4, 8) for ns in (2, 3)]
     elif kname == "prepare":
         grid = [({"BV": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2, 3)]
     else:

@@ -103,8 +103,6 @@ def candidates(kname, K, V):
     kmax = max(16, triton.next_power_of_2(K))
     if kname.startswith("state"):
         grid = [({"BV": bv, "KB": 64}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4) for ns in (3, 4)]
-    elif kname == "solve_prepare":
-        grid = [({"BV": 64, "BKB": min(kmax, 128)}, nw, ns) for nw in (2, 4, 8) for ns in (1, 2)]
     elif kname == "solve":
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
     elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
@@ -158,8 +156,6 @@ def _sweep_shape(name, only):
     kernels = {
         "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
             kf, gf, bf, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
-        "solve_prepare": lambda ov, nw, ns: cf._solve_prepare_kernel[(L.NC, H)](
-            kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("solve_prepare", ov), num_warps=nw, num_stages=ns),
         "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
             kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
         "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
@@ -204,7 +200,7 @@ def main():
     p.add_argument("--no-breakdown", action="store_true", help="the sweep only")
     p.add_argument("--no-fla", action="store_true", help="our kernels only in the breakdown")
     p.add_argument("--sweep", default="", help="comma-separated kernels to time under every launch setting: "
-                   "solve, prepare, solve_prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
+                   "solve, prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
     shapes = args.shapes.split(",")
     fla, guard = (None, False) if args.no_fla else load_fla()  # as load_fla returns when fla is missing

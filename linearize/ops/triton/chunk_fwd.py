@@ -76,28 +76,6 @@ def _solve_kernel(
     k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
 ):
-    _solve(k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets, tl.program_id(0), tl.program_id(1),
-           H, K, BT, BKB, IEEE)
-
-
-@triton.jit
-def _solve_prepare_kernel(
-    k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
-):
-    """``_solve_kernel`` then ``_prepare_kernel`` in one program per (chunk, KV head): T goes out to ``tm``
-    (the backward's copy) in 16×16 blocks and comes back as one (BT, BT) tile after a barrier, from the
-    cache; k is read once from memory."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    _solve(k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets, i_t, i_h, H, K, BT, BKB, IEEE)
-    tl.debug_barrier()  # the block's stores of T are visible to all its threads
-    _prepare(k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets, i_t, i_h, H, K, V, BT, BK, BV, IEEE)
-
-
-@triton.jit
-def _solve(k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets, i_t, i_h,
-           H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr):
     """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``, held in registers
     as 4×4 blocks of 16×16 (BC) rows: the ten lower blocks of ``k kᵀ`` as (BC, BKB)·(BKB, BC) products; the
     four diagonal blocks inverted by forward substitution side by side (row i of T_dd = e_i − Σ_{j<i} A_ij T_j,
@@ -105,6 +83,7 @@ def _solve(k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets, i_t, i_h,
     T_ij = −T_ii Σ_{j≤m<i} A_im T_mj. T goes to ``tm[token, head, 0:BT]`` (the dots' dtype: it is only ever a
     dot operand). Small tiles: meant for 1–2 warps."""
     BC: tl.constexpr = BT // 4
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     o_c = tl.arange(0, BC)
     t0 = i_c * BT + o_c
@@ -186,14 +165,7 @@ def _prepare_kernel(
 ):
     """Per (chunk, KV head), after ``_solve_kernel``: cumulative g, ``W = T (β γ k)`` and ``U = T (β v)`` as
     (BT, BT)·(BT, ·) products. The backward runs it again (W, U are not kept), on the forward's T."""
-    _prepare(k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets, tl.program_id(0),
-             tl.program_id(1), H, K, V, BT, BK, BV, IEEE)
-
-
-@triton.jit
-def _prepare(k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets, i_t, i_h,
-             H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-             BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     o_r = tl.arange(0, BT)
     o_t = i_c * BT + o_r
@@ -566,18 +538,14 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # (sm_90 compiles, scripts/kernel_resources.py: fp32 at 3 stages reaches 181 KB at K=128)
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
                                       "USE_H0": False, "STORE_HT": False, "EVERY": 1}, 4, 1 if wide else (2 if ieee else 4)),
-        # wide V blocks: fewer recomputes of q·kᵀ; E chunks per program, the state carried between them (one
-        # kept per E chunks); 8 warps hold the [K, BV] fp32 state
+        # E chunks per program, the state carried between them (one kept per E chunks). H200 sweep at 2x8192
+        # (results/sweep_output_groups.json): E 8, BV 64, 4 warps, 2 stages 134.8 µs; E 4 144.1; E 1 167.4
         "output": (_output_kernel, {**common, "G": G, "BV": min(64, vmax), "HAS_VM": False,
                                     "E": 1 if wide else OUTPUT_GROUP}, 4, 1 if wide else 2),
-        # the forward's solve and prepare in one kernel (the backward runs prepare alone, on the kept T)
-        "solve_prepare": (_solve_prepare_kernel, {**common, "BV": 64, "BKB": min(BK, 128)}, 4 if BK <= 128 else 8,
-                          1),
     }
 
 
 OUTPUT_GROUP = 8  # chunks per output program (K ≤ 128), so one state in 8 is written and read
-FUSED_SOLVE = True  # the forward's T solve and W/U in one kernel (``_solve_prepare_kernel``)
 
 
 class Layout:
@@ -632,11 +600,11 @@ def prepare(L: Layout, k, v, g, beta, tm=None):
     if solve:  # T is only ever a dot operand: kept in the dots' dtype
         tm = torch.empty(L.tokens, H, BT, dtype=torch.float32 if ieee else k.dtype, device=dev)
     if L.NC:
-        fn, c, warps, stages = S["solve_prepare" if solve and FUSED_SOLVE else "prepare"]
-        if solve and not FUSED_SOLVE:
-            fs, cs, ws, ss = S["solve"]
-            fs[(L.NC, H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **cs,
-                          num_warps=ws, num_stages=ss)
+        if solve:
+            fn, c, warps, stages = S["solve"]
+            fn[(L.NC, H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
+                          num_warps=warps, num_stages=stages)
+        fn, c, warps, stages = S["prepare"]
         fn[(L.NC, H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
                       num_warps=warps, num_stages=stages)
     return gcum, w, u, tm

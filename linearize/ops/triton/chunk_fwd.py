@@ -200,9 +200,10 @@ def _sequence(cu_seqlens, chunk_offsets, i_n):
 
 @triton.jit
 def _slot(boh, i_n, i_c, EVERY: tl.constexpr):
-    """Row of ``hs`` holding the state entering chunk ``i_c`` (a multiple of ``EVERY``) of sequence ``i_n``, whose
-    first chunk is ``boh`` overall: the chunk itself when every state is kept, else ``boh // E + i_n + i_c // E``
-    — rising within a sequence and past the previous sequence's last row, in ``n_slots(NC, N, E)`` rows."""
+    """Row of ``hs`` holding the state entering chunk ``i_c`` (a multiple of ``EVERY``) of sequence ``i_n``,
+    whose first chunk is chunk ``boh`` overall: that chunk's row when every state is kept, else
+    ``boh // E + i_n + i_c // E``, which rises within a sequence and starts past the previous sequence's last
+    row (``(boh + c) // E + 1 ≥ boh // E + ⌈c / E⌉`` for its c chunks); ``n_slots(NC, N, E)`` rows in all."""
     if EVERY == 1:
         return boh + i_c
     else:
@@ -347,10 +348,11 @@ def _state_kernel(
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr, EVERY: tl.constexpr,
 ):
     """Per (V block, sequence × KV head), over the chunks in order: store the state h entering the chunk
-    (of every ``EVERY``-th chunk only, at its ``_slot``), ``Δ = U − W h``, then ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV)
-    fp32 blocks (K blocks of KB rows), so each product is (BT, KB)·(KB, BV) and the blocks update
-    independently; the decay is applied to Δ's rows rather than to k. Pointers move to the sequence and
-    the chunk first, so tile offsets stay 32-bit."""
+    (of every ``EVERY``-th chunk only, at its ``_slot``), ``Δ = U − W h``, then
+    ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)``. The [K, BV] state is held as up to four (KB, BV) fp32 blocks (K
+    blocks of KB rows), so each product is (BT, KB)·(KB, BV) and the blocks update independently; the decay
+    is applied to Δ's rows rather than to k. Pointers move to the sequence and the chunk first, so tile
+    offsets stay 32-bit."""
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)

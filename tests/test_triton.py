@@ -100,15 +100,16 @@ def test_triton_output_with_v_offset_equals_taylor_back(poisoned, case, dtype, t
     assert got["triton"][0].dtype == dtype and got["triton"][-1].dtype == torch.float32
 
 
-@pytest.mark.parametrize("group", [2, 3, 8])
+@pytest.mark.parametrize("group", [1, 2, 3, 8])
 @pytest.mark.parametrize("case", [CASES[1], (1, 600, 2, 2, 16, 32, [0, 37, 101, 600])])
 def test_triton_output_groups_carry_the_state(poisoned, monkeypatch, case, group):
     """The output kernel reads one state per ``group`` chunks and carries it across the group's other
     chunks itself: outputs and final state against the float64 reference, with groups that end mid-sequence,
-    one-chunk tail groups, and packed documents whose first chunk is not a multiple of the group."""
+    one-chunk tail groups, and packed documents whose first chunk is not a multiple of the group; group 1 is
+    the one-chunk kernel (every state kept)."""
     from linearize.ops.triton import chunk_fwd
 
-    monkeypatch.setattr(chunk_fwd, "OUTPUT_GROUP", group)
+    monkeypatch.setattr(chunk_fwd, "output_group", lambda K: group)
     B, T, H, G, K, V, cu = case
     q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=T + group, dtype=torch.float64, beta_scale=2.0)
     cu = torch.tensor(cu) if cu else None

@@ -6,11 +6,11 @@ The math is the one of ``linearize/ops/chunk.py`` (read its docstring first); fo
    in registers (16×16 diagonal blocks by forward substitution, the rest by products); T is kept for the backward.
 1. ``_prepare_kernel``  per (chunk, KV head): in-chunk cumsum of g, ``W = T (β γ k)`` and ``U = T (β v)``.
 2. ``_state_kernel``    per (sequence, KV head, V block): the only sequential part — carries the fp32
-   state across chunks, writes ``Δ = U − W h`` and the state entering each chunk (in the forward, of every
-   8th chunk only).
-3. ``_output_kernel``   per (8 chunks, query head, V block): ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``,
-   carrying h from chunk to chunk on Δ; query head ``h_q`` reads KV head ``h_q // G``, so K/V are never
-   repeated in memory.
+   state across chunks, writes ``Δ = U − W h`` and the state entering each chunk (in the forward at
+   K = 128, of every 8th chunk only: ``output_group``).
+3. ``_output_kernel``   per (chunk or group of 8 chunks, query head, V block):
+   ``o = γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ``, carrying h from chunk to chunk on Δ within a group;
+   query head ``h_q`` reads KV head ``h_q // G``, so K/V are never repeated in memory.
 
 Every sequence layout is handled as packed documents: a dense ``[B, T]`` batch is the packing of B
 equal-length documents, so one code path serves both.
@@ -403,56 +403,83 @@ def _output_kernel(
     Only the state entering the group's first chunk is read (the state kernel keeps one per ``E`` chunks);
     the program carries it to the next chunk itself, ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)`` — the state kernel's
     update, on the Δ it stored — so the states cost 1/E of their traffic, and the loop lets Triton load
-    the next chunk under this one's products."""
+    the next chunk under this one's products. ``E = 1`` (``group_indices`` = the chunk table): one chunk, no
+    loop, the state read in the dots' dtype."""
     i_v, i_p, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hq // G
     HQ: tl.constexpr = H * G
-    i_n = tl.load(group_indices + i_p * 2).to(tl.int64)
-    c0 = tl.load(group_indices + i_p * 2 + 1).to(tl.int64) * E
-    bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
     o_r = tl.arange(0, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    q += (bos * HQ + i_hq) * K
-    k += (bos * H + i_h) * K
-    v_new += (bos * H + i_h) * V
-    vm += (bos * H + i_h) * V
-    o += (bos * HQ + i_hq) * V
-    gcum += bos * H + i_h
-    b_h = tl.load(hs + (_slot(boh, i_n, c0, E) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-    for i_c in range(c0, tl.minimum(c0 + E, tl.cdiv(T, BT))):
-        t0 = i_c * BT
-        m_t = o_r < T - t0
-        m_tk = m_t[:, None] & m_k[None, :]
+    if E == 1:
+        bos, T, boh, i_c = _chunk(group_indices, cu_seqlens, chunk_offsets, i_p)
+        o_t = i_c * BT + o_r
+        m_t = o_t < T
+        row = bos + o_t
         m_tv = m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + t0 * (HQ * K) + o_r[:, None] * (HQ * K) + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + t0 * (H * K) + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
-        b_d = tl.load(v_new + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
-        b_g = tl.load(gcum + (t0 + o_r) * H, mask=m_t, other=0.0)
-        causal = (o_r[:, None] >= o_r[None, :]) & m_t[:, None]  # rows past the document's end read g = 0
-        decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
-        if IEEE:
-            b_o = tl.dot(b_q.to(tl.float32), b_h, input_precision="ieee")
-            b_A = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee") * decay
-            b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A, b_d.to(tl.float32), input_precision="ieee")
-        else:
-            b_o = tl.dot(b_q, b_h.to(b_q.dtype))
-            b_A = tl.dot(b_q, tl.trans(b_k)) * decay
-            b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A.to(b_d.dtype), b_d)
-        b_o = b_o * scale
+        b_q = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_d = tl.load(v_new + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+        b_o = _chunk_output(b_q, b_k, b_h, b_d, b_g, m_t, scale, IEEE)
         if HAS_VM:
-            b_o += tl.load(vm + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
-        tl.store(o + t0 * (HQ * V) + o_r[:, None] * (HQ * V) + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-        if E > 1:  # the state entering the next chunk
+            b_o += tl.load(vm + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
+        tl.store(o + row[:, None] * (HQ * V) + i_hq * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    else:
+        i_n = tl.load(group_indices + i_p * 2).to(tl.int64)
+        c0 = tl.load(group_indices + i_p * 2 + 1).to(tl.int64) * E
+        bos, T, boh = _sequence(cu_seqlens, chunk_offsets, i_n)
+        q += (bos * HQ + i_hq) * K
+        k += (bos * H + i_h) * K
+        v_new += (bos * H + i_h) * V
+        vm += (bos * H + i_h) * V
+        o += (bos * HQ + i_hq) * V
+        gcum += bos * H + i_h
+        b_h = tl.load(hs + (_slot(boh, i_n, c0, E) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                      mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        for i_c in range(c0, tl.minimum(c0 + E, tl.cdiv(T, BT))):
+            t0 = i_c * BT
+            m_t = o_r < T - t0
+            m_tk = m_t[:, None] & m_k[None, :]
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_q = tl.load(q + t0 * (HQ * K) + o_r[:, None] * (HQ * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_k = tl.load(k + t0 * (H * K) + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
+            b_d = tl.load(v_new + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
+            b_g = tl.load(gcum + (t0 + o_r) * H, mask=m_t, other=0.0)
+            b_o = _chunk_output(b_q, b_k, b_h, b_d, b_g, m_t, scale, IEEE)
+            if HAS_VM:
+                b_o += tl.load(vm + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
+            tl.store(o + t0 * (HQ * V) + o_r[:, None] * (HQ * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
+                     mask=m_tv)
+            # the state entering the next chunk
             g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
             b_de = b_d.to(tl.float32) * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]
             if IEEE:
                 b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_k.to(tl.float32)), b_de, input_precision="ieee")
             else:
                 b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_k), b_de.to(b_k.dtype))
+
+
+@triton.jit
+def _chunk_output(b_q, b_k, b_h, b_d, b_g, m_t, scale, IEEE: tl.constexpr):
+    """``scale·(γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ)`` of one chunk, float32: q, k (BT, BK) and Δ (BT, BV)
+    tiles, the state h (BK, BV), the chunk's cumulative log-decay g, ``m_t`` its rows inside the document."""
+    o_r = tl.arange(0, b_q.shape[0])
+    causal = (o_r[:, None] >= o_r[None, :]) & m_t[:, None]  # rows past the document's end read g = 0
+    decay = tl.where(causal, tl.exp(tl.where(causal, b_g[:, None] - b_g[None, :], 0.0)), 0.0)
+    if IEEE:
+        b_o = tl.dot(b_q.to(tl.float32), b_h.to(tl.float32), input_precision="ieee")
+        b_A = tl.dot(b_q.to(tl.float32), tl.trans(b_k.to(tl.float32)), input_precision="ieee") * decay
+        b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A, b_d.to(tl.float32), input_precision="ieee")
+    else:
+        b_o = tl.dot(b_q, b_h.to(b_q.dtype))
+        b_A = tl.dot(b_q, tl.trans(b_k)) * decay
+        b_o = b_o * tl.exp(b_g)[:, None] + tl.dot(b_A.to(b_d.dtype), b_d)
+    return b_o * scale
 
 
 def _chunk_tables(cu_seqlens: torch.Tensor) -> tuple:
@@ -527,6 +554,7 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     vmax = max(16, triton.next_power_of_2(V))
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
     bv = _state_bv(K, V, ieee, programs, device)
+    E = output_group(K)
     return {
         # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
         # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")
@@ -540,14 +568,20 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # (sm_90 compiles, scripts/kernel_resources.py: fp32 at 3 stages reaches 181 KB at K=128)
         "state_fwd": (_state_kernel, {"H": H, "K": K, "V": V, "BT": BT, "KB": min(BK, 64), "BV": bv, "IEEE": ieee,
                                       "USE_H0": False, "STORE_HT": False, "EVERY": 1}, 4, 1 if wide else (2 if ieee else 4)),
-        # E chunks per program, the state carried between them (one kept per E chunks). H200 sweep at 2x8192
-        # (results/sweep_output_groups.json): E 8, BV 64, 4 warps, 2 stages 134.8 µs; E 4 144.1; E 1 167.4
-        "output": (_output_kernel, {**common, "G": G, "BV": min(64, vmax), "HAS_VM": False,
-                                    "E": 1 if wide else OUTPUT_GROUP}, 4, 1 if wide else 2),
+        # E chunks per program, the state carried between them (one kept per E chunks): see output_group.
+        # One chunk: wide V blocks, fewer recomputes of q·kᵀ (146 µs at BV 128 against 168 at 64, 2x8192)
+        "output": (_output_kernel, {**common, "G": G, "BV": min(128 if E == 1 and not wide else 64, vmax),
+                                    "HAS_VM": False, "E": E}, 4, 1 if wide else 2),
     }
 
 
-OUTPUT_GROUP = 8  # chunks per output program (K ≤ 128), so one state in 8 is written and read
+def output_group(K: int) -> int:
+    """Chunks per output program (``E``). H200 sweeps of the output kernel (``scripts/profile_kernels.py
+    --sweep output``, results/sweep_output_groups.json and sweep_output_groups_gqa.json): 8 where the
+    [K, V] states are large next to a chunk's q, k, Δ — at K = 128, 2x8192 134.8 µs against 146 for one
+    chunk per program, Llama-3-8B 2x4096 130.0 against 147.3; one at K = 64 (SmolLM2 16x2048: 66.0 against
+    76.5) and for Gemma's 256-wide keys (registers)."""
+    return 8 if 64 < K <= 128 else 1
 
 
 class Layout:

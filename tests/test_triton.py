@@ -100,26 +100,36 @@ def test_triton_output_with_v_offset_equals_taylor_back(poisoned, case, dtype, t
     assert got["triton"][0].dtype == dtype and got["triton"][-1].dtype == torch.float32
 
 
-@pytest.mark.parametrize("group", [1, 2, 3, 8])
-@pytest.mark.parametrize("case", [CASES[1], (1, 600, 2, 2, 16, 32, [0, 37, 101, 600])])
-def test_triton_output_groups_carry_the_state(poisoned, monkeypatch, case, group):
+GROUP_CASES = [CASES[1], (3, 200, 2, 1, 16, 16, None), (1, 600, 2, 2, 16, 32, [0, 37, 37, 101, 600])]
+
+
+@pytest.mark.parametrize("group, dtype, tol", [(1, torch.float32, 1e-5), (2, torch.float32, 1e-5),
+                                               (3, torch.float32, 1e-5), (8, torch.float32, 1e-5),
+                                               (3, torch.float16, 1e-2)])
+@pytest.mark.parametrize("case", GROUP_CASES)
+def test_triton_output_groups_carry_the_state(poisoned, monkeypatch, case, group, dtype, tol):
     """The output kernel reads one state per ``group`` chunks and carries it across the group's other
-    chunks itself: outputs and final state against the float64 reference, with groups that end mid-sequence,
-    one-chunk tail groups, and packed documents whose first chunk is not a multiple of the group; group 1 is
-    the one-chunk kernel (every state kept)."""
-    from linearize.ops.triton import chunk_fwd
+    chunks itself: output (with the Taylor back ``v_offset``) and final state against the float64
+    reference, on GQA rows, a dense batch of three, and packed documents — one empty, one whose first
+    chunk is not a multiple of the group — with groups that end mid-sequence and one-chunk tail groups;
+    group 1 is the one-chunk kernel (every state kept); fp16 takes the carry's non-IEEE products."""
+    from linearize.ops import taylor_back
+    from linearize.ops.triton import chunk_fwd, chunk_gated_delta_rule_triton
 
     monkeypatch.setattr(chunk_fwd, "output_group", lambda K: group)
     B, T, H, G, K, V, cu = case
     q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=T + group, dtype=torch.float64, beta_scale=2.0)
+    vm = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
     cu = torch.tensor(cu) if cu else None
     N = B if cu is None else len(cu) - 1
     h0 = torch.randn(N, H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     ref_o, ref_h = gated_delta_rule(q, k, v, g, beta, scale=0.5, initial_state=h0, output_final_state=True,
                                     cu_seqlens=cu, backend="reference")
-    o, h = gated_delta_rule(*(x.float() for x in (q, k, v, g, beta)), scale=0.5, initial_state=h0.float(),
-                            output_final_state=True, cu_seqlens=cu, backend="triton")
-    assert rel(o, ref_o) < 1e-5 and rel(h, ref_h) < 1e-5
+    o, h = chunk_gated_delta_rule_triton(*(x.to(dtype) for x in (q, k, v, g, beta)), scale=0.5,
+                                         initial_state=h0.float(), output_final_state=True, cu_seqlens=cu,
+                                         v_offset=vm.float())
+    assert torch.isfinite(o).all() and torch.isfinite(h).all()
+    assert rel(o, taylor_back(ref_o, vm)) < tol and rel(h, ref_h) < tol
 
 
 def test_gated_delta_rule_triton_gradients_without_state_inputs(poisoned):

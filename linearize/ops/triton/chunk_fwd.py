@@ -513,14 +513,18 @@ def _dense_tables(B: int, T: int, device) -> tuple:
     if key not in _DENSE:
         n = triton.cdiv(T, BT)
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
-        seq = torch.arange(B, dtype=torch.int32, device=device).repeat_interleave(n)
-        idx = torch.stack([seq, torch.arange(n, dtype=torch.int32, device=device).repeat(B)], 1)
-        if B * n == 0:
-            idx = torch.zeros(1, 2, dtype=torch.int32, device=device)
         off = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=device) if n else torch.zeros(B + 1, dtype=torch.int32, device=device)
         _DENSE.clear()  # one shape at a time is what training and benchmarks use
-        _DENSE[key] = (cu, idx, off, B * n, torch.full((B,), n, dtype=torch.int64), {})
+        _DENSE[key] = (cu, _grid(B, n, device), off, B * n, torch.full((B,), n, dtype=torch.int64), {})
     return _DENSE[key]
+
+
+def _grid(B: int, n: int, device) -> torch.Tensor:
+    """``_indices`` of B sequences of n items each, made on ``device`` (no host → device copy)."""
+    if B * n == 0:
+        return torch.zeros(1, 2, dtype=torch.int32, device=device)
+    seq = torch.arange(B, dtype=torch.int32, device=device).repeat_interleave(n)
+    return torch.stack([seq, torch.arange(n, dtype=torch.int32, device=device).repeat(B)], 1)
 
 
 _DENSE: dict = {}
@@ -604,18 +608,21 @@ class Layout:
             tables = _PACKED.get(cu_seqlens, tables)
         self.cu_seqlens, self.chunk_indices, self.chunk_offsets, self.NC, self._counts, self._groups = tables
         self.N = self.cu_seqlens.numel() - 1
+        self.dense = cu_seqlens is None
         self.ieee = q.dtype == torch.float32
         self.BK = _block_k(self.K)
         self.device = q.device
 
     def groups(self, E: int) -> tuple[torch.Tensor, int]:
         """``(group_indices [NG, 2] = (sequence, group in sequence), NG)``: each sequence's chunks in groups of
-        ``E`` (the last one shorter), the output kernel's grid. Built once per chunk table (host → device)."""
+        ``E`` (the last one shorter), the output kernel's grid. Built once per chunk table: on the GPU for a
+        dense batch, from the host's chunk counts (one host → device copy) for packed documents."""
         if E == 1:
             return self.chunk_indices, self.NC
         if E not in self._groups:
             counts = (self._counts + E - 1) // E
-            self._groups[E] = (_indices(counts, self.device), int(counts.sum()))
+            table = _grid(self.N, int(counts[0]) if self.N else 0, self.device) if self.dense else _indices(counts, self.device)
+            self._groups[E] = (table, int(counts.sum()))
         return self._groups[E]
 
     @staticmethod

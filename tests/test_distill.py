@@ -233,6 +233,96 @@ def test_align_loss_batched_blocks_equal_layer_by_layer(packed, backend):
                                      caps[0].position_embeddings, pos) is not None
 
 
+def test_align_loss_batched_weight_zero_layer_gets_no_gradient():
+    """On the one-call path a layer of weight 0 is left out of the batched operator call: its block gets no
+    gradient at all (not a zero one, which weight decay would still move), the other layers' loss and
+    gradients equal the layer-by-layer ones, and its reported error is the same either way."""
+    import copy
+
+    from conftest import tiny_model
+
+    import linearize
+    from linearize.config import RecipeConfig
+    from linearize.distill.trainer import Run, align_loss, gdn_layers
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("llama", num_hidden_layers=4).eval().requires_grad_(False)
+    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, 96, (1, 32)),
+                                options=GDNOptions(fused_front=True))
+    run = Run(RecipeConfig(), Path("."), torch.device("cpu"), torch.float32, teacher, student, None, None)
+    ids, pos = torch.randint(0, 96, (2, 40)), torch.arange(40).expand(2, 40)
+    layers = gdn_layers(student)
+    got = {}
+    for batched in (True, False):
+        for attn in layers.values():
+            attn.rho.grad = None
+            attn.rho.requires_grad_(True)
+        loss, per_layer = align_loss(run, ids, pos, "nmse", {1: 0.0, 2: 2.0}, batched=batched)
+        loss.backward()
+        got[batched] = (loss.detach(), torch.stack(list(per_layer.values())), [a.rho.grad for a in layers.values()])
+    for batched in (True, False):
+        grads = got[batched][2]
+        assert grads[1] is None, batched
+        assert all(g is not None and g.abs().sum() > 0 for j, g in enumerate(grads) if j != 1), batched
+    torch.testing.assert_close(got[True][0], got[False][0], rtol=1e-5, atol=0)
+    torch.testing.assert_close(got[True][1], got[False][1], rtol=1e-5, atol=0)
+    for a, b in zip(got[True][2], got[False][2]):
+        if b is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_v_beta_gate_one_gemm_and_its_fallbacks_equal_the_modules():
+    """``_v_beta_gate`` (the batched align path's v/β/gate projection): one GEMM on the stacked weights equals
+    the three modules (with a bias on one of them); LoRA-wrapped or hooked modules fall back to the modules
+    themselves — their outputs differ from the base weights' product, so a missed fallback fails."""
+    import copy
+
+    from conftest import tiny_model
+    from peft import LoraConfig, inject_adapter_in_model
+
+    import linearize
+    from linearize.distill.trainer import gdn_layers
+    from linearize.layers.gdn_attention import _plain_linear, _v_beta_gate
+
+    student = linearize.convert(tiny_model("llama", num_hidden_layers=1), calibration_ids=torch.randint(0, 96, (1, 32)))
+    block = gdn_layers(student)[0]
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        block.gate_proj.weight.normal_(0, 0.2, generator=gen)
+        block.beta_proj.bias = torch.nn.Parameter(torch.randn(block.beta_proj.out_features, generator=gen))
+    h = torch.randn(2, 10, block.v_proj.in_features, generator=gen)
+
+    def modules(b):
+        return b.v_proj(h).view(2, 10, -1, b.head_dim), b.beta_proj(h), b.gate_proj(h)
+
+    def stacked(b):  # what the one-GEMM path computes from the base weights
+        lins = (b.v_proj, b.beta_proj, b.gate_proj)
+        base = [getattr(m, "base_layer", m) for m in lins]
+        bias = torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in base])
+        return torch.nn.functional.linear(h, torch.cat([m.weight for m in base]), bias)
+
+    with torch.no_grad():
+        assert all(_plain_linear(m) for m in (block.v_proj, block.beta_proj, block.gate_proj))
+        for a, b in zip(_v_beta_gate(block, h), modules(block)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+        hooked = copy.deepcopy(block)
+        hooked.gate_proj.register_forward_hook(lambda m, i, o: o * 3.0)
+        assert not _plain_linear(hooked.gate_proj)
+        got = _v_beta_gate(hooked, h)
+        torch.testing.assert_close(got[2], 3.0 * block.gate_proj(h))
+
+        inject_adapter_in_model(LoraConfig(r=2, lora_alpha=4, target_modules=["v_proj", "beta_proj"]), student)
+        for name, p in block.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5, generator=gen)
+        assert not _plain_linear(block.v_proj)
+        got = _v_beta_gate(block, h)
+        for a, b in zip(got, modules(block)):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(got[0].flatten(2), stacked(block)[..., :got[0][0, 0].numel()], atol=1e-3)
+
+
 def test_distill_runs_and_saves_a_loadable_model(tiny_dir, tmp_path):
     import linearize
 

@@ -352,27 +352,21 @@ def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
     sync while the GPU drains its queue. ``batched``: all blocks in one front and operator call where
     :func:`linearize.layers.gdn_attention.batched_attention_outputs` applies (not under FSDP), and every
     layer's squared errors in one Triton pass each way (``ops/triton/rowsq.py``) on the stacked output.
-    A layer of weight 0 adds nothing to the loss; layer by layer its block gets no gradient, on the batched
-    path (one operator call for all blocks) a zero one."""
+    A layer of weight 0 adds nothing to the loss and its block gets no gradient: its error is computed
+    apart, without autograd (on the batched path it would otherwise share the others' operator call and
+    get a zero gradient, which weight decay would act on)."""
     from ..eval import capture_attention
-    from ..layers.gdn_attention import batched_attention_outputs
 
     layers = gdn_layers(run.student)
     weights = align_weights(layers, layer_weights)
     caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos, stop_early=not run.fsdp)
     refs = [caps[i].output.detach() for i in layers]
-    o = None
-    pe = caps[next(iter(layers))].position_embeddings
-    if batched and not run.fsdp and all(caps[i].position_embeddings is pe for i in layers):
-        o = batched_attention_outputs(list(layers.values()), [caps[i].hidden_states for i in layers], pe, pos)
-    if o is not None:  # (B, T, layer, D)
-        from ..ops.triton.rowsq import row_squared_errors
-
-        sse, ref_sq = row_squared_errors(o, refs)
-        rows = list(zip(sse.unbind(0), ref_sq.unbind(0)))
-    else:  # layer by layer through the block's forward (not attention_output), so FSDP gathers its weights
-        rows = [_row_errors(gdn(caps[i].hidden_states, caps[i].position_embeddings, position_ids=pos, pre_o_proj=True),
-                            ref) for (i, gdn), ref in zip(layers.items(), refs)]
+    live = {i: gdn for i, gdn in layers.items() if weights[i]}
+    found = _layer_errors(run, live, caps, pos, batched)
+    if len(live) < len(layers):
+        with torch.no_grad():
+            found.update(_layer_errors(run, {i: gdn for i, gdn in layers.items() if i not in live}, caps, pos, batched))
+    rows = [found[i] for i in layers]
     per_layer = {}
     total = 0.0
     for i, ref, (sse_i, ref_sq_i) in zip(layers, refs, rows):
@@ -385,6 +379,29 @@ def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
         if weights[i]:
             total = total + weights[i] * err
     return total / sum(weights.values()), per_layer
+
+
+def _layer_errors(run: Run, layers: dict, caps: dict, pos, batched: bool) -> dict:
+    """``{layer: (Σ squared error, Σ teacher square) per row}`` of each block on the teacher's captured
+    input: every block in one :func:`linearize.layers.gdn_attention.batched_attention_outputs` call and one
+    Triton pass over the stacked output where that applies, else block by block."""
+    from ..layers.gdn_attention import batched_attention_outputs
+
+    if not layers:
+        return {}
+    refs = [caps[i].output.detach() for i in layers]
+    o = None
+    pe = caps[next(iter(layers))].position_embeddings
+    if batched and not run.fsdp and all(caps[i].position_embeddings is pe for i in layers):
+        o = batched_attention_outputs(list(layers.values()), [caps[i].hidden_states for i in layers], pe, pos)
+    if o is not None:  # (B, T, layer, D)
+        from ..ops.triton.rowsq import row_squared_errors
+
+        sse, ref_sq = row_squared_errors(o, refs)
+        return dict(zip(layers, zip(sse.unbind(0), ref_sq.unbind(0))))
+    # layer by layer through the block's forward (not attention_output), so FSDP gathers its weights
+    return {i: _row_errors(gdn(caps[i].hidden_states, caps[i].position_embeddings, position_ids=pos, pre_o_proj=True),
+                           ref) for (i, gdn), ref in zip(layers.items(), refs)}
 
 
 def per_layer_values(per_layer: dict) -> dict:

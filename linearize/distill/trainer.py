@@ -360,17 +360,16 @@ def align_loss(run: Run, ids, pos, kind: str, layer_weights: dict | None = None,
     layers = gdn_layers(run.student)
     weights = align_weights(layers, layer_weights)
     caps = capture_attention(run.teacher, ids, list(layers), position_ids=pos, stop_early=not run.fsdp)
-    refs = [caps[i].output.detach() for i in layers]
     live = {i: gdn for i, gdn in layers.items() if weights[i]}
     found = _layer_errors(run, live, caps, pos, batched)
     if len(live) < len(layers):
         with torch.no_grad():
             found.update(_layer_errors(run, {i: gdn for i, gdn in layers.items() if i not in live}, caps, pos, batched))
-    rows = [found[i] for i in layers]
     per_layer = {}
     total = 0.0
-    for i, ref, (sse_i, ref_sq_i) in zip(layers, refs, rows):
-        n = ref[0].numel()
+    for i in layers:
+        sse_i, ref_sq_i = found[i]
+        n = caps[i].output[0].numel()
         err = sse_i / n  # per row, so shards average exactly
         if kind == "nmse":  # over the teacher's own mean square (a constant)
             err = err / (ref_sq_i / n).clamp_min(1e-12)

@@ -8,6 +8,9 @@ teachers (ours GQA-native vs ours and fla on K/V repeated to every query head). 
 backward refuses to run on Triton 3.4–3.7.0 on Hopper (fla #640); the guard is switched off here
 to time it, so its backward numbers on such a setup are timings of a possibly wrong result.
 Also prints the forward's memory-traffic floor (read q, k, v, write o) from a measured copy bandwidth.
+Every forward also gets its host time (``*_fwd_host_ms``, Python enqueueing one call): where it reaches
+the forward's time, that row measures the host, not the kernels (small GQA shapes); ``--cudagraph`` adds
+the forward's time replayed from a CUDA graph, without the host.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -68,11 +72,38 @@ def fwd_bwd(run, tensors):
     return f
 
 
+def host_ms(fn, n=20):
+    """Host milliseconds to enqueue one call of fn (no synchronization inside the n calls): where this
+    reaches the call's measured time, the GPU waited on Python and the timing is the host's."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return (t1 - t0) / n * 1e3
+
+
+def graph_ms(fn):
+    """Median ms of fn replayed from a CUDA graph (``--cudagraph``): the GPU's time without the launches'
+    host cost; an error string where fn cannot be captured."""
+    try:
+        return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as e:  # noqa: BLE001  (a path with a host sync, for one)
+        return f"{type(e).__name__}: {str(e)[:160]}"
+
+
+GRAPH = False  # --cudagraph
+
+
 def measure(name, run, tensors):
     with torch.no_grad():
         fwd = bench(run)
+        out = {f"{name}_fwd_ms": fwd, f"{name}_fwd_host_ms": host_ms(run)}
+        if GRAPH:
+            out[f"{name}_fwd_graph_ms"] = graph_ms(run)
     fb = fwd_bwd(run, tensors)
-    return {f"{name}_fwd_ms": fwd, f"{name}_fwdbwd_ms": bench(fb), f"{name}_peak_mib": peak(fb)}
+    return {**out, f"{name}_fwdbwd_ms": bench(fb), f"{name}_peak_mib": peak(fb)}
 
 
 def bench_shape(kind, B, T, HQ, H, K, V, fla, bw):
@@ -131,7 +162,11 @@ def main():
                    help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
+    p.add_argument("--cudagraph", action="store_true",
+                   help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
     args = p.parse_args()
+    global GRAPH
+    GRAPH = args.cudagraph
     if args.render:
         md = markdown(json.loads(args.render.read_text())["rows"])
         print(md)

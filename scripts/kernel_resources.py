@@ -23,6 +23,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import triton
@@ -50,7 +51,9 @@ def resources(fn, consts: dict, warps: int, stages: int, dtype: str) -> dict:
         else:
             sig[n] = f"*{dtype}" if n in INPUT_DTYPE else "*fp32"
     src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+    t0 = time.perf_counter()
     c = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    seconds = time.perf_counter() - t0  # Triton's cache answers repeats at once: a fresh TRITON_CACHE_DIR times compiles
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
@@ -58,7 +61,7 @@ def resources(fn, consts: dict, warps: int, stages: int, dtype: str) -> dict:
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
     return {"regs": int(m[1]), "stack_bytes": int(m[2]), "static_shared": int(m[3]),
-            "shared_bytes": c.metadata.shared, "warps": warps, "stages": stages}
+            "shared_bytes": c.metadata.shared, "warps": warps, "stages": stages, "compile_s": round(seconds, 2)}
 
 
 H200_SHARED = 232448  # bytes of shared memory one block may use on sm_90
@@ -114,7 +117,8 @@ def main():
             rows[name] = {**consts, **resources(fn, consts, warps, stages, args.dtype)}
             r = rows[name]
             print(f"{name:12s} BV={consts.get('BV', '-'):>3} warps={warps} stages={stages}: regs {r['regs']:3d}, "
-                  f"stack {r['stack_bytes']:5d} B{' (SPILLS)' if r['stack_bytes'] else ''}, shared {r['shared_bytes']} B")
+                  f"stack {r['stack_bytes']:5d} B{' (SPILLS)' if r['stack_bytes'] else ''}, shared {r['shared_bytes']} B, "
+                  f"compiled in {r['compile_s']:.1f} s")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "target": "sm_90",

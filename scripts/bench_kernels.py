@@ -73,8 +73,9 @@ def fwd_bwd(run, tensors):
 
 
 def host_ms(fn, n=20):
-    """Host milliseconds to enqueue one call of fn (no synchronization inside the n calls): where this
-    reaches the call's measured time, the GPU waited on Python and the timing is the host's."""
+    """Host milliseconds to enqueue one call of fn (no synchronization between the n calls): where this
+    reaches the call's measured time, the GPU waited on Python and the timing is the host's. A fn that
+    synchronizes inside itself counts its GPU time here too."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -93,33 +94,31 @@ def graph_ms(fn):
         return f"{type(e).__name__}: {str(e)[:160]}"
 
 
-GRAPH = False  # --cudagraph
-
-
-def measure(name, run, tensors):
+def measure(name, run, tensors, graph=False):
     with torch.no_grad():
         fwd = bench(run)
         out = {f"{name}_fwd_ms": fwd, f"{name}_fwd_host_ms": host_ms(run)}
-        if GRAPH:
+        if graph:
             out[f"{name}_fwd_graph_ms"] = graph_ms(run)
     fb = fwd_bwd(run, tensors)
     return {**out, f"{name}_fwdbwd_ms": bench(fb), f"{name}_peak_mib": peak(fb)}
 
 
-def bench_shape(kind, B, T, HQ, H, K, V, fla, bw):
+def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False):
     G = HQ // H
     q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
     ts = (q, k, v, g, beta)
     rep = lambda x: x.repeat_interleave(G, dim=2)
     row = {"shape": kind, "B": B, "T": T, "q_heads": HQ, "kv_heads": H, "K": K, "V": V}
-    row.update(measure("ours", lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0], ts))
+    row.update(measure("ours", lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0], ts, graph))
     if G > 1:
         row.update(measure("ours_repkv", lambda: gated_delta_rule(
-            q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5, backend="triton")[0], ts))
+            q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5, backend="triton")[0], ts, graph))
     if fla is not None:
-        row.update(measure("fla", lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0], ts))
+        row.update(measure("fla", lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0], ts, graph))
     qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
-    row.update(measure("sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=G > 1), ts))
+    row.update(measure("sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=G > 1), ts,
+                       graph))
     if kind == "std" and (B, T) == (2, 8192):
         floor_ms = 2 * (2 * q.numel() + k.numel() + v.numel()) / bw * 1e3  # bf16: read q, k, v; write o
         row["fwd_floor_ms"] = floor_ms
@@ -165,8 +164,6 @@ def main():
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
     args = p.parse_args()
-    global GRAPH
-    GRAPH = args.cudagraph
     if args.render:
         md = markdown(json.loads(args.render.read_text())["rows"])
         print(md)
@@ -191,7 +188,7 @@ def main():
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]
     for shape in shapes:
-        rows.append(bench_shape(*shape, fla=fla, bw=bw))
+        rows.append(bench_shape(*shape, fla=fla, bw=bw, graph=args.cudagraph))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
         if args.output:  # after every shape, so a run cut short keeps what it measured

@@ -132,6 +132,23 @@ def test_triton_output_groups_carry_the_state(poisoned, monkeypatch, case, group
     assert rel(o, taylor_back(ref_o, vm)) < tol and rel(h, ref_h) < tol
 
 
+def test_launch_settings_are_cached_read_only_and_follow_output_group(monkeypatch):
+    """The launchers' settings tables are built once per shape and shared, so they are read-only; the output
+    group is read on every call, so a changed ``output_group`` (as the group test above patches it) is obeyed."""
+    from linearize.ops.triton import chunk_bwd, chunk_fwd
+
+    S = chunk_fwd.launch_settings(16, 1, 128, 128, False)
+    assert chunk_fwd.launch_settings(16, 1, 128, 128, False) is S
+    assert chunk_bwd.launch_settings(16, 1, 128, 128, False) is chunk_bwd.launch_settings(16, 1, 128, 128, False)
+    assert S["output"][1]["E"] == chunk_fwd.output_group(128)
+    with pytest.raises(TypeError):
+        S["output"][1]["E"] = 1
+    with pytest.raises(TypeError):
+        S["output"] = S["solve"]
+    monkeypatch.setattr(chunk_fwd, "output_group", lambda K: 3)
+    assert chunk_fwd.launch_settings(16, 1, 128, 128, False)["output"][1]["E"] == 3
+
+
 def test_gated_delta_rule_triton_gradients_without_state_inputs(poisoned):
     """No initial state and no final-state gradient: the kernels' other branch."""
     inputs = gdn_inputs(2, 70, 2, 2, 16, 16, seed=11, dtype=torch.float64)

@@ -23,6 +23,9 @@ are never repeated. Dots run in the input dtype with fp32 accumulation (IEEE fp3
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -39,7 +42,9 @@ from .chunk_fwd import (
     _chunk,
     _sequence,
     _state_bv,
+    frozen,
     prepare,
+    sms_for,
     states,
 )
 
@@ -317,17 +322,23 @@ def _wy_bwd_kernel(
 
 
 def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None = None,
-                    device: torch.device | None = None) -> dict:
-    """``{name: (kernel, constexprs, warps, stages)}`` of the backward kernels (see ``chunk_fwd.launch_settings``)."""
+                    device: torch.device | None = None) -> MappingProxyType:
+    """``{name: (kernel, constexprs, warps, stages)}`` of the backward kernels, built once per shape and
+    read-only (see ``chunk_fwd.launch_settings``)."""
+    return _launch_settings(H, G, K, V, ieee, programs, sms_for(programs, device), qdo_outside(G))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None, sms: int | None,
+                     qdo: bool) -> MappingProxyType:
     BK = _block_k(K)
     wide = BK > 128
     common = dict(H=H, G=G, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
     bv = min(64 if not wide else 32, max(16, triton.next_power_of_2(V)))
-    bvs = _state_bv(K, V, ieee, programs, device)
+    bvs = _state_bv(K, V, ieee, programs, sms)
     vmax = max(16, triton.next_power_of_2(V))
     stages = 1 if wide else 2
-    qdo = qdo_outside(G)
-    return {
+    return frozen({
         # 128-wide V blocks: 79 µs against 101 at 64 (H200 sweep, 8x2048); with the q term as well (GQA), still
         # fastest: 106 µs against 115 at BV 64 and 116 at 8 warps (Llama-3-8B shape, 2x4096)
         "dv_local": (_dv_local_kernel, {**common, "QDO": qdo, "BV": min(128, vmax) if not wide else bv}, 4, stages),
@@ -341,7 +352,7 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # 4 warps, 1 stage: 399 µs against 426 at 2 stages and 629 at 8 warps (H200 sweep, 8x2048,
         # results/sweep_wy_bwd_h200.json)
         "wy_bwd": (_wy_bwd_kernel, {**common, "BV": 64, "BKB": 64}, 4, 1),
-    }
+    })
 
 
 def qdo_outside(G: int) -> bool:

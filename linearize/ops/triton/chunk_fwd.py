@@ -18,6 +18,9 @@ equal-length documents, so one code path serves both.
 
 from __future__ import annotations
 
+import functools
+from types import MappingProxyType
+
 import torch
 import triton
 import triton.language as tl
@@ -535,31 +538,53 @@ def _block_k(K: int) -> int:
     return max(16, triton.next_power_of_2(K))
 
 
-def _state_bv(K: int, V: int, ieee: bool, programs: int | None, device: torch.device | None) -> int:
+def _state_bv(K: int, V: int, ieee: bool, programs: int | None, sms: int | None) -> int:
     """V block of the sequential state kernels: at most 64 (narrower for Gemma's 256-wide keys, whose
     fp32 state must fit in registers), halved (down to 16) while ``programs`` (sequence, head) pairs times
-    V blocks would not reach half the SMs — at long T with a small batch the sequential loop is the whole
-    cost. H200 sweep (``scripts/profile_kernels.py --sweep state_fwd,state_bwd``, 16 heads, d=128): at 8×2048
-    64 is fastest (forward 115 µs against 144 at 32); at 1×16384 16 is (255 µs against 304 at 32)."""
+    V blocks would not reach half of the GPU's ``sms`` SMs (None off CUDA: not halved) — at long T with a
+    small batch the sequential loop is the whole cost. H200 sweep (``scripts/profile_kernels.py --sweep
+    state_fwd,state_bwd``, 16 heads, d=128): at 8×2048 64 is fastest (forward 115 µs against 144 at 32); at
+    1×16384 16 is (255 µs against 304 at 32)."""
     bv = min(64 if _block_k(K) <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
-    if programs is not None and device is not None and device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    if programs is not None and sms is not None:
         while bv > 16 and programs * triton.cdiv(V, bv) < sms // 2:
             bv //= 2
     return bv
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def sms_for(programs: int | None, device: torch.device | None) -> int | None:
+    """The SM count ``_state_bv``'s rule reads: the device's when ``programs`` is given on CUDA, else None."""
+    return _sm_count(device) if programs is not None and device is not None and device.type == "cuda" else None
+
+
+def frozen(settings: dict) -> MappingProxyType:
+    """A launch-settings table made read-only (the tables are cached and shared by every call)."""
+    return MappingProxyType({name: (fn, MappingProxyType(c), warps, stages) for name, (fn, c, warps, stages) in settings.items()})
+
+
 def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None = None,
-                    device: torch.device | None = None) -> dict:
+                    device: torch.device | None = None) -> MappingProxyType:
     """``{name: (kernel, constexprs, warps, stages)}`` of the forward kernels — the one table the launchers
-    and ``scripts/kernel_resources.py`` read. ``programs`` = sequences × KV heads (the state kernel's parallelism)."""
+    and ``scripts/kernel_resources.py`` read. ``programs`` = sequences × KV heads (the state kernel's
+    parallelism). Built once per distinct shape and returned read-only: the forward asks three times per call,
+    and building it costs about 8 µs of host time each (Triton's ``next_power_of_2`` is slow to call)."""
+    return _launch_settings(H, G, K, V, ieee, programs, sms_for(programs, device), output_group(K))
+
+
+@functools.lru_cache(maxsize=256)
+def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None, sms: int | None,
+                     E: int) -> MappingProxyType:
     BK = _block_k(K)
     wide = BK > 128
     vmax = max(16, triton.next_power_of_2(V))
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
-    bv = _state_bv(K, V, ieee, programs, device)
-    E = output_group(K)
-    return {
+    bv = _state_bv(K, V, ieee, programs, sms)
+    return frozen({
         # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
         # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")
         # 8 warps at K ≤ 64: 4 spill ~850 B of registers there (scripts/kernel_resources.py)
@@ -576,7 +601,7 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
         # One chunk: wide V blocks, fewer recomputes of q·kᵀ (146 µs at BV 128 against 168 at 64, 2x8192)
         "output": (_output_kernel, {**common, "G": G, "BV": min(128 if E == 1 and not wide else 64, vmax),
                                     "HAS_VM": False, "E": E}, 4, 1 if wide else 2),
-    }
+    })
 
 
 def output_group(K: int) -> int:

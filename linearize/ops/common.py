@@ -75,6 +75,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def cdiv(a: int, b: int) -> int:
+    """⌈a / b⌉ on the host (grid sizes): ``triton.cdiv`` does the same but, on recent Triton, through a
+    wrapper that costs microseconds per call — and the launchers call it on every forward."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ≥ n (n ≥ 1), on the host: ``triton.next_power_of_2`` without its wrapper."""
+    return 1 << (n - 1).bit_length()
+
+
 class LastTensorMemo:
     """What was computed from the last tensor seen, while that very tensor (unmodified) comes back.
 

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import cdiv, next_pow2
 from .chunk_fwd import (
     BT,
     Layout,
@@ -334,9 +335,9 @@ def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int |
     BK = _block_k(K)
     wide = BK > 128
     common = dict(H=H, G=G, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
-    bv = min(64 if not wide else 32, max(16, triton.next_power_of_2(V)))
+    bv = min(64 if not wide else 32, max(16, next_pow2(V)))
     bvs = _state_bv(K, V, ieee, programs, sms)
-    vmax = max(16, triton.next_power_of_2(V))
+    vmax = max(16, next_pow2(V))
     stages = 1 if wide else 2
     return frozen({
         # 128-wide V blocks: 79 µs against 101 at 64 (H200 sweep, 8x2048); with the q term as well (GQA), still
@@ -406,7 +407,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     dql = torch.empty(max(L.NC, 1), H, K, V, dtype=f32, device=dev) if S["dv_local"][1]["QDO"] else dvl
     if L.NC:
         fn, c, warps, stages = S["dv_local"]
-        fn[(triton.cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, dql, *tables, scale, **c,
+        fn[(cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, dql, *tables, scale, **c,
                                                num_warps=warps, num_stages=stages)
 
     dhs = torch.empty_like(hs)
@@ -414,7 +415,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     dh0 = torch.empty(L.N, H, K, V, dtype=initial_state.dtype, device=dev) if initial_state is not None else None
     dht = dht.contiguous() if dht is not None else None
     fn, c, warps, stages = S["state_bwd"]
-    fn[(triton.cdiv(V, c["BV"]), L.N * H)](
+    fn[(cdiv(V, c["BV"]), L.N * H)](
         qf, kf, w, gcum, dof, dvl, dql, dhs, ddl, dht if dht is not None else hs, dh0 if dh0 is not None else hs,
         L.cu_seqlens, L.chunk_offsets, scale, **{**c, "USE_DHT": dht is not None, "STORE_DH0": dh0 is not None},
         num_warps=warps, num_stages=stages)

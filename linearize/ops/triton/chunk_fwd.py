@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import TRITON_MAX_K, LastTensorMemo
+from ..common import TRITON_MAX_K, LastTensorMemo, cdiv, next_pow2
 
 BT = 64  # chunk size
 
@@ -514,7 +514,7 @@ def _dense_tables(B: int, T: int, device) -> tuple:
     from the GPU."""
     key = (B, T, str(device))
     if key not in _DENSE:
-        n = triton.cdiv(T, BT)
+        n = cdiv(T, BT)
         cu = torch.arange(0, (B + 1) * T, T, dtype=torch.int32, device=device)
         off = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=device) if n else torch.zeros(B + 1, dtype=torch.int32, device=device)
         _DENSE.clear()  # one shape at a time is what training and benchmarks use
@@ -535,7 +535,7 @@ _PACKED = LastTensorMemo()  # the tables of the last cu_seqlens: every layer pas
 
 
 def _block_k(K: int) -> int:
-    return max(16, triton.next_power_of_2(K))
+    return max(16, next_pow2(K))
 
 
 def _state_bv(K: int, V: int, ieee: bool, programs: int | None, sms: int | None) -> int:
@@ -545,9 +545,9 @@ def _state_bv(K: int, V: int, ieee: bool, programs: int | None, sms: int | None)
     small batch the sequential loop is the whole cost. H200 sweep (``scripts/profile_kernels.py --sweep
     state_fwd,state_bwd``, 16 heads, d=128): at 8×2048 64 is fastest (forward 115 µs against 144 at 32); at
     1×16384 16 is (255 µs against 304 at 32)."""
-    bv = min(64 if _block_k(K) <= 128 else (16 if ieee else 32), max(16, triton.next_power_of_2(V)))
+    bv = min(64 if _block_k(K) <= 128 else (16 if ieee else 32), max(16, next_pow2(V)))
     if programs is not None and sms is not None:
-        while bv > 16 and programs * triton.cdiv(V, bv) < sms // 2:
+        while bv > 16 and programs * cdiv(V, bv) < sms // 2:
             bv //= 2
     return bv
 
@@ -581,7 +581,7 @@ def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int |
                      E: int) -> MappingProxyType:
     BK = _block_k(K)
     wide = BK > 128
-    vmax = max(16, triton.next_power_of_2(V))
+    vmax = max(16, next_pow2(V))
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
     bv = _state_bv(K, V, ieee, programs, sms)
     return frozen({
@@ -687,7 +687,7 @@ def states(L: Layout, k, w, u, gcum, initial_state, output_final_state, every: i
     ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=dev) if output_final_state else None
     h0 = initial_state.contiguous() if initial_state is not None else None
     fn, c, warps, stages = launch_settings(H, L.G, K, V, ieee, L.N * H, dev)["state_fwd"]
-    fn[(triton.cdiv(V, c["BV"]), L.N * H)](
+    fn[(cdiv(V, c["BV"]), L.N * H)](
         k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
         L.cu_seqlens, L.chunk_offsets,
         **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None, "EVERY": every},
@@ -716,7 +716,7 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_fi
     if L.NC:
         vm = Layout.flat(v_offset.float())[0] if v_offset is not None else o
         groups, NG = L.groups(c["E"])
-        fn[(triton.cdiv(L.V, c["BV"]), NG, L.HQ)](
+        fn[(cdiv(L.V, c["BV"]), NG, L.HQ)](
             q, k, v_new, gcum, hs, o, vm, groups, L.cu_seqlens, L.chunk_offsets, scale,
             **{**c, "HAS_VM": v_offset is not None}, num_warps=warps, num_stages=stages)
     return o.view(B, T, L.HQ, L.V), ht, tm

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import next_pow2
 from .chunk_fwd import BT, Layout, _chunk
 
 
@@ -219,14 +220,14 @@ def _blocks(K: int, V: int) -> tuple[int, int, int]:
     """(sub-block rows, BK, BV): a chunk is walked in sub-blocks of 2048 // max(BK, BV) rows — at 8 warps the
     sm_90 builds of both kernels then spill nothing at K = V = 64, 128 and 256 (32, 16 and 8 rows), where
     64-row blocks at 4 warps spilled 0.8–7 KB per thread."""
-    BK, BV = triton.next_power_of_2(K), triton.next_power_of_2(V)
+    BK, BV = next_pow2(K), next_pow2(V)
     return min(BT, max(8, 2048 // max(BK, BV))), BK, BV
 
 
 def _scan(L: Layout, sums, reverse: bool, rows_per_chunk: int = 1):
     """The running sums entering every chunk or sub-block (reverse: the sums over every later chunk), in place."""
     W = sums.shape[-1]
-    _front_scan_kernel[(L.N, L.H)](sums, L.chunk_offsets, H=L.H, W=W, BW=triton.next_power_of_2(W), REVERSE=reverse,
+    _front_scan_kernel[(L.N, L.H)](sums, L.chunk_offsets, H=L.H, W=W, BW=next_pow2(W), REVERSE=reverse,
                                    NS=rows_per_chunk, num_warps=1)
 
 

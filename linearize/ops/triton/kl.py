@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import next_pow2
+
 
 @triton.jit
 def _online(m, z, x):
@@ -81,5 +83,5 @@ def kl_loss_rows(s, t, labels, temperature: float, kl_weight: float, ce_weight):
         _kl_loss_kernel[(R,)](
             s, t, labels.contiguous() if has_ce else kl, grad, kl, ce, ce_weight if has_ce else kl, n,
             1.0 / temperature, kl_weight * temperature, HAS_CE=has_ce,
-            BLOCK=min(4096, triton.next_power_of_2(n)), num_warps=8 if n >= 4096 else 4)
+            BLOCK=min(4096, next_pow2(n)), num_warps=8 if n >= 4096 else 4)
     return kl, (ce if has_ce else None), grad

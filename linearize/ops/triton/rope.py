@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import cdiv, next_pow2
+
 
 @triton.jit
 def _rope_kernel(x, cos, sin, y, T, cos_batch_stride, H: tl.constexpr, HALF: tl.constexpr, BH: tl.constexpr,
@@ -49,8 +51,8 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     x = x.contiguous()
     y = torch.empty_like(x)
     if x.numel():
-        BH = min(triton.next_power_of_2(H), max(1, 2048 // D))  # many heads (every layer's, side by side): blocks
-        _rope_kernel[(B * T, triton.cdiv(H, BH))](x, cos, sin, y, T, 0 if cos.shape[0] == 1 else T * D, H=H,
+        BH = min(next_pow2(H), max(1, 2048 // D))  # many heads (every layer's, side by side): blocks
+        _rope_kernel[(B * T, cdiv(H, BH))](x, cos, sin, y, T, 0 if cos.shape[0] == 1 else T * D, H=H,
                                                   HALF=D // 2, BH=BH, BACKWARD=backward,
                                                   num_warps=1 if BH * D <= 1024 else 4)
     return y

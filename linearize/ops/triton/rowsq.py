@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..common import cdiv
+
 BLOCK_T = 32
 BLOCK_D = 64
 
@@ -72,7 +74,7 @@ class RowSquaredErrors(torch.autograd.Function):
         refs = tuple(r if r.stride(-1) == 1 else r.contiguous() for r in refs)
         _check(o, list(refs))
         B, T, L, D = o.shape
-        NB = triton.cdiv(T, BLOCK_T)
+        NB = cdiv(T, BLOCK_T)
         sse = torch.empty(L, B, NB, dtype=torch.float32, device=o.device)
         rsq = torch.empty(L, B, NB, dtype=torch.float32, device=o.device)
         for i, r in enumerate(refs):
@@ -89,7 +91,7 @@ class RowSquaredErrors(torch.autograd.Function):
     def backward(ctx, g_sse, _g_rsq):
         o, *refs = ctx.saved_tensors
         B, T, L, D = o.shape
-        NB = triton.cdiv(T, BLOCK_T)
+        NB = cdiv(T, BLOCK_T)
         do = torch.empty(o.shape, dtype=o.dtype, device=o.device)  # (B, T, L, D), contiguous
         g_sse = g_sse.float().contiguous()
         for i, r in enumerate(refs):

@@ -571,8 +571,8 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
                     device: torch.device | None = None) -> MappingProxyType:
     """``{name: (kernel, constexprs, warps, stages)}`` of the forward kernels — the one table the launchers
     and ``scripts/kernel_resources.py`` read. ``programs`` = sequences × KV heads (the state kernel's
-    parallelism). Built once per distinct shape and returned read-only: the forward asks three times per call,
-    and building it costs about 8 µs of host time each (Triton's ``next_power_of_2`` is slow to call)."""
+    parallelism). Built once per distinct shape and returned read-only: the forward asks three times per call
+    (``scripts/bench_host.py`` times the launcher's host side)."""
     return _launch_settings(H, G, K, V, ieee, programs, sms_for(programs, device), output_group(K))
 
 

@@ -408,7 +408,7 @@ def chunk_gated_delta_rule_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     if L.NC:
         fn, c, warps, stages = S["dv_local"]
         fn[(cdiv(V, c["BV"]), L.NC, H)](qf, kf, gcum, dof, dvl, dql, *tables, scale, **c,
-                                               num_warps=warps, num_stages=stages)
+                                        num_warps=warps, num_stages=stages)
 
     dhs = torch.empty_like(hs)
     ddl = dvl  # dΔ = Pᵀdo + K̃ dh₁ overwrites Pᵀdo in place: each element is read, then written, by one program

@@ -564,7 +564,8 @@ def sms_for(programs: int | None, device: torch.device | None) -> int | None:
 
 def frozen(settings: dict) -> MappingProxyType:
     """A launch-settings table made read-only (the tables are cached and shared by every call)."""
-    return MappingProxyType({name: (fn, MappingProxyType(c), warps, stages) for name, (fn, c, warps, stages) in settings.items()})
+    return MappingProxyType({name: (fn, MappingProxyType(c), warps, stages)
+                             for name, (fn, c, warps, stages) in settings.items()})
 
 
 def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None = None,

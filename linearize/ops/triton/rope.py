@@ -53,8 +53,8 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backward: boo
     if x.numel():
         BH = min(next_pow2(H), max(1, 2048 // D))  # many heads (every layer's, side by side): blocks
         _rope_kernel[(B * T, cdiv(H, BH))](x, cos, sin, y, T, 0 if cos.shape[0] == 1 else T * D, H=H,
-                                                  HALF=D // 2, BH=BH, BACKWARD=backward,
-                                                  num_warps=1 if BH * D <= 1024 else 4)
+                                           HALF=D // 2, BH=BH, BACKWARD=backward,
+                                           num_warps=1 if BH * D <= 1024 else 4)
     return y
 
 

@@ -138,7 +138,8 @@ def copy_bandwidth() -> float:
 
 
 def fmt(r, key, digits=2):
-    return f"{r[key]:.{digits}f}" if key in r else "–"
+    """A number of row r to the table; "–" where it is missing or is an error string (a failed graph capture)."""
+    return f"{r[key]:.{digits}f}" if isinstance(r.get(key), (int, float)) else "–"
 
 
 def markdown(rows) -> str:

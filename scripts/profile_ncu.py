@@ -5,8 +5,9 @@
 For every kernel of the forward (solve, prepare, state, output) this runs ``ncu --set full`` on the third
 of three forwards at one shape (the first two compile and warm up), then reads the raw metrics back
 (``ncu --page raw --csv``) and keeps the ones that say where the time goes: duration, registers, shared
-memory, warps per SM, issue activity, DRAM and tensor-pipe use, register spills, and the warp stall reasons (stalled warps
-per issued instruction: with one warp per scheduler their sum is the cycles between two issues). For one
+memory, warps per SM, issue activity, DRAM and tensor-pipe use, register spills, and the warp stall
+reasons (stalled warps per issued instruction: with one warp per scheduler their sum is the cycles between
+two issues). Shapes are ``profile_kernels.py``'s. For one
 kernel (``--sass``, default the state kernel) it also keeps the SASS instructions that collect the most
 stall samples. ``--raw-dir DIR``: summarize ``raw<kernel>.csv`` / ``sass.csv`` files collected earlier
 with the same ncu options instead of running ncu.
@@ -27,9 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from profile_kernels import SHAPES  # noqa: E402  (the same named shapes as the per-kernel breakdown)
+
 KERNELS = ("_solve_kernel", "_prepare_kernel", "_state_kernel", "_output_kernel")
-SHAPES = {"2x8192": (2, 8192, 16, 16, 128, 128), "llama3-8b-2x4096": (2, 4096, 32, 8, 128, 128),
-          "smollm2-16x2048": (16, 2048, 9, 3, 64, 64)}
 NCU = ["ncu", "--clock-control", "none", "--set", "full", "--import-source", "no", "-s", "2", "-c", "1"]
 METRICS = {  # raw metric → name in the JSON (its unit, as ncu printed it, under "units")
     "gpu__time_duration.sum": "duration",

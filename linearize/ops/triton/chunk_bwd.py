@@ -326,17 +326,17 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
                     device: torch.device | None = None) -> MappingProxyType:
     """``{name: (kernel, constexprs, warps, stages)}`` of the backward kernels, built once per shape and
     read-only (see ``chunk_fwd.launch_settings``)."""
-    return _launch_settings(H, G, K, V, ieee, programs, sms_for(programs, device), qdo_outside(G))
+    bvs = _state_bv(K, V, ieee, programs, sms_for(programs, device))
+    return _launch_settings(H, G, K, V, ieee, bvs, qdo_outside(G))
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None, sms: int | None,
-                     qdo: bool) -> MappingProxyType:
+def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, bvs: int, qdo: bool) -> MappingProxyType:
+    """The table for one shape, state-kernel V block ``bvs`` and ``qdo`` choice (made per call by the caller)."""
     BK = _block_k(K)
     wide = BK > 128
     common = dict(H=H, G=G, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
     bv = min(64 if not wide else 32, max(16, next_pow2(V)))
-    bvs = _state_bv(K, V, ieee, programs, sms)
     vmax = max(16, next_pow2(V))
     stages = 1 if wide else 2
     return frozen({

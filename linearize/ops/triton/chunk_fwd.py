@@ -574,17 +574,17 @@ def launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | 
     and ``scripts/kernel_resources.py`` read. ``programs`` = sequences × KV heads (the state kernel's
     parallelism). Built once per distinct shape and returned read-only: the forward asks three times per call
     (``scripts/bench_host.py`` times the launcher's host side)."""
-    return _launch_settings(H, G, K, V, ieee, programs, sms_for(programs, device), output_group(K))
+    bv = _state_bv(K, V, ieee, programs, sms_for(programs, device))
+    return _launch_settings(H, G, K, V, ieee, bv, output_group(K))
 
 
 @functools.lru_cache(maxsize=256)
-def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, programs: int | None, sms: int | None,
-                     E: int) -> MappingProxyType:
+def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, bv: int, E: int) -> MappingProxyType:
+    """The table for one shape, state V block ``bv`` and output group ``E`` (chosen per call by the caller)."""
     BK = _block_k(K)
     wide = BK > 128
     vmax = max(16, next_pow2(V))
     common = dict(H=H, K=K, V=V, BT=BT, BK=BK, IEEE=ieee)
-    bv = _state_bv(K, V, ieee, programs, sms)
     return frozen({
         # BV 64 always: at BV 32 the (64, 64) × (64, 32) product of U = T(βv) compiles, on Triton 3.6 for
         # the H200, to an invalid shared-memory read (compute-sanitizer: "Invalid __shared__ read of size 1024")

@@ -1,0 +1,48 @@
+"""How a converted block computes, and the names users may give it. Torch-free, so the CLI and the
+recipe schema can check a form or target name before anything heavy is imported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+# the Taylor forms of SPEC §2: "stable" (bounded c_t = ρ k̂_t, the default) and "seed" (the literal
+# form of seed 000, c_t = k̃_t, which diverges on real checkpoints: kept for study)
+FORMS = ("stable", "seed")
+TARGETS = ("gdn",)  # what `convert --to` builds
+BACKENDS = ("auto", "torch", "triton", "reference")
+DEFAULT_BETA_MAX = 1.0
+
+
+def check_form(form: str, what: str = "form") -> str:
+    if form not in FORMS:
+        raise ValueError(f"{what} must be one of {', '.join(repr(f) for f in FORMS)}; got {form!r}")
+    return form
+
+
+def check_target(to: str, what: str = "--to") -> str:
+    if to not in TARGETS:
+        raise ValueError(f"{what} {to!r} is not supported; supported targets: {', '.join(TARGETS)}")
+    return to
+
+
+@dataclass
+class GDNOptions:
+    """How a converted block computes; saved in config.json under ``linearize``."""
+
+    form: str = "stable"  # one of FORMS
+    beta_max: float = DEFAULT_BETA_MAX
+    backend: str = "auto"  # one of BACKENDS
+    # the Taylor front as one Triton kernel each way (ops/triton/front.py) instead of ~30 PyTorch ops:
+    # None = on CUDA, True = wherever Triton runs (also TRITON_INTERPRET=1 on the CPU, for tests), False = never
+    fused_front: bool | None = None
+
+    def __post_init__(self):
+        check_form(self.form)
+        if self.backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if not (self.beta_max > 0 and self.beta_max < float("inf")):
+            raise ValueError(f"beta_max must be a positive number; got {self.beta_max!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)

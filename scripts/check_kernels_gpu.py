@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops import gated_delta_rule  # noqa: E402
-from linearize.ops.triton.testing import poisoned_outputs  # noqa: E402
+from _poison import poisoned_outputs  # noqa: E402
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -117,7 +117,7 @@ def check_rope(B, T, H, D, dtype, seed=0):
     float64 on the same rounded x, cos, sin: output and the gradient of x."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from linearize.ops.triton.rope import apply_rope_triton
+    from linearize.modules.rope import apply_rope_triton
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(B, T, H, D, device="cuda", generator=gen).to(dtype)
@@ -138,7 +138,7 @@ def check_rope(B, T, H, D, dtype, seed=0):
 
 def check_rowsq(B, T, L, D, dtype, seed=0):
     """The align loss's sums (linearize/ops/triton/rowsq.py) on a (B, T, L, D) output against float64."""
-    from linearize.ops.triton.rowsq import row_squared_errors
+    from linearize.modules.rowsq import row_squared_errors
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     o = torch.randn(B, T, L, D, device="cuda", generator=gen).to(dtype)
@@ -160,7 +160,7 @@ def check_rowsq(B, T, L, D, dtype, seed=0):
 
 def check_kl(R, V, T, ce_w, seed=0):
     """The fused distillation loss (linearize/ops/triton/kl.py) on bf16 logits against float64 autograd."""
-    from linearize.ops.kl import kl_loss
+    from linearize.modules.kl import kl_loss
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
     s = (torch.randn(R, V, device="cuda", generator=gen) * 3).bfloat16()

@@ -1,4 +1,4 @@
-"""The fused distillation loss (linearize.ops.kl): value and gradient against float64 autograd of the textbook
+"""The fused distillation loss (linearize.modules.kl): value and gradient against float64 autograd of the textbook
 expression, on the PyTorch path and on the Triton kernel (under TRITON_INTERPRET=1, set in conftest.py)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linearize.ops.kl import kl_loss
+from linearize.modules.kl import kl_loss
 
 
 def reference(s, t, y, T, kl_w, ce_w):

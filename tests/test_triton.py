@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _poison import poisoned_outputs
 from test_ops import gdn_inputs, rel
 
 from linearize.ops import gated_delta_rule
@@ -21,8 +22,6 @@ CASES = [  # (B, T, H, G, K, V, cu_seqlens)
 @pytest.fixture
 def poisoned():
     """torch.empty/empty_like return NaN-filled tensors inside the Triton host code."""
-    from linearize.ops.triton.testing import poisoned_outputs
-
     with poisoned_outputs():
         yield
 
@@ -264,7 +263,7 @@ def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dt
     gradient of x, per-row and shared position embeddings, head counts that are not powers of two."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    from linearize.ops.triton.rope import apply_rope_triton, rope_usable
+    from linearize.modules.rope import apply_rope_triton, rope_usable
 
     gen = torch.Generator().manual_seed(B * T + D)
     x = torch.randn(B, T, H, D, generator=gen, dtype=torch.float64)
@@ -315,7 +314,7 @@ def test_triton_backend_rejects_key_heads_beyond_its_limit():
 def test_row_squared_errors_equal_float64(poisoned, dtype, tol):
     """The align loss's Triton sums: per row Σ(o − r)² and Σr², and the gradient 2g(o − r), on a strided
     (B, T, L, D) output (one layer's slice is not contiguous) with ragged T and D, against float64."""
-    from linearize.ops.triton.rowsq import row_squared_errors
+    from linearize.modules.rowsq import row_squared_errors
 
     B, T, L, D = 3, 45, 2, 80
     gen = torch.Generator().manual_seed(8)

@@ -17,7 +17,7 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
                 fused: bool = False, with_v: bool = True, rope: bool = True) -> tuple[torch.Tensor, ...]:
     """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale.
-    ``fused``: RoPE through one Triton pass each way (``linearize/ops/triton/rope.py``) where it applies.
+    ``fused``: RoPE through one Triton pass each way (``linearize/modules/rope.py``) where it applies.
     ``with_v=False``: v is left to the caller (returned as None). ``rope=False``: q and k before RoPE
     (the caller applies it, :func:`apply_rope`)."""
 
@@ -35,12 +35,12 @@ def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_emb
 
 def apply_rope(q: torch.Tensor, k: torch.Tensor, position_embeddings, fused: bool = False):
     """RoPE of q and k, ``[B, T, H, D]`` (any head counts): transformers' function, or with ``fused`` one
-    Triton pass each (``linearize/ops/triton/rope.py``) where that applies."""
+    Triton pass each (``linearize/modules/rope.py``) where that applies."""
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     cos, sin = position_embeddings
     if fused:
-        from ..ops.triton.rope import apply_rope_triton, rope_usable
+        from ..modules.rope import apply_rope_triton, rope_usable
 
         if rope_usable(q, cos) and rope_usable(k, cos):
             return apply_rope_triton(q, cos, sin), apply_rope_triton(k, cos, sin)

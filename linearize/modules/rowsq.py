@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import cdiv
+from ..ops.common import cdiv
 
 BLOCK_T = 32
 BLOCK_D = 64

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import cdiv, next_pow2
+from ..ops.common import cdiv, next_pow2
 
 
 @triton.jit

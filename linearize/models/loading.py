@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,9 +77,11 @@ def load_teacher(model: str | ModelSource, dtype: torch.dtype = torch.float32):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     src = resolve_model(model) if isinstance(model, str) else model
+    if os.path.isdir(src.path):
+        refuse_remote_code(src.path)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(src.path, **kw)
-    lm = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, **kw)
+    tokenizer = AutoTokenizer.from_pretrained(src.path, trust_remote_code=False, **kw)
+    lm = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, trust_remote_code=False, **kw)
     if src.gguf_file:
         # dequantized GGUF weights are ordinary weights: drop the marker that blocks save_pretrained
         lm.hf_quantizer = None
@@ -85,3 +89,79 @@ def load_teacher(model: str | ModelSource, dtype: torch.dtype = torch.float32):
             del lm.config.quantization_config
     lm.eval()
     return lm, tokenizer
+
+
+# --- reading a source without loading it: custom code, layer count, whole weight files ----------
+
+@dataclass
+class SourceInfo:
+    model_type: str | None  # config.json's model_type, or the GGUF architecture; None for a hub id
+    num_layers: int | None  # decoder layers, when config.json or the GGUF metadata says
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise ModelSourceError(f"{path} is not valid JSON; is the checkpoint complete?") from None
+    if not isinstance(data, dict):
+        raise ModelSourceError(f"{path} is not a JSON object; is the checkpoint complete?")
+    return data
+
+
+def refuse_remote_code(folder: str | os.PathLike) -> None:
+    """A model folder whose config or tokenizer config names custom classes (``auto_map``) would run
+    code shipped with the weights; linearize never does (every load passes trust_remote_code=False)."""
+    for name in ("config.json", "tokenizer_config.json"):
+        path = Path(folder) / name
+        if path.is_file() and "auto_map" in _read_json(path):
+            raise ModelSourceError(
+                f"{path} has auto_map (custom model code); linearize runs no code from model folders: "
+                "use a supported architecture's checkpoint or remove auto_map")
+
+
+def _check_safetensors(path: Path) -> None:
+    """The header's byte ranges must fit the file: a truncated copy fails here, in milliseconds."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n)) if 8 + n <= size else None
+        end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    except (struct.error, ValueError, TypeError, KeyError, IndexError, UnicodeDecodeError):
+        header = end = None
+    if header is None or 8 + n + end > size:
+        raise ModelSourceError(f"{path} is truncated or not a safetensors file; is the checkpoint complete?")
+
+
+def inspect_source(src: ModelSource) -> SourceInfo:
+    """What can be known before loading: refuses custom code, unreadable configs, truncated weights."""
+    if src.gguf_file:
+        import gguf
+
+        path = Path(src.path) / src.gguf_file
+        try:
+            reader = gguf.GGUFReader(path)
+            arch = str(reader.fields["general.architecture"].contents())
+            count = reader.fields.get(f"{arch}.block_count")
+        except Exception as e:  # the reader fails in many ways on a cut or foreign file
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise ModelSourceError(f"cannot read {path} as GGUF ({first}); is the file complete?") from None
+        return SourceInfo(arch, int(count.contents()) if count is not None else None)
+    folder = Path(src.path)
+    if not folder.is_dir():
+        return SourceInfo(None, None)  # a hub id: transformers checks it while downloading
+    refuse_remote_code(folder)
+    config = _read_json(folder / "config.json")
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights and not any(folder.glob("*.bin")):
+        raise ModelSourceError(f"{folder} holds no weights (*.safetensors); is the checkpoint complete?")
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        for shard in sorted(set(_read_json(index).get("weight_map", {}).values())):
+            if not (folder / shard).is_file():
+                raise ModelSourceError(f"{folder} lacks {shard}, named in {index.name}; is the checkpoint complete?")
+    for w in weights:
+        _check_safetensors(w)
+    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
+    return SourceInfo(config.get("model_type"), layers if isinstance(layers, int) else None)

@@ -90,7 +90,7 @@ def main():
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
-        sys.exit("error: bench_decode.py needs a CUDA device")
+        p.exit(2, "error: bench_decode.py needs a CUDA device; run it on a GPU machine\n")
 
     dtype = torch.bfloat16
     teacher = build_teacher(args.model, dtype).cuda()

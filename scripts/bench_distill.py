@@ -14,7 +14,9 @@ CUDA. Timed per step with CUDA events (median after warm-up):
 - align: one teacher forward (no grad) + every GDN block on the teacher's input, backward; the teacher's
   capturing forward alone is timed too (``teacher_capture_s``; ``align_gdn_blocks_s`` is the rest);
 - distill: teacher forward (no grad) + student forward + chunked KL, backward into the attention blocks.
-Targets (issue 5): align ≥ 2×, distill ≥ 0.7× the teacher's tokens/s.
+Targets: align ≥ 2×, distill ≥ 0.7× the teacher's tokens/s.
+
+``--tiny`` runs a 2-layer model on the CPU: a check of the script, not a measurement.
 """
 
 from __future__ import annotations
@@ -107,7 +109,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
 
     dev, dt = ids.device, next(teacher.parameters()).dtype
     teacher.requires_grad_(True)
-    try:  # as the trainer passes them: None for rows of one document each (linearize/ of stop 13 on)
+    try:  # as the trainer passes them: None for rows of one document each
         from linearize.distill.trainer import batch_positions
 
         pos = batch_positions(pos, dev)
@@ -179,7 +181,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=2048)
     p.add_argument("--iters", type=int, default=7, help="timed steps per measurement (the median is reported; "
-                   "results before stop 10's end used 3, and the first variant's align varied ±20%% between runs)")
+                   "with 3 the first variant's align varied ±20%% between runs)")
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--doc-len", type=int, default=0,
                    help="pack documents of this many tokens in each row (positions restart), as real data is")
@@ -192,6 +194,8 @@ def main():
                    help="also cProfile the align and distill steps: host ms per function (is the step Python-bound?)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
+    if not args.tiny and not torch.cuda.is_available():
+        p.exit(2, "error: bench_distill.py measures on a CUDA device; run it on a GPU machine (--tiny checks the script on the CPU)\n")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)

@@ -1,25 +1,58 @@
 #!/usr/bin/env bash
-# Every GPU measurement of issues 4 and 5, most needed first, each with its own time limit, each writing its
-# JSON as it goes (a step cut short keeps what it measured):
-#   scripts/gpu_report.sh OUT_DIR [TEACHER.gguf DATA.jsonl]
-# 1. the kernels' correctness: the fused front, the distill loss kernel, then all 18 operator cases, bf16 before fp32 (fp32 compiles slowly: IEEE products unroll to FMAs)
-# 2. kernels against flash-linear-attention and SDPA, every shape
-# 3. GPU time per kernel, ours and fla; Nsight Compute on each forward kernel (why it takes that time)
-# 4. align/distill throughput against the teacher
-# 5. with a teacher and data: the quality table of the GPU recipe
+# Every GPU measurement of the project, most needed first, each step under its own time limit and each
+# writing its files as it goes (a step cut short keeps what it measured). Steps:
+#   tests    the GPU tests (pytest -m gpu): kernels against float64 references; JUnit XML in OUT/gpu_tests.xml
+#   kernels  ours vs flash-linear-attention and SDPA, every shape (bench_kernels.json/.md)
+#   profile  GPU time per kernel, ours and fla (profile_kernels.json)
+#   ncu      Nsight Compute on each forward kernel at 2x8192 (ncu_forward_2x8192.json)
+#   distill  align/distill throughput against the teacher, rows and packed, both fronts (bench_distill_variants.json)
+#   quality  with TEACHER and DATA: the GPU recipe end to end, then its quality table (quality/run, quality_gpu.json)
+# e.g. scripts/gpu_report.sh out smollm2-135m data/python-docs.jsonl
+#      scripts/gpu_report.sh --only quality out smollm2-135m data/python-docs.jsonl stages.0.steps=20
 set -uo pipefail
+usage="usage: scripts/gpu_report.sh [-h] [--only STEP,...] [--recipe RECIPE.yaml] OUT_DIR [TEACHER DATA.jsonl [key=value ...]]"
+all="tests,kernels,profile,ncu,distill,quality"
+only=$all
+recipe=recipes/smollm2-135m-gdn-gpu.yaml
+die() { echo "error: $1 (scripts/gpu_report.sh -h: usage)" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+    case $1 in
+        -h|--help) echo "$usage"; sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --only) [ $# -ge 2 ] || die "--only needs a list of steps ($all)"; only=$2; shift 2 ;;
+        --recipe) [ $# -ge 2 ] || die "--recipe needs a recipe file"; recipe=$2; shift 2 ;;
+        -*) die "unknown option $1" ;;
+        *) break ;;
+    esac
+done
+[ $# -ge 1 ] || die "OUT_DIR is missing"
+for s in ${only//,/ }; do
+    case ",$all," in *",$s,"*) ;; *) die "unknown step '$s' in --only (steps: $all)" ;; esac
+done
+[ -f "$recipe" ] || die "recipe $recipe not found (pass --recipe PATH)"
 out=$1
+shift
+teacher=${1:-} data=${2:-}
+[ $# -ge 2 ] && shift 2 || shift $#
+if [ -n "$teacher" ] && [ -z "$data" ]; then die "TEACHER given without DATA.jsonl"; fi
+if [ -n "$data" ] && [ ! -f "$data" ]; then die "data file $data not found (scripts/pydocs_corpus.py builds data/python-docs.jsonl)"; fi
 mkdir -p "$out"
+wanted() { case ",$only," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 step() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "== exit $?"; }
-step 60 python scripts/check_kernels_gpu.py --front --output "$out/kernels_gpu_front.json"
-step 40 python scripts/check_kernels_gpu.py --rope --output "$out/kernels_gpu_rope.json"
-step 40 python scripts/check_kernels_gpu.py --kl --output "$out/kernels_gpu_kl.json"
-step 420 python scripts/check_kernels_gpu.py --cases 0,2,5,6,7,8,9,10,17,1,3,4,11,14,12,13,15,16 \
-    --output "$out/kernels_gpu_errors.json"
-step 540 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"
-step 240 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
-step 200 python scripts/profile_ncu.py --output "$out/ncu_forward_2x8192.json"
-step 240 python scripts/bench_distill.py --variants --output "$out/bench_distill_variants.json"
-if [ $# -ge 3 ]; then
-    step 400 bash scripts/gpu_quality.sh "$2" "$3" "$out/quality"
+
+wanted tests && step 600 python -m pytest -m gpu -q --junitxml "$out/gpu_tests.xml"
+wanted kernels && step 540 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"
+wanted profile && step 240 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
+wanted ncu && step 200 python scripts/profile_ncu.py --output "$out/ncu_forward_2x8192.json"
+wanted distill && step 240 python scripts/bench_distill.py --variants --output "$out/bench_distill_variants.json"
+if wanted quality; then
+    if [ -z "$teacher" ]; then
+        echo "== quality skipped: give TEACHER and DATA.jsonl"
+    else
+        start=$(date +%s.%N)
+        step 400 python -m linearize distill "$recipe" teacher.model="$teacher" data.source="$data" \
+            output.dir="$out/quality/run" "$@"
+        end=$(date +%s.%N)
+        python scripts/quality_table.py "$out/quality/run" --wall-s "$(python -c "print($end - $start)")" \
+            --output "$out/quality_gpu.json"
+    fi
 fi

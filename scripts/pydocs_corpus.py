@@ -1,4 +1,4 @@
-"""Build an offline training corpus from the Python documentation's reST sources (SPEC §5).
+"""Build an offline training corpus from the Python documentation's reST sources.
 
     apt-get download python3.11-doc && dpkg -x python3.11-doc_*.deb /tmp/pydoc
     python scripts/pydocs_corpus.py /tmp/pydoc/usr/share/doc/python3.11/html/_sources data/python-docs.jsonl
@@ -22,7 +22,7 @@ def main():
     args = p.parse_args()
     pages = sorted(args.sources.rglob("*.txt"))
     if not pages:
-        raise SystemExit(f"error: no .txt pages under {args.sources}; pass the package's html/_sources folder")
+        p.exit(2, f"error: no .txt pages under {args.sources}; pass the package's html/_sources folder\n")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.output.with_name(args.output.name + ".tmp")
     n = chars = 0

@@ -1,7 +1,9 @@
 """The quality table of a finished ``linearize distill`` run: held-out perplexity of the teacher, of the
 converted model at init, after each stage, with tokens used and wall time.
 
-    python scripts/quality_table.py runs/smollm2-135m-gdn-gpu --wall-s 312 --output results/quality.json
+    python scripts/quality_table.py runs/smollm2-135m-gdn-gpu --wall-s 312 --output results/quality_gpu.json
+
+(``scripts/gpu_report.sh --only quality OUT TEACHER DATA.jsonl`` runs the GPU recipe and then this.)
 
 Reads the run directory's ``initial_eval.json``, ``metrics.jsonl`` (the evaluation at the end of each
 stage) and ``recipe.yaml``; tokens = steps × batch × seq_len per stage (the global batch).
@@ -22,6 +24,9 @@ def main():
     p.add_argument("--wall-s", type=float, default=None, help="wall time of the whole command, measured outside")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
+    for name in ("recipe.yaml", "initial_eval.json", "metrics.jsonl"):
+        if not (args.run / name).is_file():
+            p.exit(2, f"error: {args.run / name} not found: RUN must be the output.dir of a finished linearize distill run\n")
     recipe = OmegaConf.load(args.run / "recipe.yaml")
     initial = json.loads((args.run / "initial_eval.json").read_text())
     records = [json.loads(line) for line in (args.run / "metrics.jsonl").read_text().splitlines() if line.strip()]

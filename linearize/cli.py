@@ -124,9 +124,10 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
 ):
     """Convert a model's softmax attention to Taylor-initialized GDN; report fidelity; save."""
-    from . import convert as convert_model
+    from .conversion import convert as convert_model
     from . import save
-    from .convert import TARGETS, check_output_dir
+    from .layers.options import TARGETS
+    from .saving import check_output_dir
     from .eval import capture_attention, conversion_report, perplexity, plot_fidelity, text_ids
     from .layers.gdn_attention import GDNOptions
     from .models import load_teacher
@@ -192,7 +193,7 @@ def generate(
     import torch
     from transformers import AutoTokenizer
 
-    from .convert import load
+    from .saving import load
 
     def go():
         lm = load(model)

@@ -11,6 +11,7 @@ from test_ops import taylor_direct
 from transformers import AutoModelForCausalLM, DynamicCache
 
 import linearize
+from linearize.compat import cache_kwargs
 from linearize.eval import capture_attention, text_ids
 from linearize.layers import GDNAttention
 from linearize.models import project_qkv
@@ -134,11 +135,12 @@ def test_convert_save_load_round_trip(tmp_path, family):
 
 def incremental_logits(model, x, mask, position_ids, prefill):
     cache = DynamicCache(config=model.config)
+    kw = cache_kwargs(cache)  # this transformers version's name for the cache keyword
     outs = [model(x[:, :prefill], attention_mask=mask[:, :prefill], position_ids=position_ids[:, :prefill],
-                  past_key_values=cache, use_cache=True).logits]
+                  use_cache=True, **kw).logits]
     for t in range(prefill, x.shape[1]):
         outs.append(model(x[:, t : t + 1], attention_mask=mask[:, : t + 1], position_ids=position_ids[:, t : t + 1],
-                          past_key_values=cache, use_cache=True).logits)
+                          use_cache=True, **kw).logits)
     return torch.cat(outs, 1), cache
 
 

@@ -2,36 +2,61 @@
 
 A GDN layer's state is ``(A, Σk, Σv, t)`` (SPEC §2 "Decoding"): constant in size whatever the
 context length. It lives in the same ``Cache`` object as the KV caches of any softmax layers the
-model keeps, as one more ``CacheLayerMixin``, so ``generate()``, ``get_seq_length()`` (RoPE
-positions) and mask sizing work unchanged for pure and hybrid models.
+model keeps, as transformers' own linear-attention cache layer (the one Qwen3-Next's recurrent
+layers use: ``recurrent_states`` copied in place, beam reordering, offloading and reset by the
+library), so ``generate()``, ``get_seq_length()`` (RoPE positions) and mask sizing work unchanged
+for pure and hybrid models.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import CacheLayerMixin
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
 from ..ops.taylor import RunningSums
 
+_STATE, _SUM_K, _SUM_V, _COUNT = range(4)  # recurrent state slots: A, Σk, Σv, t
 
-class GDNStateLayer(CacheLayerMixin):
+
+# Also a CacheLayerMixin: beside A it keeps running sums (3 more slots), and a model whose every layer
+# is GDN has no attention layer left to answer get_seq_length / get_mask_sizes (RoPE positions, masks).
+class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
     """Recurrent state of one GDN layer: ``state [B, H, K, V]`` (fp32) and the running sums."""
 
     is_sliding = False
-    is_compileable = False
-    is_croppable = False
+    is_compileable = False  # the layer's forward reads the padding mask on the host
     supports_early_init = False
 
     def __init__(self, **kwargs):
-        super().__init__()
-        self.state: torch.Tensor | None = None
-        self.sums: RunningSums | None = None
+        CacheLayerMixin.__init__(self)
+        LinearAttentionLayer.__init__(self, number_of_states=4)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
 
-    # the CacheLayerMixin contract -----------------------------------------------------------
-    def lazy_initialization(self, *args, **kwargs) -> None:
+    @property
+    def state(self) -> torch.Tensor | None:
+        return self.recurrent_states[_STATE] if self.has_previous_state[_STATE] else None
+
+    @property
+    def sums(self) -> RunningSums | None:
+        if not self.has_previous_state[_STATE]:
+            return None
+        r = self.recurrent_states
+        return RunningSums(k=r[_SUM_K], v=r[_SUM_V], count=r[_COUNT])
+
+    def set_state(self, state: torch.Tensor, sums: RunningSums, new_tokens: int) -> None:
+        self.device, self.dtype = state.device, state.dtype  # what the library's reorder/prefetch read
+        for i, x in ((_STATE, state), (_SUM_K, sums.k), (_SUM_V, sums.v), (_COUNT, sums.count)):
+            self.update_recurrent_state(x, state_idx=i)
+            self.has_previous_state[i] = True
+        self.seen += new_tokens
         self.is_initialized = True
 
+    def nbytes(self) -> int:
+        if self.state is None:
+            return 0
+        return sum(x.numel() * x.element_size() for x in self.recurrent_states.values())
+
+    # the CacheLayerMixin side ---------------------------------------------------------------------
     def update(self, *args, **kwargs):
         raise RuntimeError("a GDN layer keeps a recurrent state, not keys and values; use set_state()")
 
@@ -42,46 +67,19 @@ class GDNStateLayer(CacheLayerMixin):
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.seen
 
-    def get_max_length(self) -> int:
-        return -1
-
     def get_max_cache_shape(self) -> int:
         return -1
 
-    def offload(self):
-        pass
-
-    def prefetch(self):
-        pass
-
     def reset(self) -> None:
-        self.state, self.sums, self.seen = None, None, 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.state is not None:
-            idx = beam_idx.to(self.state.device)
-            self.state = self.state.index_select(0, idx)
-            self.sums = RunningSums(*(x.index_select(0, idx) for x in (self.sums.k, self.sums.v, self.sums.count)))
+        LinearAttentionLayer.reset(self)
+        self.seen = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError("a recurrent GDN state cannot be cropped back to an earlier position")
 
-    # ours --------------------------------------------------------------------------------------
-    def set_state(self, state: torch.Tensor, sums: RunningSums, new_tokens: int) -> None:
-        self.state, self.sums = state, sums
-        self.seen += new_tokens
-        self.is_initialized = True
-
-    def nbytes(self) -> int:
-        if self.state is None:
-            return 0
-        return sum(x.numel() * x.element_size() for x in (self.state, self.sums.k, self.sums.v, self.sums.count))
-
 
 def gdn_cache_layer(cache, layer_idx: int) -> GDNStateLayer:
     """This layer's :class:`GDNStateLayer` inside ``cache``, put there on first use."""
-    from transformers.cache_utils import DynamicLayer
-
     layers = cache.layers
     while len(layers) <= layer_idx:
         layers.append(DynamicLayer())

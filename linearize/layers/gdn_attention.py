@@ -13,33 +13,43 @@ identity:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-
 import torch
 from torch import nn
 
 from ..compat import attention_cache
-from ..models.adapters import apply_rope, project_qkv
+from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
-from ..ops.taylor import DEFAULT_BETA_MAX, calibrate_rho, taylor_back, taylor_front
+from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
 from .cache import gdn_cache_layer
+from .options import GDNOptions
 
 
-@dataclass
-class GDNOptions:
-    """How a converted block computes; saved in config.json under ``linearize``."""
+def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
+               output_final_state: bool = False) -> bool:
+    """Whether a call takes the fused Triton path (the Taylor front as one kernel each way, RoPE in one
+    pass): the stable form, asked for (``fused_front=True``) or by default on CUDA, on fp16/bf16/fp32
+    inputs where Triton runs, with no padding mask, no carried running sums and no final state wanted
+    (decoding and padded prefill take the PyTorch front). The one place that decides it."""
+    want = options.fused_front
+    return (options.form == "stable" and mask is None and initial is None and not output_final_state
+            and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
 
-    form: str = "stable"  # "stable" or "taylor-seed" (the literal seed form, diverges on real models)
-    beta_max: float = DEFAULT_BETA_MAX
-    backend: str = "auto"
-    # the Taylor front as one Triton kernel each way (ops/triton/front.py) instead of ~30 PyTorch ops:
-    # None = on CUDA (checked against the float64 front on the H200: scripts/check_kernels_gpu.py --front),
-    # True = wherever Triton runs (also TRITON_INTERPRET=1 on the CPU, for tests), False = never.
-    fused_front: bool | None = None
 
-    def to_dict(self) -> dict:
-        return asdict(self)
+def correction_factors(beta_logit: torch.Tensor, gate_logit: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(β factor, decay exponent)`` from the ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)``:
+    ``β ← β·2σ(b)`` ∈ (0, 2·β) and ``g ← g·exp(a)`` (``α ← α^{exp(a)}``), both 1 at the zero init."""
+    return 2 * torch.sigmoid(beta_logit.to(dtype)), torch.exp(gate_logit.to(dtype))
+
+
+def flatten_rows(hidden: list[torch.Tensor], position_embeddings):
+    """``(B, T, ...)`` → ``(1, B·T, ...)`` for each hidden state and for the position embeddings: packed
+    documents run as one row whose document offsets are ``cu_seqlens``."""
+    B, T = hidden[0].shape[:2]
+    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
+    cos, sin = position_embeddings
+    return [flat(h) for h in hidden], (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1)))
 
 
 def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
@@ -96,14 +106,11 @@ class GDNAttention(nn.Module):
     def __init__(self, teacher: nn.Module, options: GDNOptions | None = None):
         super().__init__()
         self.options = options or GDNOptions()
-        if self.options.form not in ("stable", "taylor-seed"):
-            raise ValueError(f"GDN form must be 'stable' or 'taylor-seed'; got {self.options.form!r}")
         self.config = teacher.config
         self.layer_idx = teacher.layer_idx
         self.head_dim = teacher.head_dim
         self.scaling = float(teacher.scaling)
-        self.num_heads = teacher.q_proj.out_features // self.head_dim
-        self.num_kv_heads = teacher.k_proj.out_features // self.head_dim
+        self.num_heads, self.num_kv_heads = _head_counts(teacher)
         self.is_causal = True
         # the teacher's own modules, reused as they are
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
@@ -123,20 +130,22 @@ class GDNAttention(nn.Module):
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
         """Set ρ per KV head to the mean norm of the scaled queries on calibration activations."""
         q, _, _ = project_qkv(self, hidden_states, position_embeddings)
-        self.rho.copy_(calibrate_rho(q.float() * self.scaling, self.num_kv_heads))
+        rho = calibrate_rho(q.float() * self.scaling, self.num_kv_heads)
+        if rho.shape != self.rho.shape:  # copy_ would broadcast a wrong shape silently
+            raise RuntimeError(f"calibrated rho has shape {tuple(rho.shape)}; the block has {tuple(self.rho.shape)} KV heads")
+        self.rho.copy_(rho)
 
     def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False):
         """``(q, scale, front)``: q and the Taylor front's GDN inputs; the operator takes ``scale·q``.
 
         PyTorch front: everything in float32 (float64 if the model is), q scaled (scale 1). Fused front
-        (``fused``: the Triton kernels; no padding mask, no carried sums, ``front.sums`` None): q, k̂ and u
+        (``fused``, as :func:`fused_path` decides: the Triton kernels, ``front.sums`` None): q, k̂ and u
         stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
         softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
         q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        form = "seed" if self.options.form == "taylor-seed" else "stable"
-        beta_factor = 2 * torch.sigmoid(self.beta_proj(hidden_states).to(dt))
-        if fused and form == "stable" and mask is None and initial is None and dt == torch.float32:
+        beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
+        if fused:
             from ..ops.taylor import TaylorInputs
             from ..ops.triton.front import taylor_front_triton
 
@@ -147,11 +156,11 @@ class GDNAttention(nn.Module):
         else:
             q, k, v = q.to(dt) * self.scaling, k.to(dt), v.to(dt)
             front = taylor_front(
-                q, k, v, form=form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
+                q, k, v, form=self.options.form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
                 beta_factor=beta_factor, mask=mask, initial=initial, cu_seqlens=cu_seqlens,
             )
             scale = 1.0
-        front.g = front.g * torch.exp(self.gate_proj(hidden_states).to(dt))
+        front.g = front.g * gate_factor
         return q, scale, front
 
     def forward(
@@ -163,8 +172,6 @@ class GDNAttention(nn.Module):
         cache=None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        if kwargs.get("pre_o_proj"):  # the distill align stage: the output before o_proj, from a fresh state
-            return self.attention_output(hidden_states, position_embeddings, kwargs.get("position_ids"))
         B, T, _ = hidden_states.shape
         cache = attention_cache(past_key_values, cache)
         use_cache = cache is not None and kwargs.get("use_cache", True) is not False
@@ -189,18 +196,12 @@ class GDNAttention(nn.Module):
         cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
         if cu is None:
             return self._attend(hidden_states, position_embeddings, mask, None, None, False)[0]
-        (flat,), pe = _flatten_rows([hidden_states], position_embeddings)
+        (flat,), pe = flatten_rows([hidden_states], position_embeddings)
         return self._attend(flat, pe, None, None, None, False, cu)[0].view(B, T, -1)
-
-    def _fused(self, hidden_states: torch.Tensor, output_final_state: bool = False) -> bool:
-        """Whether this call takes the fused Triton path (front, RoPE): asked for, or by default on CUDA."""
-        want = self.options.fused_front
-        return (not output_final_state and _triton_usable(hidden_states)
-                and (want is True or (want is None and hidden_states.is_cuda)))
 
     def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
         B, T, _ = hidden_states.shape
-        fused = self._fused(hidden_states, output_final_state)
+        fused = fused_path(self.options, hidden_states, mask, initial, output_final_state)
         q, scale, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head (never fused)
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
@@ -220,81 +221,22 @@ class GDNAttention(nn.Module):
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums
 
 
-def _v_beta_gate(block: GDNAttention, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(v [B, T, H, D], β logit, gate logit)`` of one block: ``v_proj``, ``beta_proj`` and ``gate_proj`` as
-    one GEMM on their stacked weights where all three are plain ``nn.Linear`` (or the trainer's float32
-    parametrized ones; not LoRA-wrapped, quantized or hooked), so the
-    input is read once and the two 3-wide products are not GEMMs of their own, forward or backward; the
-    outputs are views of the one product. Otherwise the three modules, one by one."""
-    lins = (block.v_proj, block.beta_proj, block.gate_proj)
-    B, T, _ = h.shape
-    if not all(_plain_linear(m) for m in lins):
-        return block.v_proj(h).view(B, T, -1, block.head_dim), block.beta_proj(h), block.gate_proj(h)
-    weights = [m.weight for m in lins]  # through float32_trainables' casts where the trainer set them
-    bias = None
-    if any(m.bias is not None for m in lins):
-        bias = torch.cat([m.bias if m.bias is not None else w.new_zeros(w.shape[0]) for m, w in zip(lins, weights)])
-    out = torch.nn.functional.linear(h, torch.cat(weights), bias)
-    v, beta_logit, gate_logit = out.split([w.shape[0] for w in weights], dim=-1)
-    return v.view(B, T, -1, block.head_dim), beta_logit, gate_logit
-
-
-def _plain_linear(m: nn.Module) -> bool:
-    """Whether ``m`` computes ``x Wᵀ + b`` from its ``weight`` and ``bias``: ``nn.Linear`` itself, or with the
-    trainer's float32 parametrization, and no hooks (a quantized subclass's weight is not its map)."""
-    from torch.nn.utils import parametrize
-
-    linear = type(m) is nn.Linear or (isinstance(m, nn.Linear) and parametrize.is_parametrized(m))
-    return linear and not (m._forward_hooks or m._forward_pre_hooks)
-
-
-def _flatten_rows(hidden: list[torch.Tensor], position_embeddings):
-    """``(B, T, ...)`` → ``(1, B·T, ...)`` for each hidden state and for the position embeddings: packed
-    documents run as one row whose document offsets are ``cu_seqlens``."""
-    B, T = hidden[0].shape[:2]
-    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])
-    cos, sin = position_embeddings
-    return [flat(h) for h in hidden], (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1)))
-
-
-def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Tensor], position_embeddings,
-                              position_ids: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Every block's :meth:`GDNAttention.attention_output` on its own input, stacked ``(B, T, block, Hq·D)``
-    (block i is ``[:, :, i]``), in one front launch and one
-    operator call: the blocks' heads side by side, as if one layer had all of them (each head's state
-    and prefix means are its own, so the result is the same). The distill align stage runs every
-    converted layer on the teacher's captured inputs; layer by layer, Python and kernel launches
-    (about 25 per layer) cost more time than the GPU work.
-
-    Returns None where it does not apply — fewer than two blocks, or blocks that differ in head
-    layout, scale, β bound, backend or dtype, or that are not on the fused path (the Triton front: CUDA,
-    or ``fused_front=True``) — and the caller runs the blocks one by one."""
-    from ..ops.triton.front import taylor_front_triton
-
-    b0, h0 = blocks[0], hidden[0] if hidden else None
-    same = ("head_dim", "num_heads", "num_kv_heads", "scaling")
-    if (len(blocks) < 2 or h0.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-            or any(getattr(b, a) != getattr(b0, a) for b in blocks for a in same)
-            or any(b.options.form != "stable" or b.options.beta_max != b0.options.beta_max
-                   or b.options.backend != b0.options.backend for b in blocks)
-            or any(not b._fused(h) for b, h in zip(blocks, hidden))
-            or any(h.shape != h0.shape or h.dtype != h0.dtype for h in hidden)):
-        return None
-    B, T, _ = h0.shape
-    cu = packed_cu_seqlens(position_ids) if position_ids is not None else None
-    if cu is not None:  # packed documents: one flat row, documents given by cu (as attention_output does)
-        hidden, position_embeddings = _flatten_rows(hidden, position_embeddings)
-    parts = [(*project_qkv(b, h, position_embeddings, with_v=False, rope=False)[:2], *_v_beta_gate(b, h))
-             for b, h in zip(blocks, hidden)]
-    q, k, v, beta_logit, gate_logit = (torch.cat(x, dim=2) for x in zip(*parts))
-    q, k = apply_rope(q, k, position_embeddings, fused=True)  # every layer's heads in one pass each way
-    rho = torch.cat([b.rho.float() for b in blocks])
-    kh, u, g, beta, v_mean = taylor_front_triton(k, v, rho, b0.options.beta_max,
-                                                 beta_factor=2 * torch.sigmoid(beta_logit.float()), cu_seqlens=cu)
-    g = g * torch.exp(gate_logit.float())
-    o, _ = gated_delta_rule(q=q, k=kh, v=u, g=g, beta=beta, scale=b0.scaling, cu_seqlens=cu, backend=b0.options.backend,
-                            v_offset=v_mean)
-    # (B, T, layer, Hq·D). A caller that takes the blocks apart should use unbind, not o[:, :, i]: unbind's
-    # backward stacks the layers' gradients in one pass, where 30 selects would each fill and add a
-    # gradient of the full size
-    return o.reshape(B, T, len(blocks), -1).to(h0.dtype)
+def _head_counts(teacher: nn.Module) -> tuple[int, int]:
+    """``(query heads, KV heads)`` read off the teacher's projections, each shape checked: the GDN block
+    reuses them as they are, so a layout it does not expect has to stop the conversion here."""
+    d = teacher.head_dim
+    q, k, v, o = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
+    hidden = q.in_features
+    if q.out_features % d or k.out_features % d:
+        raise ValueError(f"layer {teacher.layer_idx}: q_proj/k_proj widths {q.out_features}/{k.out_features} "
+                         f"are not multiples of head_dim {d}")
+    Hq, H = q.out_features // d, k.out_features // d
+    checks = {"k_proj.in_features": (k.in_features, hidden), "v_proj.in_features": (v.in_features, hidden),
+              "v_proj.out_features": (v.out_features, H * d), "o_proj.in_features": (o.in_features, Hq * d)}
+    for name, (got, want) in checks.items():
+        if got != want:
+            raise ValueError(f"layer {teacher.layer_idx}: {name} is {got}, expected {want} "
+                             f"({Hq} query heads, {H} KV heads of {d})")
+    if Hq % H:
+        raise ValueError(f"layer {teacher.layer_idx}: {Hq} query heads are not a multiple of {H} KV heads")
+    return Hq, H

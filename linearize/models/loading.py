@@ -10,8 +10,6 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 DEFAULT_MODEL = "smollm2-135m"
 
 # built-in aliases: (python package that ships the file, file name inside it). The Gemma 3 package
@@ -72,9 +70,12 @@ def resolve_model(model: str) -> ModelSource:
     return ModelSource(model, None, model.split("/")[-1])  # a hub id: let transformers find it
 
 
-def load_teacher(model: str | ModelSource, dtype: torch.dtype = torch.float32):
-    """Load ``(model, tokenizer)`` in eval mode. GGUF weights are dequantized to ``dtype``."""
+def load_teacher(model: str | ModelSource, dtype=None):
+    """Load ``(model, tokenizer)`` in eval mode. GGUF weights are dequantized to ``dtype`` (default float32)."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.float32 if dtype is None else dtype
 
     src = resolve_model(model) if isinstance(model, str) else model
     if os.path.isdir(src.path):

@@ -1,25 +1,25 @@
-"""Walk a model, swap softmax attention blocks for Taylor-initialized GDN blocks; save and load.
+"""Walk a model and swap softmax attention blocks for Taylor-initialized GDN blocks; the classes a
+converted model is saved and loaded as.
 
     model = linearize.convert(teacher, to="gdn", tokenizer=tok, keep_softmax=2)
-    linearize.save(model, tok, "smollm2-gdn")
-    model = linearize.load("smollm2-gdn")      # or AutoModelForCausalLM.from_pretrained(...)
+    block = linearize.linearize_layer(teacher.model.layers[3].self_attn)
+
+Saving and loading are :mod:`linearize.saving`. A converted model's ``config.model_type`` is
+``linearize_<family>``; :func:`register` makes ``AutoModelForCausalLM`` know those types (the
+package calls it on first use of its API, see :mod:`linearize`).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
+import importlib
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from .layers.gdn_attention import GDNAttention, GDNOptions
+from .layers.gdn_attention import GDNAttention
+from .layers.options import GDNOptions, check_target
 from .models.adapters import decoder_layers
-from .models.families import family_of, linearized_classes
-
-TARGETS = ("gdn",)
+from .models.families import FAMILIES, PREFIX, Family, family_of
 
 
 def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = "--layers") -> list[int] | None:
@@ -75,8 +75,27 @@ def linearize_layer(
     return gdn
 
 
-def _non_attention_params(model) -> dict[str, tuple[int, torch.Size]]:
-    return {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters() if ".self_attn." not in n}
+NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias")
+
+
+def _parameters(model) -> dict[str, tuple[int, torch.Size]]:
+    return {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+
+
+def check_surgery(before: dict[str, tuple[int, torch.Size]], after: dict[str, tuple[int, torch.Size]]) -> None:
+    """Raise unless every parameter of ``before`` is still there, the same tensor with the same shape
+    (the GDN blocks reuse the teacher's projections and norms; nothing else is touched), and the only
+    new ones are the GDN blocks' own (``NEW_PARAMETERS``)."""
+    for name, (ptr, shape) in before.items():
+        if name not in after:
+            raise RuntimeError(f"convert dropped the teacher parameter {name}; the GDN block must carry it")
+        if after[name][1] != shape:
+            raise RuntimeError(f"convert changed the shape of {name}: {tuple(shape)} -> {tuple(after[name][1])}")
+        if after[name][0] != ptr:
+            raise RuntimeError(f"convert replaced the tensor of {name}; the teacher's weights must be reused as they are")
+    new = [n for n in after if n not in before and not n.endswith(NEW_PARAMETERS)]
+    if new:
+        raise RuntimeError(f"convert added an unexpected parameter {new[0]}")
 
 
 @torch.no_grad()
@@ -103,8 +122,7 @@ def convert(
     """
     from .eval import capture_attention, relative_error, text_ids
 
-    if to not in TARGETS:
-        raise ValueError(f"--to {to!r} is not supported; supported targets: {', '.join(TARGETS)}")
+    check_target(to)
     family = family_of(model.config)
     n = len(decoder_layers(model))
     candidates = parse_layers(layers, n) if layers is not None else list(range(n))
@@ -121,7 +139,7 @@ def convert(
         calibration_ids = text_ids(tokenizer, calibration_tokens, split="train")
     calibration_ids = calibration_ids.to(next(model.parameters()).device)
 
-    before = _non_attention_params(model)
+    before = _parameters(model)
     caps = capture_attention(model, calibration_ids, candidates)
     gdn = {i: linearize_layer(decoder_layers(model)[i].self_attn, options, caps[i].hidden_states, caps[i].position_embeddings)
            for i in candidates}
@@ -135,9 +153,7 @@ def convert(
     for i in converted:
         decoder_layers(model)[i].self_attn = gdn[i]
 
-    # guard rails: nothing outside attention moved or changed shape
-    after = _non_attention_params(model)
-    assert after == before, "convert changed a non-attention parameter"
+    check_surgery(before, _parameters(model))  # guard rails: the teacher's weights are reused, none changed
 
     cfg_cls, lm_cls = linearized_classes(family)
     opts = (options or GDNOptions()).to_dict()
@@ -153,49 +169,37 @@ def convert(
     return model
 
 
-def save(model, tokenizer, out_dir: str | os.PathLike, force: bool = False, extra=None) -> Path:
-    """``save_pretrained`` model (+ tokenizer) atomically: written to a temporary folder, then renamed.
-
-    ``extra(folder)`` may write more files (reports) into the folder before the rename.
-    """
-    out = Path(out_dir)
-    check_output_dir(out, force)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        model.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if extra is not None:
-            extra(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return out
+def _teacher_classes(f: Family):
+    mod = importlib.import_module(f"transformers.models.{f.module}")
+    return getattr(mod, f.config_class), getattr(mod, f.causal_lm_class)
 
 
-def check_output_dir(out: Path, force: bool) -> None:
-    """Refuse an existing output (unless ``force``) and an unwritable parent, before any work."""
-    if out.exists() and not force:
-        raise FileExistsError(f"output directory {out} exists; pass --force to replace it or choose another --output")
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-        Path(tempfile.mkdtemp(prefix=".linearize-write-check-", dir=parent)).rmdir()  # a real write, root included
-    except OSError:
-        raise PermissionError(f"cannot write into {parent}; choose another --output") from None
+_LINEARIZED: dict[str, tuple[type, type]] = {}
 
 
-def load(path: str | os.PathLike, dtype: torch.dtype = torch.float32):
-    """Load a converted model directory (``AutoModelForCausalLM.from_pretrained`` works too)."""
-    from transformers import AutoModelForCausalLM
+def linearized_classes(f: Family) -> tuple[type, type]:
+    """``(ConfigClass, ForCausalLMClass)`` of the converted family, registered with the Auto classes."""
+    if f.model_type in _LINEARIZED:
+        return _LINEARIZED[f.model_type]
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from .models.families import register_all
+    base_cfg, base_lm = _teacher_classes(f)
+    model_type = PREFIX + f.model_type
+    cfg_cls = type(f"Linearized{base_cfg.__name__}", (base_cfg,), {"model_type": model_type})
 
-    register_all()
-    p = Path(path)
-    if not (p / "config.json").is_file():
-        raise FileNotFoundError(f"{path} is not a converted model directory (no config.json)")
-    return AutoModelForCausalLM.from_pretrained(p, dtype=dtype).eval()
+    def __init__(self, config):
+        base_lm.__init__(self, config)
+        spec = getattr(config, "linearize", None) or {}
+        swap_attention(self, spec.get("gdn_layers", []), spec.get("options", {}))
+
+    lm_cls = type(f"Linearized{base_lm.__name__}", (base_lm,), {"config_class": cfg_cls, "__init__": __init__})
+    AutoConfig.register(model_type, cfg_cls, exist_ok=True)
+    AutoModelForCausalLM.register(cfg_cls, lm_cls, exist_ok=True)
+    _LINEARIZED[f.model_type] = (cfg_cls, lm_cls)
+    return cfg_cls, lm_cls
+
+
+def register() -> None:
+    """Register every family's converted classes with ``AutoConfig`` / ``AutoModelForCausalLM`` (idempotent)."""
+    for f in FAMILIES.values():
+        linearized_classes(f)

@@ -173,7 +173,9 @@ def test_triton_backward_recomputes_t_when_not_given(poisoned):
     o, _ = gated_delta_rule(*leaves, scale=0.7, cu_seqlens=cu, backend="reference")
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
     (o * do).sum().backward()
-    got = chunk_gated_delta_rule_bwd(*(x.float() for x in inputs), 0.7, None, do.float(), None, cu, tm=None)
+    q, k, v, g, beta = (x.float() for x in inputs)
+    got = chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=0.7, initial_state=None, do=do.float(),
+                                     dht=None, cu_seqlens=cu, tm=None)
     for name, a, x in zip("q k v g beta".split(), got, leaves):
         assert rel(a, x.grad) < 1e-5, name
 

@@ -1,7 +1,10 @@
 """Triton kernels for the chunkwise gated delta rule (CUDA; on the CPU only under TRITON_INTERPRET=1).
 
-Forward: the three kernels of ``chunk_fwd.py``. Backward: the four kernels of ``chunk_bwd.py`` (after
-recomputing the forward's intermediates), the Triton port of ``linearize/ops/chunk_bwd.py``.
+Forward: the host pipeline ``chunk_fwd.py`` over four kernel stages (``solve``, ``prepare``, ``state_fwd``,
+``output``). Backward: ``chunk_bwd.py`` (after recomputing the forward's intermediates) over four more
+(``dv_local``, ``state_bwd``, ``dqk``, ``wy_bwd``), the Triton port of ``linearize/ops/chunk_bwd.py``. One
+module per stage, each kernel with its launcher; shared: ``layout``, ``settings``, ``tiles``. The Taylor
+front's kernels: ``front.py``.
 """
 
 from .function import chunk_gated_delta_rule_triton

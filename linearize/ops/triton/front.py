@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from ..common import next_pow2
-from .chunk_fwd import BT, Layout, _chunk
+from .layout import BT, Layout, chunk_at
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _front_sums_kernel(
     """Per (chunk, KV head): Σk and Σv over each of the chunk's sub-blocks of BT tokens →
     ``sums[chunk · CH/BT + sub-block, head, :K]`` and ``[K:K+V]``."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    bos, L, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     NS: tl.constexpr = CH // BT
     for sub in range(NS):
         rows = _chunk_rows(k, v, k, bos, L, i_c * NS + sub, i_h, H, K, V, BT, BK, BV, False)
@@ -127,7 +127,7 @@ def _front_fwd_kernel(
 ):
     """Per (chunk, KV head), from the running sums entering each sub-block (``_front_scan_kernel``'s output)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    bos, L, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
     NS: tl.constexpr = CH // BT
     for sub in range(NS):
@@ -163,7 +163,7 @@ def _front_bwd_kernel(
     reverse-scanned); otherwise, from the suffix sums over later chunks, every gradient, sub-blocks in reverse.
     ``carry``: the forward's running sums entering every sub-block (k̄ and v̄ are recomputed from them)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, L, _, i_c = _chunk(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    bos, L, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
     if SUMS:
         suf_k = tl.zeros([BK], dtype=tl.float32)

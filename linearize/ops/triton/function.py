@@ -13,8 +13,9 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset=None):
-        o, ht, tm = chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                                               v_offset)
+        o, ht, tm = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                               v_offset=v_offset)
         ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm)
         ctx.scale = scale
         return o, ht
@@ -23,7 +24,9 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
     def backward(ctx, do, dht):
         # of the forward's intermediates only T is kept; the backward launcher recomputes the others
         q, k, v, g, beta, h0, cu_seqlens, tm = ctx.saved_tensors
-        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q, k, v, g, beta, ctx.scale, h0, do, dht, cu_seqlens, tm)
+        dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=ctx.scale,
+                                                                initial_state=h0, do=do, dht=dht,
+                                                                cu_seqlens=cu_seqlens, tm=tm)
         dvo = None
         if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
             B, T, HQ, V = do.shape

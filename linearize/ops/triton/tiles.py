@@ -1,0 +1,150 @@
+"""``@triton.jit`` tile helpers shared by the GDN kernels: the dots with their precision switch, and the
+sequential kernels' [K, BV] state held as up to four (KB, BV) float32 K blocks (the blocks past K are never
+touched), so each product is (BT, KB)·(KB, BV) and the blocks update independently."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def dot(a, b, IEEE: tl.constexpr):
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b)
+
+
+@triton.jit
+def mm(a, b, ref, IEEE: tl.constexpr):
+    """a @ b with fp32 accumulation: IEEE fp32 operands, or both cast to ``ref``'s dtype (bf16/fp16)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(ref.dtype), b.to(ref.dtype))
+
+
+@triton.jit
+def _kv_load(p, kb, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """Rows ``kb·KB …`` (a K block) and columns ``o_v`` of a row-major [K, V] state at ``p``, as fp32."""
+    o_k = kb * KB + tl.arange(0, KB)
+    return tl.load(p + o_k[:, None] * V + o_v[None, :], mask=(o_k < K)[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _kv_store(p, b, kb, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    o_k = kb * KB + tl.arange(0, KB)
+    tl.store(p + o_k[:, None] * V + o_v[None, :], b.to(p.dtype.element_ty), mask=(o_k < K)[:, None] & m_v[None, :])
+
+
+@triton.jit
+def _rows_dot(x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, IEEE: tl.constexpr):
+    """``x[o_r, K block kb] @ b`` (fp32): x a row-major [rows, stride] tile pointer, b a fp32 (KB, ·) tile."""
+    o_k = kb * KB + tl.arange(0, KB)
+    xb = tl.load(x + o_r[:, None] * stride + o_k[None, :], mask=m_r[:, None] & (o_k < K)[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(xb.to(tl.float32), b, input_precision="ieee")
+    else:
+        return tl.dot(xb, b.to(xb.dtype))
+
+
+@triton.jit
+def _cols_dot(x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, IEEE: tl.constexpr):
+    """``x[o_r, K block kb]ᵀ @ b`` (fp32), the transposed tile loaded directly; b a (rows, ·) tile."""
+    o_k = kb * KB + tl.arange(0, KB)
+    xt = tl.load(x + o_k[:, None] + o_r[None, :] * stride, mask=(o_k < K)[:, None] & m_r[None, :], other=0.0)
+    if IEEE:
+        return tl.dot(xt.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(xt, b.to(xt.dtype))
+
+
+@triton.jit
+def blocks_load(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """The state kernels hold a [K, BV] tile as four (KB, BV) fp32 K blocks; the blocks past K are never
+    touched. This adds the row-major [K, V] state at ``p`` (columns ``o_v``) to ``b1 … b4``."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    b1 += _kv_load(p, 0, o_v, m_v, K, V, KB)
+    if NKB > 1:
+        b2 += _kv_load(p, 1, o_v, m_v, K, V, KB)
+    if NKB > 2:
+        b3 += _kv_load(p, 2, o_v, m_v, K, V, KB)
+    if NKB > 3:
+        b4 += _kv_load(p, 3, o_v, m_v, K, V, KB)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def blocks_start(p, USE: tl.constexpr, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr):
+    """The four (KB, BV) fp32 K blocks a state kernel starts from: zeros, plus the [K, V] state at ``p`` if ``USE``."""
+    b1 = tl.zeros([KB, BV], dtype=tl.float32)
+    b2 = tl.zeros([KB, BV], dtype=tl.float32)
+    b3 = tl.zeros([KB, BV], dtype=tl.float32)
+    b4 = tl.zeros([KB, BV], dtype=tl.float32)
+    if USE:
+        b1, b2, b3, b4 = blocks_load(p, b1, b2, b3, b4, o_v, m_v, K, V, KB)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def blocks_store(p, b1, b2, b3, b4, o_v, m_v, K: tl.constexpr, V: tl.constexpr, KB: tl.constexpr):
+    """Store the K blocks ``b1 … b4`` as columns ``o_v`` of the row-major [K, V] state at ``p``."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    _kv_store(p, b1, 0, o_v, m_v, K, V, KB)
+    if NKB > 1:
+        _kv_store(p, b2, 1, o_v, m_v, K, V, KB)
+    if NKB > 2:
+        _kv_store(p, b3, 2, o_v, m_v, K, V, KB)
+    if NKB > 3:
+        _kv_store(p, b4, 3, o_v, m_v, K, V, KB)
+
+
+@triton.jit
+def blocks_rows_dot(x, stride, o_r, m_r, b1, b2, b3, b4, K: tl.constexpr, KB: tl.constexpr,
+                     NEG: tl.constexpr, IEEE: tl.constexpr):
+    """``±x[o_r, :K] @ [b1; …; b4]`` (fp32; ``NEG``: minus), one (BT, KB)·(KB, ·) product per K block."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    acc = _rows_dot(x, stride, o_r, m_r, 0, b1, K, KB, IEEE)
+    if NEG:
+        acc = -acc
+    if NKB > 1:
+        acc = _rows_acc(acc, x, stride, o_r, m_r, 1, b2, K, KB, NEG, IEEE)
+    if NKB > 2:
+        acc = _rows_acc(acc, x, stride, o_r, m_r, 2, b3, K, KB, NEG, IEEE)
+    if NKB > 3:
+        acc = _rows_acc(acc, x, stride, o_r, m_r, 3, b4, K, KB, NEG, IEEE)
+    return acc
+
+
+@triton.jit
+def _rows_acc(acc, x, stride, o_r, m_r, kb, b, K: tl.constexpr, KB: tl.constexpr, NEG: tl.constexpr, IEEE: tl.constexpr):
+    if NEG:
+        return acc - _rows_dot(x, stride, o_r, m_r, kb, b, K, KB, IEEE)
+    else:
+        return acc + _rows_dot(x, stride, o_r, m_r, kb, b, K, KB, IEEE)
+
+
+@triton.jit
+def blocks_update(b1, b2, b3, b4, scale, x, stride, o_r, m_r, d, K: tl.constexpr, KB: tl.constexpr,
+                   SUB: tl.constexpr, IEEE: tl.constexpr):
+    """``b_kb ← scale·b_kb ± x[o_r, K block kb]ᵀ d`` for every K block (``SUB``: minus), the transposed
+    tiles loaded directly."""
+    NKB: tl.constexpr = (K + KB - 1) // KB
+    b1 = _block_update(b1, scale, x, stride, o_r, m_r, 0, d, K, KB, SUB, IEEE)
+    if NKB > 1:
+        b2 = _block_update(b2, scale, x, stride, o_r, m_r, 1, d, K, KB, SUB, IEEE)
+    if NKB > 2:
+        b3 = _block_update(b3, scale, x, stride, o_r, m_r, 2, d, K, KB, SUB, IEEE)
+    if NKB > 3:
+        b4 = _block_update(b4, scale, x, stride, o_r, m_r, 3, d, K, KB, SUB, IEEE)
+    return b1, b2, b3, b4
+
+
+@triton.jit
+def _block_update(b, scale, x, stride, o_r, m_r, kb, d, K: tl.constexpr, KB: tl.constexpr,
+                  SUB: tl.constexpr, IEEE: tl.constexpr):
+    if SUB:
+        return b * scale - _cols_dot(x, stride, o_r, m_r, kb, d, K, KB, IEEE)
+    else:
+        return b * scale + _cols_dot(x, stride, o_r, m_r, kb, d, K, KB, IEEE)

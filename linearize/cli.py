@@ -1,32 +1,59 @@
-"""The ``linearize`` command line. Thin: parse, call the Python API, print.
+"""The ``linearize`` command line. Thin: parse, check, call the Python API, print.
 
-Bad input ends with one line on stderr and exit code 2 (``--debug`` shows the traceback).
+Every option is checked before anything slow runs (ranges as soon as the model's config says how
+many layers it has). Bad input ends with one line on stderr and exit code 2 (``--debug`` shows the
+traceback); Ctrl-C says where the run stopped, exit code 130. Nothing heavy is imported here at
+module level, so ``--help`` is instant.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 import statistics
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import typer
+from typer.core import TyperGroup
 
 from . import __version__
+from . import checks
+from .checks import UserError
+
+
+class OneLineErrors(TyperGroup):
+    """Usage errors (a bad number, an unknown option) as one ``error:`` line, like every other error."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from typer._click.exceptions import BadParameter, MissingParameter, NoSuchOption, UsageError
+
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except (BadParameter, MissingParameter, NoSuchOption, UsageError) as e:
+            if type(e).__name__ == "NoArgsIsHelpError":
+                e.show()
+                sys.exit(e.exit_code)
+            cmd = e.ctx.command_path if e.ctx is not None else "linearize"
+            typer.secho(f"error: {' '.join(e.format_message().split())}; see '{cmd} --help'", fg="red", err=True)
+            sys.exit(2)
+        sys.exit(rv if isinstance(rv, int) else 0)  # without standalone mode, exit codes come back as values
+
 
 app = typer.Typer(
+    cls=OneLineErrors,
     help="Turn pretrained softmax-attention LMs into Gated DeltaNet (GDN) models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # plain help: flags read '--force', not '--force <bool>'; no rich import
 )
 
 DEBUG = False
-
-
-class UserError(Exception):
-    """Bad input from the user: printed as one line, exit code 2."""
 
 
 def fail(message: str, code: int = 2):
@@ -34,14 +61,19 @@ def fail(message: str, code: int = 2):
     raise typer.Exit(code)
 
 
-def run_guarded(fn, *args, **kwargs):
-    """Call ``fn``; turn the errors a user can fix into one clear line and a non-zero exit."""
+def run_guarded(fn, interrupted=lambda: "interrupted; nothing was written"):
+    """Call ``fn``; errors a user can fix become one line (exit 2); Ctrl-C says where it stopped (130)."""
     try:
-        return fn(*args, **kwargs)
-    except (UserError, ValueError, OSError) as e:  # ModelSourceError is a ValueError
+        return fn()
+    except KeyboardInterrupt:
         if DEBUG:
             raise
-        fail(str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+        typer.secho(interrupted(), fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(130) from None
+    except (UserError, ValueError, OSError) as e:  # ModelSourceError and RecipeError are ValueErrors
+        if DEBUG:
+            raise
+        fail(checks.first_line(e))
 
 
 def _version(value: bool):
@@ -59,23 +91,30 @@ def main(
     DEBUG = debug
 
 
+# --- output ------------------------------------------------------------------------------------
+
 def print_fidelity(rows: list[dict], title: str, inits=("uniform", "vala", "seed", "stable")):
+    """The per-layer table; a ``block`` column marks the layers kept softmax when rows say."""
     from rich.console import Console
     from rich.table import Table
 
     table = Table(title=title)
     table.add_column("layer", justify="right")
+    blocks = any("block" in r for r in rows)
+    if blocks:
+        table.add_column("block")
     for name in inits:
         table.add_column(name, justify="right")
     for r in rows:
         best = min(inits, key=lambda n: r[n])
-        table.add_row(
-            str(r["layer"]),
-            *[(f"[bold]{r[n]:.3g}[/bold]" if n == best else f"{r[n]:.3g}") for n in inits],
-        )
-    table.add_row("median", *[f"{statistics.median(r[n] for r in rows):.3g}" for n in inits])
+        block = ["softmax (kept)" if r.get("block") == "softmax" else r.get("block", "")] if blocks else []
+        table.add_row(str(r["layer"]), *block,
+                      *[(f"[bold]{r[n]:.3g}[/bold]" if n == best else f"{r[n]:.3g}") for n in inits])
+    table.add_row("median", *([""] if blocks else []), *[f"{statistics.median(r[n] for r in rows):.3g}" for n in inits])
     Console().print(table)
 
+
+# --- commands ------------------------------------------------------------------------------------
 
 @app.command()
 def fidelity(
@@ -84,28 +123,25 @@ def fidelity(
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the per-layer errors as JSON here."),
 ):
     """Per-layer relative error of each linear initialization against the teacher's attention."""
-    from .eval import layer_fidelity, text_ids
-    from .models import load_teacher
 
     def go():
-        if tokens < 2:
-            raise UserError(f"--tokens must be at least 2; got {tokens}")
-        lm, tok = load_teacher(model)
+        checks.positive(tokens, "--tokens", 2)
+        checks.builtin_tokens(tokens, "--tokens", "heldout")
+        checks.json_output(output)
+        src, _ = checks.inspect_model(model, needs_teacher="fidelity")
+        from .eval import layer_fidelity, text_ids
+        from .models import load_teacher
+
+        lm, tok = checks.loaded(model, debug=DEBUG, fn=lambda: load_teacher(src))
         rows = layer_fidelity(lm, text_ids(tok, tokens))
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens")
         wins = sum(r["stable"] < r["vala"] for r in rows)
         typer.echo(f"stable Taylor form beats VaLA on {wins} of {len(rows)} layers")
         if output is not None:
-            output.write_text(json.dumps({"model": model, "tokens": tokens, "layers": rows}, indent=1))
+            checks.write_atomic(output, json.dumps({"model": model, "tokens": tokens, "layers": rows}, indent=1))
             typer.echo(f"wrote {output}")
 
     run_guarded(go)
-
-
-def _default_output(model: str) -> Path:
-    from .models.loading import resolve_model
-
-    return Path(f"{resolve_model(model).name.replace('/', '_')}-gdn")
 
 
 @app.command()
@@ -113,44 +149,54 @@ def convert(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
     to: str = typer.Option("gdn", "--to", help="Target block (only 'gdn')."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-gdn)."),
-    layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 (default all)."),
+    layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all)."),
     keep_softmax: str | None = typer.Option(
         None, "--keep-softmax",
         help="Layers to keep as softmax: indices (e.g. '3,7' or '5,'), or a count N: the N worst-initialized."),
-    form: str = typer.Option("stable", "--form", help="Taylor form: 'stable' or 'taylor-seed' (diverges; for study)."),
+    form: str = typer.Option("stable", "--form", help="Taylor form: 'stable', or 'seed' (the literal seed form; diverges; for study)."),
     beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
 ):
     """Convert a model's softmax attention to Taylor-initialized GDN; report fidelity; save."""
-    from .conversion import convert as convert_model
-    from . import save
-    from .layers.options import TARGETS
-    from .saving import check_output_dir
-    from .eval import capture_attention, conversion_report, perplexity, plot_fidelity, text_ids
-    from .layers.gdn_attention import GDNOptions
-    from .models import load_teacher
-    from .models.families import family_of
+    out = output
 
     def go():
+        nonlocal out
         t0 = time.perf_counter()
-        if to not in TARGETS:
-            raise UserError(f"--to {to!r} is not supported; supported targets: {', '.join(TARGETS)}")
-        if form not in ("stable", "taylor-seed"):
-            raise UserError(f"--form must be 'stable' or 'taylor-seed'; got {form!r}")
-        out = output or _default_output(model)
+        from .config import check_conversion
+        from .layers.options import check_form, check_target
+
+        check_target(to)
+        check_form(form, "--form")
+        checks.positive(beta_max, "--beta-max", finite=True)
+        checks.positive(tokens, "--tokens", 2)
+        checks.positive(calibration_tokens, "--calibration-tokens", 1)
+        checks.builtin_tokens(tokens, "--tokens", "heldout")
+        checks.builtin_tokens(calibration_tokens, "--calibration-tokens", "train")
+        check_conversion(layers, keep_softmax)  # syntax
+        from .saving import check_output_dir
+
+        src, info = checks.inspect_model(model, needs_teacher="convert")
+        out = output or Path(f"{src.name.replace('/', '_')}-gdn")
         check_output_dir(out, force)  # before the slow part: refuse early
-        try:
-            lm, tok = load_teacher(model)
-        except (ValueError, OSError):
-            raise  # already a clear message (missing path, not a model directory, ...)
-        except Exception as e:  # truncated/corrupt weights surface as many exception types
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UserError(f"could not load {model}: {first}. Is the checkpoint complete?") from e
+        if info.num_layers is not None:
+            check_conversion(layers, keep_softmax, info.num_layers)  # ranges, from config.json / GGUF metadata
+        from .conversion import convert as convert_model
+        from .eval import capture_attention, conversion_report, perplexity, plot_fidelity, text_ids
+        from .layers.options import GDNOptions
+        from .models import load_teacher
+        from .models.adapters import decoder_layers
+        from .models.families import family_of
+        from .saving import save
+
+        lm, tok = checks.loaded(model, debug=DEBUG, fn=lambda: load_teacher(src))
         family_of(lm.config)  # unsupported architectures stop here, before any work
+        check_conversion(layers, keep_softmax, len(decoder_layers(lm)))
         t_load = time.perf_counter()
         heldout = text_ids(tok, tokens, split="heldout")
+        text_ids(tok, calibration_tokens, split="train")  # enough calibration text, before any compute
         teacher_ppl = perplexity(lm, heldout)
         caps = capture_attention(lm, heldout)
         convert_model(lm, to=to, layers=layers, keep_softmax=keep_softmax, tokenizer=tok,
@@ -167,19 +213,18 @@ def convert(
                    f"{[r['layer'] for r in rows if r['block'] == 'softmax'] or 'none'}")
         typer.echo(f"stable form beats VaLA on {report['stable_beats_vala']} of {len(rows)} layers")
         typer.echo(f"held-out perplexity: teacher {ppl['teacher']:.2f}, converted {ppl['converted']:.2f}")
+        timing = {"load_s": t_load - t0, "convert_s": t_convert - t_load, "report_s": t_report - t_convert}
 
         def write_report(folder: Path):
             (folder / "fidelity.json").write_text(json.dumps(report, indent=1))
             plot_fidelity(rows, folder / "fidelity.png", f"{model} → GDN: per-layer error at init")
+            (folder / "timing.json").write_text(json.dumps({**timing, "total_s": time.perf_counter() - t0}, indent=1))
 
         save(lm, tok, out, force=force, extra=write_report)
-        t_save = time.perf_counter()
-        timing = {"load_s": t_load - t0, "convert_s": t_convert - t_load, "report_s": t_report - t_convert,
-                  "save_s": t_save - t_report, "total_s": t_save - t0}
-        (out / "timing.json").write_text(json.dumps(timing, indent=1))
-        typer.echo(f"saved {out} (fidelity.json, fidelity.png) in {timing['total_s']:.1f} s")
+        typer.echo(f"saved {out} (fidelity.json, fidelity.png) in {time.perf_counter() - t0:.1f} s")
 
-    run_guarded(go)
+    run_guarded(go, lambda: f"interrupted; nothing was written to {out or 'the output'} (outputs appear only "
+                            "when complete): run the command again")
 
 
 @app.command()
@@ -190,15 +235,25 @@ def generate(
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
 ):
     """Generate text with a converted model (constant-size recurrent state, greedy)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from .saving import load
 
     def go():
-        lm = load(model)
-        tok = AutoTokenizer.from_pretrained(model)
+        if not prompt.strip():
+            raise UserError("the prompt is empty; give text to continue, e.g. linearize generate -m DIR 'Once upon a time'")
+        checks.positive(max_new_tokens, "--max-new-tokens", 1)
+        if not (model / "config.json").is_file():
+            raise UserError(f"{model} is not a converted model directory (no config.json); "
+                            "make one with linearize convert")
+        checks.inspect_model(str(model))
+        import torch
+        from transformers import AutoTokenizer
+
+        from .saving import load
+
+        lm = checks.loaded(str(model), debug=DEBUG, fn=lambda: load(model))
+        tok = checks.loaded(str(model), debug=DEBUG, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
         if chat:
+            if not getattr(tok, "chat_template", None):
+                raise UserError(f"--chat: the tokenizer in {model} has no chat template; drop --chat")
             ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                           return_tensors="pt", return_dict=True)["input_ids"]
         else:
@@ -207,7 +262,7 @@ def generate(
                           pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
         typer.echo(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
 
-    run_guarded(go)
+    run_guarded(go, lambda: "interrupted")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": False})
@@ -218,30 +273,41 @@ def distill(
     dry_run: bool = typer.Option(False, "--dry-run", help="Print the resolved recipe and the token/step budget, then stop."),
 ):
     """Train the GDN blocks of a converted model against its teacher. Extra args: key=value overrides."""
-    from rich.console import Console
-
-    from .config import load_recipe, to_yaml
-    from .distill import TrainingError, budget, run_recipe
-    from .distill.trainer import world
+    state = {"step": 0, "out": None}
+    command = shlex.join(["linearize", "distill", str(recipe), *ctx.args])
 
     def go():
-        cfg = load_recipe(recipe, list(ctx.args))
+        from .config import load_recipe, to_yaml
+
+        cfg = load_recipe(recipe, list(ctx.args))  # every field checked here
+        state["out"] = Path(cfg.output.dir)
+        from .distill import TrainingError, budget, run_recipe, world
+
         if dry_run:
             typer.echo(to_yaml(cfg))
             typer.echo(json.dumps(budget(cfg), indent=1))
             return
+        checks.run_inputs(cfg)  # output folder, data files, teacher files: before the teacher loads
+        from rich.console import Console
+
         console = Console()
         total = budget(cfg)["total_steps"]
-        t0 = time.perf_counter()
+        start = {}  # the ETA counts from the first step: loading and converting are not training time
 
         def progress(rec, step):
-            eta = (time.perf_counter() - t0) / max(step, 1) * (total - step)
+            state["step"] = step
+            if not start:
+                start.update(t=time.perf_counter(), step=step)
+            done = step - start["step"]
+            eta = f"{(time.perf_counter() - start['t']) / done * (total - step):.0f}s" if done > 0 else "?"
             extra = "".join(f" {k[5:]}={v:.3g}" for k, v in rec.items() if k.startswith("eval_"))
             console.print(f"[{step}/{total}] {rec['stage']} loss {rec['loss']:.4g} "
-                          f"{rec['tokens_per_s']:.0f} tok/s eta {eta:.0f}s{extra}")
+                          f"{rec['tokens_per_s']:.0f} tok/s eta {eta}{extra}")
 
         try:
-            summary = run_recipe(cfg, resume=resume, progress=progress)
+            with warnings.catch_warnings():
+                warnings.showwarning = checks.show_warning
+                summary = run_recipe(cfg, resume=resume, progress=progress)
         except TrainingError as e:
             raise UserError(str(e)) from None
         if world()[0] != 0:  # under torchrun, one summary
@@ -252,7 +318,13 @@ def distill(
                    f"KL {fin['kl']:.3f}, top-1 agreement {fin['top1_agreement']:.3f}")
         typer.echo(f"saved {summary['model']}")
 
-    run_guarded(go)
+    def interrupted():
+        out = state["out"]
+        if out is not None and (out / "recipe.yaml").is_file():
+            return f"interrupted at step {state['step']}; resume with: {command} --resume"
+        return f"interrupted at step {state['step']}, before the run was set up; start it again with: {command}"
+
+    run_guarded(go, interrupted)
 
 
 def entry():

@@ -6,6 +6,7 @@ An unknown or mistyped key fails at load time with its dotted path and the close
 from __future__ import annotations
 
 import difflib
+import math
 from dataclasses import dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -171,29 +172,115 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     return cfg
 
 
+def parse_layer_spec(spec: str, num_layers: int | None = None, what: str = "--layers") -> list[int]:
+    """``"0-3,7,10-"`` → sorted indices; ``"10-"`` runs to the last layer. Without ``num_layers`` only
+    the syntax is checked (an open range then stands for its start alone)."""
+    out: set[int] = set()
+    parts = [p.strip() for p in str(spec).split(",")]
+    if not any(parts):
+        raise RecipeError(f"{what} {spec!r} names no layer; use indices and ranges like 0-3,7,10-")
+    for part in filter(None, parts):
+        a, dash, b = part.partition("-")
+        if not a.strip().isdigit() or (b.strip() and not b.strip().isdigit()):
+            raise RecipeError(f"{what}: cannot read {part!r}; use indices and ranges like 0-3,7,10- (no negatives)")
+        lo = int(a)
+        if num_layers is not None and lo >= num_layers:
+            raise RecipeError(f"{what}: layer {lo} is out of range; the model has layers 0-{num_layers - 1}")
+        hi = int(b) if b.strip() else (num_layers - 1 if num_layers is not None and dash else lo)
+        if dash and b.strip() and hi < lo:
+            raise RecipeError(f"{what}: the range {part!r} is empty (start after end); write {hi}-{lo}")
+        out.update(range(lo, hi + 1))
+    idx = sorted(out)
+    if num_layers is not None:
+        bad = [i for i in idx if i >= num_layers]
+        if bad:
+            raise RecipeError(f"{what}: layer {bad[0]} is out of range; the model has layers 0-{num_layers - 1}")
+        if not idx:
+            raise RecipeError(f"{what} {spec!r} names no layer of the model's 0-{num_layers - 1}")
+    return idx
+
+
+def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: int | None = None,
+                     where: tuple[str, str] = ("--layers", "--keep-softmax")) -> None:
+    """Layer choices of a conversion; ranges too once ``num_layers`` is known. Something must convert."""
+    cand = parse_layer_spec(layers, num_layers, where[0]) if layers is not None else None
+    if num_layers is not None and cand is None:
+        cand = list(range(num_layers))
+    if keep_softmax is None:
+        return
+    ks = str(keep_softmax).strip()
+    if ks.isdigit():  # a count of the worst layers; indices come as "3,7" or "5,"
+        if cand is not None and int(ks) >= len(cand):
+            raise RecipeError(f"{where[1]} {ks} keeps every one of the {len(cand)} layers to convert, so nothing "
+                              f"would be converted; give a count below {len(cand)}")
+        return
+    kept = parse_layer_spec(ks, num_layers, where[1])
+    if cand is not None and not set(cand) - set(kept):
+        raise RecipeError(f"{where[1]} {ks} keeps every layer {where[0]} allows, so nothing would be converted")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+def _need(ok: bool, key: str, rule: str, value) -> None:
+    if not ok:
+        raise RecipeError(f"{key} must be {rule}; got {value!r}")
+
+
 def validate(cfg: RecipeConfig) -> None:
+    """Every field that can be checked without the model; called before anything is loaded."""
+    from .layers.options import FORMS
+
+    _need(isinstance(cfg.teacher.model, str) and cfg.teacher.model.strip() != "", "teacher.model",
+          "an alias, .gguf file, model directory or hub id", cfg.teacher.model)
+    c = cfg.convert
+    _need(c.form in FORMS, "convert.form", " or ".join(repr(f) for f in FORMS), c.form)
+    _need(_finite(c.beta_max) and c.beta_max > 0, "convert.beta_max", "a finite number > 0", c.beta_max)
+    _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
+    check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))
+    d = cfg.data
+    for key in ("source", "split", "text_field"):
+        _need(str(getattr(d, key)).strip() != "", f"data.{key}", "a non-empty string", getattr(d, key))
+    _need(d.seq_len >= 2, "data.seq_len", "at least 2", d.seq_len)
+    _need(_finite(d.heldout_fraction) and 0 < d.heldout_fraction < 1, "data.heldout_fraction",
+          "between 0 and 1 (exclusive)", d.heldout_fraction)
+    _need(d.max_documents is None or d.max_documents >= 1, "data.max_documents", "at least 1 or null", d.max_documents)
+    _need(d.eval_tokens >= 1, "data.eval_tokens", "at least 1", d.eval_tokens)
     if not cfg.stages:
         raise RecipeError("recipe has no stages; add one with name: align or name: distill")
     for i, st in enumerate(cfg.stages):
-        if st.name not in ("align", "distill"):
-            raise RecipeError(f"stages.{i}.name must be 'align' or 'distill'; got {st.name!r}")
-        if st.steps < 1 or st.batch_size < 1:
-            raise RecipeError(f"stages.{i}: steps and batch_size must be at least 1")
-        if st.loss not in ("mse", "nmse"):
-            raise RecipeError(f"stages.{i}.loss must be 'mse' or 'nmse'; got {st.loss!r}")
-        bad = {k: w for k, w in st.layer_weights.items() if not (w >= 0 and w < float("inf"))}
-        if bad:
-            raise RecipeError(f"stages.{i}.layer_weights must be finite and ≥ 0; got {bad}")
-    if cfg.precision not in ("fp32", "bf16"):
-        raise RecipeError(f"precision must be 'fp32' or 'bf16'; got {cfg.precision!r}")
-    if cfg.parallel not in ("ddp", "fsdp"):
-        raise RecipeError(f"parallel must be 'ddp' or 'fsdp'; got {cfg.parallel!r}")
-    if cfg.device not in ("auto", "cpu", "cuda"):
-        raise RecipeError(f"device must be 'auto', 'cpu' or 'cuda'; got {cfg.device!r}")
-    if cfg.data.seq_len < 2:
-        raise RecipeError(f"data.seq_len must be at least 2; got {cfg.data.seq_len}")
-    if cfg.output.checkpoint_every < 1 or cfg.output.keep_last < 1:
-        raise RecipeError("output.checkpoint_every and output.keep_last must be at least 1")
+        k = f"stages.{i}."
+        _need(st.name in ("align", "distill"), k + "name", "'align' or 'distill'", st.name)
+        _need(st.steps >= 1, k + "steps", "at least 1", st.steps)
+        _need(st.batch_size >= 1, k + "batch_size", "at least 1", st.batch_size)
+        _need(_finite(st.lr) and st.lr > 0, k + "lr", "a finite number > 0", st.lr)
+        _need(st.trainable.strip() != "", k + "trainable", "parameter name parts (e.g. self_attn) or 'all'", st.trainable)
+        _need(st.loss in ("mse", "nmse"), k + "loss", "'mse' or 'nmse'", st.loss)
+        bad = {n: w for n, w in st.layer_weights.items() if not (_finite(w) and w >= 0)}
+        _need(not bad, k + "layer_weights", "finite and >= 0", bad)
+        neg = [n for n in st.layer_weights if n < 0]
+        _need(not neg, k + "layer_weights", "keyed by layer indices >= 0", neg)
+        _need(_finite(st.temperature) and st.temperature > 0, k + "temperature", "a finite number > 0", st.temperature)
+        _need(_finite(st.ce_weight) and st.ce_weight >= 0, k + "ce_weight", "a finite number >= 0", st.ce_weight)
+        _need(st.kl_chunk >= 1, k + "kl_chunk", "at least 1", st.kl_chunk)
+        _need(st.lora_rank >= 0, k + "lora_rank", ">= 0 (0: no LoRA)", st.lora_rank)
+        if st.lora_rank > 0:
+            _need(st.lora_targets.strip() != "", k + "lora_targets", "module names (e.g. q_proj,v_proj)", st.lora_targets)
+        if "lora_" in st.trainable and not any(s.lora_rank > 0 for s in cfg.stages):
+            raise RecipeError(f"{k}trainable names lora_ but no stage has lora_rank > 0; set {k}lora_rank (e.g. 8)")
+    o = cfg.optim
+    _need(_finite(o.weight_decay) and o.weight_decay >= 0, "optim.weight_decay", "a finite number >= 0", o.weight_decay)
+    _need(o.warmup_steps >= 0, "optim.warmup_steps", ">= 0", o.warmup_steps)
+    _need(_finite(o.grad_clip) and o.grad_clip >= 0, "optim.grad_clip", "a finite number >= 0 (0: no clipping)", o.grad_clip)
+    out = cfg.output
+    _need(str(out.dir).strip() != "", "output.dir", "a folder path", out.dir)
+    for key in ("checkpoint_every", "keep_last", "eval_every", "log_every"):
+        _need(getattr(out, key) >= 1, f"output.{key}", "at least 1", getattr(out, key))
+    _need(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
+    _need(cfg.precision in ("fp32", "bf16"), "precision", "'fp32' or 'bf16'", cfg.precision)
+    _need(cfg.parallel in ("ddp", "fsdp"), "parallel", "'ddp' or 'fsdp'", cfg.parallel)
+    _need(cfg.device in ("auto", "cpu", "cuda"), "device", "'auto', 'cpu' or 'cuda'", cfg.device)
 
 
 def to_yaml(cfg: RecipeConfig) -> str:

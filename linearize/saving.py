@@ -34,6 +34,7 @@ def save(model, tokenizer, out_dir: str | os.PathLike, force: bool = False, extr
             tokenizer.save_pretrained(tmp)
         if extra is not None:
             extra(tmp)
+        _umask_modes(tmp)
         if out.exists():
             aside = _temp_sibling(out, "old")
             os.replace(out, aside / out.name)  # a rename: the old output stays whole until the new one is in
@@ -98,6 +99,16 @@ def umask_mode() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return 0o777 & ~mask
+
+
+def _umask_modes(root: Path) -> None:
+    """Folders and files as ``mkdir``/``open`` make them under the umask (some writers use 0600 temp files)."""
+    d_mode = umask_mode()
+    f_mode = d_mode & 0o666
+    for folder, dirs, files in os.walk(root):
+        os.chmod(folder, d_mode)
+        for f in files:
+            os.chmod(os.path.join(folder, f), f_mode)
 
 
 def _temp_sibling(out: Path, kind: str) -> Path:

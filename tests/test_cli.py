@@ -59,7 +59,7 @@ def test_cli_convert_truncated_weights(tiny_dir, tmp_path):
     shutil.copytree(tiny_dir, bad)
     w = bad / "model.safetensors"
     w.write_bytes(w.read_bytes()[: w.stat().st_size // 3])
-    assert_one_line_error(*run("convert", "--model", bad, "-o", tmp_path / "o"), "could not load")
+    assert_one_line_error(*run("convert", "--model", bad, "-o", tmp_path / "o"), "truncated")
     assert not (tmp_path / "o").exists()
 
 

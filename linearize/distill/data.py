@@ -7,7 +7,10 @@ teacher (transformers' packed-sequence masks, with ``use_cache=False``) and the 
 
 from __future__ import annotations
 
+import codecs
+import contextlib
 import glob
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,41 +34,129 @@ class PackedData:
         return self.train_ids.numel()
 
 
-def load_documents(cfg: DataConfig, tokenizer=None):
-    """A ``datasets.Dataset`` with one ``text`` column, one document per row."""
+class DataWarning(UserWarning):
+    """Rows of the data that are skipped (no text in the text field); shown as one line."""
+
+
+def _first_line(e: BaseException) -> str:
+    while e.__cause__ is not None or e.__context__ is not None:  # datasets wraps the reader's own error
+        e = e.__cause__ or e.__context__
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _check_file(path: str, kind: str) -> None:
+    """Empty, binary or foreign files stop here, with the file named (not deep in a reader)."""
+    p = Path(path)
+    if p.stat().st_size == 0:
+        raise RecipeError(f"data.source: {path} is empty; give files with text or remove it from data.source")
+    with open(p, "rb") as f:
+        head = f.read(1 << 16)
+    if kind == "parquet":
+        with open(p, "rb") as f:
+            f.seek(max(p.stat().st_size - 4, 0))
+            tail = f.read(4)
+        if not (head.startswith(b"PAR1") and tail == b"PAR1"):
+            raise RecipeError(f"data.source: {path} is not a parquet file (truncated or renamed?)")
+        return
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        binary = b"\x00" in head
+    except UnicodeDecodeError:
+        binary = True
+    if binary:
+        raise RecipeError(f"data.source: {path} is binary, not UTF-8 text; give .txt/.json/.jsonl text or .parquet")
+
+
+@contextlib.contextmanager
+def _quiet(datasets):
+    """No progress bars or reader log lines while reading local files: their errors come as one line."""
+    level, bars = datasets.logging.get_verbosity(), datasets.is_progress_bar_enabled()
+    datasets.logging.set_verbosity(datasets.logging.CRITICAL)
+    datasets.disable_progress_bars()
+    try:
+        yield
+    finally:
+        datasets.logging.set_verbosity(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+def local_files(cfg: DataConfig) -> list[str] | None:
+    """The local files ``data.source`` names (checked), or None for the built-in text or a hub dataset."""
+    if cfg.source == "builtin":
+        return None
+    paths = [p for part in cfg.source.split(",") for p in (sorted(glob.glob(part.strip())) or [part.strip()])]
+    local = [p for p in paths if Path(p).suffix in BUILDERS or Path(p).exists()]
+    if not local:
+        return None
+    missing = [p for p in local if not Path(p).is_file()]
+    if missing:
+        raise RecipeError(f"data.source: file not found: {missing[0]}")
+    kinds = {BUILDERS.get(Path(p).suffix) for p in local}
+    if None in kinds or len(kinds) != 1:
+        raise RecipeError(f"data.source: use files of one kind among {', '.join(BUILDERS)}; got {local}")
+    for p in local:
+        _check_file(p, BUILDERS[Path(p).suffix])
+    return local
+
+
+def read_documents(cfg: DataConfig):
+    """A ``datasets.Dataset`` of the raw rows, its text field checked; no tokenizer needed, so it
+    runs before the teacher loads. Rows without text are counted and reported (a :class:`DataWarning`)."""
     import datasets
 
     if cfg.source == "builtin":
         from pydoc_data.topics import topics
 
-        ds = datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)]})
-        field = "text"
+        return datasets.Dataset.from_dict({"text": [topics[k] for k in sorted(topics)]})
+    local = local_files(cfg)
+    if local:
+        kind = BUILDERS[Path(local[0]).suffix]
+        with _quiet(datasets):
+            try:
+                ds = datasets.load_dataset(kind, data_files=local, split="train")
+            except Exception as e:  # a reader's error on a garbage file: name the files, not the reader's internals
+                raise RecipeError(f"data.source: cannot read {', '.join(local)} as {kind} ({_first_line(e)}); fix or remove the file") from None
     else:
-        paths = [p for part in cfg.source.split(",") for p in (sorted(glob.glob(part.strip())) or [part.strip()])]
-        local = [p for p in paths if Path(p).suffix in BUILDERS or Path(p).exists()]
-        if local:
-            missing = [p for p in local if not Path(p).is_file()]
-            if missing:
-                raise RecipeError(f"data.source: file not found: {missing[0]}")
-            kinds = {BUILDERS.get(Path(p).suffix) for p in local}
-            if None in kinds or len(kinds) != 1:
-                raise RecipeError(f"data.source: use files of one kind among {', '.join(BUILDERS)}; got {local}")
-            ds = datasets.load_dataset(kinds.pop(), data_files=local, split="train")
-        else:
-            ds = datasets.load_dataset(cfg.source, cfg.name, split=cfg.split)
-        field = cfg.text_field
+        ds = datasets.load_dataset(cfg.source, cfg.name, split=cfg.split)
+    field = "messages" if cfg.chat_template else cfg.text_field
+    if field not in ds.column_names:
+        if cfg.chat_template:
+            raise RecipeError("data.chat_template needs a 'messages' field in the dataset; "
+                              f"its fields: {', '.join(ds.column_names)}")
+        raise RecipeError(f"data.text_field {field!r} is not in the dataset; its fields: {', '.join(ds.column_names)}; "
+                          "set data.text_field")
+    values = ds[field]
+    missing = sum(v is None for v in values)
     if cfg.chat_template:
-        if "messages" not in ds.column_names:
-            raise RecipeError("data.chat_template needs a 'messages' field in the dataset")
+        empty = sum(v is not None and not v for v in values)
+    else:
+        empty = sum(v is not None and not (isinstance(v, str) and v.strip()) for v in values)
+    if missing == len(values):
+        raise RecipeError(f"data.source: none of its {len(values)} rows has the field {field!r}; "
+                          "set data.text_field to the field that holds the text")
+    if missing or empty:
+        warnings.warn(DataWarning(
+            f"data: {missing} of {len(values)} rows have no {field!r} field and {empty} have no text in it; "
+            "they are skipped (data.text_field names the field)"), stacklevel=2)
+    return ds
+
+
+def load_documents(cfg: DataConfig, tokenizer=None):
+    """A ``datasets.Dataset`` with one ``text`` column, one non-empty document per row."""
+    ds = read_documents(cfg)
+    field = "text" if cfg.source == "builtin" else cfg.text_field
+    if cfg.chat_template:
+        ds = ds.filter(lambda ex: bool(ex["messages"]))
         ds = ds.map(lambda ex: {"text": tokenizer.apply_chat_template(ex["messages"], tokenize=False)})
         field = "text"
-    if field not in ds.column_names:
-        raise RecipeError(f"data.text_field {field!r} is not in the dataset; its fields: {', '.join(ds.column_names)}")
     ds = ds.filter(lambda ex: isinstance(ex[field], str) and ex[field].strip() != "")
     if cfg.max_documents:
         ds = ds.select(range(min(cfg.max_documents, len(ds))))
     if len(ds) == 0:
         raise RecipeError(f"the dataset {cfg.source!r} has no non-empty text in field {field!r}")
+    ds = ds.select_columns([field])
     return ds.rename_column(field, "text") if field != "text" else ds
 
 

@@ -98,6 +98,7 @@ def load_teacher(model: str | ModelSource, dtype=None):
 class SourceInfo:
     model_type: str | None  # config.json's model_type, or the GGUF architecture; None for a hub id
     num_layers: int | None  # decoder layers, when config.json or the GGUF metadata says
+    max_positions: int | None = None  # max_position_embeddings / the GGUF context length
 
 
 def _read_json(path: Path) -> dict:
@@ -144,11 +145,11 @@ def inspect_source(src: ModelSource) -> SourceInfo:
         try:
             reader = gguf.GGUFReader(path)
             arch = str(reader.fields["general.architecture"].contents())
-            count = reader.fields.get(f"{arch}.block_count")
+            count, ctx = (reader.fields.get(f"{arch}.{k}") for k in ("block_count", "context_length"))
         except Exception as e:  # the reader fails in many ways on a cut or foreign file
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise ModelSourceError(f"cannot read {path} as GGUF ({first}); is the file complete?") from None
-        return SourceInfo(arch, int(count.contents()) if count is not None else None)
+        return SourceInfo(arch, *(int(f.contents()) if f is not None else None for f in (count, ctx)))
     folder = Path(src.path)
     if not folder.is_dir():
         return SourceInfo(None, None)  # a hub id: transformers checks it while downloading
@@ -164,5 +165,6 @@ def inspect_source(src: ModelSource) -> SourceInfo:
                 raise ModelSourceError(f"{folder} lacks {shard}, named in {index.name}; is the checkpoint complete?")
     for w in weights:
         _check_safetensors(w)
-    layers = config.get("num_hidden_layers", (config.get("text_config") or {}).get("num_hidden_layers"))
-    return SourceInfo(config.get("model_type"), layers if isinstance(layers, int) else None)
+    text = config.get("text_config") or {}
+    layers, ctx = (config.get(k, text.get(k)) for k in ("num_hidden_layers", "max_position_embeddings"))
+    return SourceInfo(config.get("model_type"), *(v if isinstance(v, int) else None for v in (layers, ctx)))

@@ -39,7 +39,7 @@ mkdir -p "$out"
 wanted() { case ",$only," in *",$1,"*) return 0 ;; *) return 1 ;; esac; }
 step() { local limit=$1; shift; echo "== $* (limit ${limit}s)"; timeout "$limit" "$@"; echo "== exit $?"; }
 
-wanted tests && step 600 python -m pytest -m gpu -q --junitxml "$out/gpu_tests.xml"
+wanted tests && step 600 env TRITON_INTERPRET=0 python -m pytest -m gpu -q --junitxml "$out/gpu_tests.xml"
 wanted kernels && step 540 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"
 wanted profile && step 240 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
 wanted ncu && step 200 python scripts/profile_ncu.py --output "$out/ncu_forward_2x8192.json"

@@ -266,3 +266,79 @@ def test_convert_gemma3_real_teacher_end_to_end(gemma3):
     full = model(x).logits
     inc, _ = incremental_logits(model, x, torch.ones_like(x), torch.arange(24)[None], prefill=16)
     assert (inc - full).abs().max() / full.abs().max() < 1e-4
+
+
+def test_convert_state_lives_in_transformers_linear_attention_cache_layer():
+    """Each GDN layer's decoding state is a transformers LinearAttentionLayer in the model's Cache: beam
+    reordering permutes it (the next step equals the step after a prefill of the permuted batch), and
+    reset empties it."""
+    from transformers.cache_utils import LinearAttentionLayer
+
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=[1])
+    x = ids(model, B=3, T=9)
+    perm = torch.tensor([2, 0, 1])
+
+    def prefill(inp):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(inp[:, :-1], use_cache=True, **cache_kwargs(cache))
+        return cache
+
+    reordered, direct = prefill(x), prefill(x[perm])
+    assert [isinstance(layer, LinearAttentionLayer) for layer in reordered.layers] == [True, False, True, True]
+    reordered.reorder_cache(perm)
+    with torch.no_grad():
+        a = model(x[perm, -1:], use_cache=True, **cache_kwargs(reordered)).logits
+        b = model(x[perm, -1:], use_cache=True, **cache_kwargs(direct)).logits
+    assert (a - b).abs().max() < 1e-5 and reordered.get_seq_length() == 9
+    reordered.reset()
+    assert reordered.get_seq_length() == 0 and reordered.layers[0].state is None and reordered.layers[0].sums is None
+
+
+def test_linearize_layer_refuses_projection_shapes_it_cannot_reuse():
+    teacher = tiny_model("llama")
+    attn = teacher.model.layers[0].self_attn
+    attn.v_proj = torch.nn.Linear(attn.v_proj.in_features, attn.v_proj.out_features + attn.head_dim, bias=False)
+    with pytest.raises(ValueError, match="v_proj.out_features is 48, expected 32"):
+        linearize.linearize_layer(attn)
+
+
+def test_convert_surgery_guard_names_the_changed_parameter():
+    from linearize.conversion import check_surgery
+
+    model = tiny_model("llama")
+    before = {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
+    check_surgery(before, before)  # unchanged: passes
+    name = "model.layers.0.mlp.up_proj.weight"
+    for after, what in (({**before, name: (before[name][0], torch.Size([1]))}, "changed the shape"),
+                        ({**before, name: (before[name][0] + 4, before[name][1])}, "replaced the tensor"),
+                        ({n: v for n, v in before.items() if n != name}, "dropped"),
+                        ({**before, "model.layers.0.mlp.extra": (0, torch.Size([1]))}, "unexpected parameter")):
+        with pytest.raises(RuntimeError, match=what):
+            check_surgery(before, after)
+
+
+def test_import_linearize_is_cheap_and_registers_on_first_use(tmp_path):
+    """``import linearize`` loads neither torch nor transformers; the first API access registers the
+    converted classes, so from_pretrained knows a converted directory's model_type."""
+    import subprocess
+    import sys
+
+    linearize.save(linearize.convert(tiny_model("qwen3"), calibration_ids=calib(tiny_model("qwen3"))), None, tmp_path / "m")
+    code = (
+        "import sys, linearize\n"
+        "assert 'torch' not in sys.modules and 'transformers' not in sys.modules, 'import linearize is not lazy'\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "try:\n"
+        f"    AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r})\n"
+        "    raise SystemExit('known before registration')\n"
+        "except ValueError:\n"
+        "    pass\n"
+        "linearize.convert  # first access of the API\n"
+        f"m = AutoModelForCausalLM.from_pretrained({str(tmp_path / 'm')!r})\n"
+        "print(type(m).__name__, type(m.model.layers[0].self_attn).__name__)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["LinearizedQwen3ForCausalLM", "GDNAttention"]

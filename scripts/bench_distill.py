@@ -33,8 +33,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import linearize  # noqa: E402
-from linearize.config import RecipeConfig, StageConfig  # noqa: E402
-from linearize.distill.trainer import Run, align_loss, distill_loss, float32_trainables, make_optimizer, trainable_names  # noqa: E402
+from linearize.config import OptimConfig, StageConfig  # noqa: E402
+from linearize.distill.batches import batch_positions  # noqa: E402
+from linearize.distill.losses import gdn_layers, objective_for  # noqa: E402
+from linearize.distill.optim import make_optimizer, trainable_names  # noqa: E402
+from linearize.distill.precision import float32_trainables  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,
@@ -109,12 +112,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
 
     dev, dt = ids.device, next(teacher.parameters()).dtype
     teacher.requires_grad_(True)
-    try:  # as the trainer passes them: None for rows of one document each
-        from linearize.distill.trainer import batch_positions
-
-        pos = batch_positions(pos, dev)
-    except ImportError:  # an older linearize/ (scripts/ab_trees.sh): the positions as they are
-        pos = pos.to(dev)
+    pos = batch_positions(pos, dev)  # as the trainer passes them: None for rows of one document each
 
     def teacher_step():
         loss = teacher(input_ids=ids, position_ids=pos, labels=ids, use_cache=False).loss
@@ -130,23 +128,20 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, vocab, (1, 512), device=dev),
                                 options=GDNOptions(fused_front=fused_front))
     float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
-    run = Run(RecipeConfig(), Path("."), dev, dt, teacher, student, None, None)
     # the part of an align step that is the teacher's own forward (no grad, capturing every layer's
     # attention input and output): what is left of the step is the GDN blocks' forward, loss and backward
-    from linearize.distill.trainer import gdn_layers
     from linearize.eval import capture_attention
 
     layers = list(gdn_layers(student))
-    import inspect
-
-    early = {"stop_early": True} if "stop_early" in inspect.signature(capture_attention).parameters else {}  # as align_loss
-    rows["teacher_capture_s"], _ = timed(lambda: capture_attention(teacher, ids, layers, position_ids=pos, **early), iters)
+    rows["teacher_capture_s"], _ = timed(
+        lambda: capture_attention(teacher, ids, layers, position_ids=pos, stop_early=True), iters)  # as align_loss
     for name in ("align", "distill"):
-        st = StageConfig(name=name, trainable="self_attn", kl_chunk=4096)
-        opt, _, _ = make_optimizer(run, st)
+        st = StageConfig(name=name, trainable="self_attn", loss="nmse", kl_chunk=4096)
+        opt, _, _ = make_optimizer(student, st, OptimConfig(), fsdp=False)
+        objective = objective_for(st, student, teacher, fsdp=False)
 
-        def step(st=st, opt=opt):
-            loss = align_loss(run, ids, pos, "nmse")[0] if st.name == "align" else distill_loss(run, ids, pos, st)
+        def step(opt=opt, objective=objective):
+            loss = objective(ids, pos)[0]
             loss.backward()
             opt.zero_grad(set_to_none=True)
 

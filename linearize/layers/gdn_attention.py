@@ -181,7 +181,7 @@ class GDNAttention(nn.Module):
 
         mask = token_mask(attention_mask, B, T)
         if layer is None and mask is None:  # training/scoring: packed documents restart the state
-            return self.o_proj(self.attention_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
+            return self.o_proj(self._fresh_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
         o, state, sums = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache)
         if layer is not None:
             layer.set_state(state, sums, T)
@@ -191,7 +191,12 @@ class GDNAttention(nn.Module):
                          mask=None) -> torch.Tensor:
         """The block's output before ``o_proj``, ``(B, T, Hq·D)``, from a fresh state: what the
         teacher's attention computes before its ``o_proj``. Documents packed in a row (positions
-        restarting, as in transformers' packed format) each start from a fresh state and fresh means."""
+        restarting, as in transformers' packed format) each start from a fresh state and fresh means.
+        (Public for callers outside ``forward``, which may register it as an FSDP forward method;
+        ``forward`` itself calls the unregistered body, so FSDP does not reshard before ``o_proj``.)"""
+        return self._fresh_output(hidden_states, position_embeddings, position_ids, mask)
+
+    def _fresh_output(self, hidden_states, position_embeddings, position_ids=None, mask=None) -> torch.Tensor:
         B, T, _ = hidden_states.shape
         cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
         if cu is None:

@@ -1,0 +1,26 @@
+"""Which rows each step trains on, and how their positions reach the models."""
+
+from __future__ import annotations
+
+import torch
+
+
+def batch_rows(num_rows: int, batch_size: int, step: int, seed: int) -> torch.Tensor:
+    """Rows of global step ``step``: a fixed permutation per epoch, so a resumed run replays exactly."""
+    per_epoch = max(1, num_rows // batch_size)
+    epoch, i = divmod(step, per_epoch)
+    perm = torch.randperm(num_rows, generator=torch.Generator().manual_seed(seed * 100003 + epoch))
+    idx = perm[(i * batch_size) % num_rows:][:batch_size]
+    if idx.numel() < batch_size:  # fewer rows than a batch: wrap around
+        idx = torch.cat([idx, perm[: batch_size - idx.numel()]])
+    return idx
+
+
+def batch_positions(pos: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """The ``position_ids`` to give the models for a batch whose positions are ``pos`` (on the host): None
+    when every row is one document from position 0 — the models' own default, with no document tables to
+    build, and no host sync in transformers' mask code, which reads ``position_ids`` back to look for
+    packed documents — else ``pos`` on ``device``."""
+    if pos.device.type == "cpu" and torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
+        return None
+    return pos.to(device)

@@ -1,0 +1,50 @@
+"""``linearize distill``: the recipe runner. setup → evaluate at init → train (stages) → save → cleanup.
+
+Under ``torchrun`` the global batch is split across processes (``parallel: ddp`` or ``fsdp``, see
+``parallel.py``). Checkpoints and the saved model hold whole tensors.
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..config import RecipeConfig
+from .evaluation import evaluate
+from .export import save_student
+from .parallel import barrier, is_main
+from .rundir import write_text
+from .setup import cleanup, setup
+from .stages import train
+
+
+def budget(cfg: RecipeConfig) -> dict:
+    """Steps and tokens of each stage and in all."""
+    rows = [s.steps * s.batch_size for s in cfg.stages]
+    return {"stages": [{"name": s.name, "steps": s.steps, "tokens": r * cfg.data.seq_len}
+                       for s, r in zip(cfg.stages, rows)],
+            "total_steps": sum(s.steps for s in cfg.stages), "total_tokens": sum(rows) * cfg.data.seq_len}
+
+
+def initial_evaluation(run, resume: bool) -> dict | None:
+    """The student at init beside the teacher (``initial_eval.json``; a resumed run reads it back)."""
+    path = run.out / "initial_eval.json"
+    if resume:
+        return json.loads(path.read_text()) if path.is_file() else None
+    initial = evaluate(run)
+    if is_main():
+        write_text(path, json.dumps(initial, indent=1))
+    return initial
+
+
+def run_recipe(cfg: RecipeConfig, resume: bool = False, progress=None) -> dict:
+    """Run a recipe; returns ``{initial, final, model, budget}``."""
+    run = setup(cfg, resume)
+    try:
+        initial = initial_evaluation(run, resume)
+        final = train(run, resume, progress)
+        if is_main() or run.fsdp:  # FSDP: every process takes part in gathering the model
+            save_student(run, final, initial)
+        barrier()
+    finally:
+        cleanup(run)
+    return {"initial": initial, "final": final, "model": str(run.out / "model"), "budget": budget(cfg)}

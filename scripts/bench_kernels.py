@@ -180,7 +180,7 @@ def main():
     bw = copy_bandwidth()
 
     std = lambda B, T: ("std", B, T, 16, 16, 128, 128)  # noqa: E731
-    # the standard shapes first (the targets), then the GQA shapes: a run cut short keeps the former
+    # the standard shapes first (SPEC §7), then the GQA shapes: a run cut short keeps the former
     shapes = [std(8, 2048), std(2, 8192), std(4, 4096), std(1, 16384), std(1, 32768),
               ("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -10,7 +10,7 @@ every V block the state kernels' rule can pick, and flags shared memory over the
 a launch fails there with OutOfResources, and which settings do can depend on the head count.
 
 A kernel with STACK > 0 spills registers to local memory; that is the first thing to fix when it is slow.
-The launch settings are the launchers' own (``launch_settings`` in each kernel module).
+The launch settings are the launchers' own (``chunk_fwd.launch_settings`` and ``chunk_bwd.launch_settings``).
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops import gated_delta_rule  # noqa: E402
 from linearize.ops.triton import chunk_bwd as cb  # noqa: E402
 from linearize.ops.triton import chunk_fwd as cf  # noqa: E402
+from linearize.ops.triton.layout import Layout  # noqa: E402
+from linearize.ops.triton.prepare import recompute_w_u  # noqa: E402
+from linearize.ops.triton.solve import solve_tril  # noqa: E402
+from linearize.ops.triton.state_fwd import chunk_fwd_h  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_kernels import fwd_bwd, inputs, load_fla  # noqa: E402
@@ -105,7 +109,7 @@ def candidates(kname, K, V):
         grid = [({"BV": bv, "KB": 64}, nw, ns) for bv in (16, 32, 64) for nw in (2, 4) for ns in (3, 4)]
     elif kname == "solve":
         return [({"BKB": bkb}, nw, ns) for bkb in (32, 64, 128) if bkb <= kmax for nw in (1, 2, 4) for ns in (1, 2)]
-    elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see launch_settings in chunk_fwd.py
+    elif kname == "wy_bwd":  # BV 32 left out here and for prepare: see prepare_settings
         grid = [({"BV": 64, "BKB": 64}, nw, ns) for nw in (4, 8) for ns in (1, 2)]
     elif kname == "output":  # E: chunks per program (one state read per E chunks)
         grid = [({"BV": bv, "E": e}, nw, ns) for e in (1, 4, 8) for bv in (64, 128) for nw in (4, 8) for ns in (2, 3)]
@@ -129,9 +133,11 @@ def _sweep_shape(name, only):
     res = {}
     B, T, HQ, H, K, V = SHAPES[name]
     q, k, v, g, beta = (x.detach() for x in inputs(B, T, HQ, H, K, V))
-    L = cf.Layout(q, v, None)
-    qf, kf, vf, gf, bf = cf.Layout.flat(q, k, v, g, beta)
-    gcum, w, u, tm, hs, v_new, _ = cf.prepare_and_states(L, kf, vf, gf, bf, None, False)
+    L = Layout(q, v, None)
+    qf, kf, vf, gf, bf = Layout.flat(q, k, v, g, beta)
+    tm = solve_tril(layout=L, k=kf, g=gf, beta=bf)
+    gcum, w, u = recompute_w_u(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+    hs, v_new, _ = chunk_fwd_h(layout=L, k=kf, w=w, u=u, gcum=gcum, initial_state=None, output_final_state=False)
     do = torch.randn(L.tokens, HQ, V, device="cuda", dtype=q.dtype)
     tables = (L.chunk_indices, L.cu_seqlens, L.chunk_offsets)
     f32 = torch.float32
@@ -149,28 +155,29 @@ def _sweep_shape(name, only):
 
     def kept(every):  # the states the output kernel reads: one per ``every`` chunks
         if every not in by_every:
-            by_every[every] = cf.states(L, kf, w, u, gcum, None, False, every)[0]
+            by_every[every] = chunk_fwd_h(layout=L, k=kf, w=w, u=u, gcum=gcum, initial_state=None,
+                                          output_final_state=False, every=every)[0]
         return by_every[every]
 
     c = lambda kname, o: {**S[kname][1], **o}  # noqa: E731  the launchers' constexprs, overridden by o
     kernels = {
-        "solve": lambda ov, nw, ns: cf._solve_kernel[(L.NC, H)](
+        "solve": lambda ov, nw, ns: S["solve"][0][(L.NC, H)](
             kf, gf, bf, tm, *tables, **c("solve", ov), num_warps=nw, num_stages=ns),
-        "prepare": lambda ov, nw, ns: cf._prepare_kernel[(L.NC, H)](
+        "prepare": lambda ov, nw, ns: S["prepare"][0][(L.NC, H)](
             kf, vf, gf, bf, gcum, w, u, tm, *tables, **c("prepare", ov), num_warps=nw, num_stages=ns),
-        "state_fwd": lambda ov, nw, ns: cf._state_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
+        "state_fwd": lambda ov, nw, ns: S["state_fwd"][0][(triton.cdiv(V, ov["BV"]), L.N * H)](
             kf, w, u, gcum, hs, v_new, hs, hs, L.cu_seqlens, L.chunk_offsets, **c("state_fwd", ov), num_warps=nw, num_stages=ns),
-        "output": lambda ov, nw, ns: cf._output_kernel[(triton.cdiv(V, ov["BV"]), L.groups(ov["E"])[1], HQ)](
+        "output": lambda ov, nw, ns: S["output"][0][(triton.cdiv(V, ov["BV"]), L.groups(ov["E"])[1], HQ)](
             qf, kf, v_new, gcum, kept(ov["E"]), o, o, L.groups(ov["E"])[0], *tables[1:], K**-0.5, **c("output", ov),
             num_warps=nw, num_stages=ns),
-        "dv_local": lambda ov, nw, ns: cb._dv_local_kernel[(triton.cdiv(V, ov["BV"]), L.NC, H)](
+        "dv_local": lambda ov, nw, ns: S["dv_local"][0][(triton.cdiv(V, ov["BV"]), L.NC, H)](
             qf, kf, gcum, do, dvl, dql, *tables, K**-0.5, **c("dv_local", ov), num_warps=nw, num_stages=ns),
-        "state_bwd": lambda ov, nw, ns: cb._state_bwd_kernel[(triton.cdiv(V, ov["BV"]), L.N * H)](
+        "state_bwd": lambda ov, nw, ns: S["state_bwd"][0][(triton.cdiv(V, ov["BV"]), L.N * H)](
             qf, kf, w, gcum, do, dvl, dql, dhs, ddl, hs, hs, L.cu_seqlens, L.chunk_offsets, K**-0.5,
             **c("state_bwd", ov), num_warps=nw, num_stages=ns),
-        "dqk": lambda ov, nw, ns: cb._dqk_kernel[(L.NC, HQ)](
+        "dqk": lambda ov, nw, ns: S["dqk"][0][(L.NC, HQ)](
             qf, kf, v_new, gcum, hs, do, dq, dkq, dgq, *tables, K**-0.5, **c("dqk", ov), num_warps=nw, num_stages=ns),
-        "wy_bwd": lambda ov, nw, ns: cb._wy_bwd_kernel[(L.NC, H)](
+        "wy_bwd": lambda ov, nw, ns: S["wy_bwd"][0][(L.NC, H)](
             kf, vf, bf, gcum, tm, v_new, hs, dhs, ddl, dkq, dgq, dk, dv, dbeta, dg, *tables,
             **c("wy_bwd", ov), num_warps=nw, num_stages=ns),
     }

@@ -38,8 +38,9 @@ class OneLineErrors(TyperGroup):
             if type(e).__name__ == "NoArgsIsHelpError":
                 e.show()
                 sys.exit(e.exit_code)
-            cmd = e.ctx.command_path if e.ctx is not None else "linearize"
-            typer.secho(f"error: {' '.join(e.format_message().split())}; see '{cmd} --help'", fg="red", err=True)
+            cmd = f"linearize {e.ctx.info_name}" if e.ctx is not None and e.ctx.parent is not None else "linearize"
+            message = " ".join(e.format_message().split()).rstrip(".")
+            typer.secho(f"error: {message}; see '{cmd} --help'", fg="red", err=True)
             sys.exit(2)
         sys.exit(rv if isinstance(rv, int) else 0)  # without standalone mode, exit codes come back as values
 

@@ -139,7 +139,8 @@ def perplexity(model, input_ids: torch.Tensor) -> float:
 
 
 def plot_fidelity(rows: list[dict], path, title: str, inits=INITS) -> None:
-    """Per-layer relative error of each initialization, log scale, as a PNG."""
+    """Per-layer relative error of each initialization as a PNG; layers kept softmax (rows with
+    ``block == "softmax"``) are shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -148,7 +149,10 @@ def plot_fidelity(rows: list[dict], path, title: str, inits=INITS) -> None:
     # left: every form (the seed form's blow-up needs the log axis); right: the finite ones, linear
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     layers = [r["layer"] for r in rows]
+    kept = [r["layer"] for r in rows if r.get("block") == "softmax"]  # rows of a conversion report say
     for ax, names, log in ((axes[0], inits, True), (axes[1], [n for n in inits if n != "seed"], False)):
+        for j, i in enumerate(kept):
+            ax.axvspan(i - 0.5, i + 0.5, color="0.85", zorder=0, label="kept softmax" if j == 0 else None)
         for name in names:
             ax.plot(layers, [min(r[name], 1e30) for r in rows], marker="o", ms=3, label=name, color=COLORS.get(name))
         if log:

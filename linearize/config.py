@@ -167,7 +167,8 @@ def load_recipe(path: str | Path | None, overrides: list[str] | None = None) -> 
     except OmegaConfBaseException as e:
         msg = str(e).splitlines()[0]
         key = getattr(e, "full_key", None)
-        raise RecipeError(f"recipe key {key!r}: {msg}" if key else f"recipe: {msg}") from None
+        raise RecipeError(f"recipe key {key!r}: {msg}; fix its value in the recipe or the override" if key
+                          else f"recipe: {msg}") from None
     validate(cfg)
     return cfg
 

@@ -506,3 +506,14 @@ def test_help_shows_flags_without_types():
     code, text = run_cli(["convert", "--help"])
     assert re.search(r"^\s+--force\s+Replace", text, re.M), text
     assert "'seed'" in text and "taylor-seed" not in text
+
+
+def test_convert_open_layer_range_runs_to_the_last_layer(inputs, tmp_path):
+    """`--layers 1-` means 1..last (the good twin of the range cases in the table)."""
+    out = tmp_path / "out"
+    code, text = run_cli(["convert", "-m", str(inputs["tiny"]), "-o", str(out), "--layers", "1-",
+                          "--tokens", "32", "--calibration-tokens", "32"])
+    assert code == 0, text
+    report = json.loads((out / "fidelity.json").read_text())
+    assert [r["block"] for r in report["layers"]] == ["softmax", "gdn", "gdn"]
+    assert re.search(r"^│\s+0 │ softmax \(kept\)", text, re.M), text

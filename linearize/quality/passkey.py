@@ -1,0 +1,93 @@
+"""Passkey retrieval: a 5-digit key hidden at a chosen depth in filler text, asked for at the end.
+
+The test of Mohtashami & Jaggi (2023, landmark attention) as LongLoRA and others run it: the same
+filler sentences repeated to the prompt length, the key sentence inserted after ``depth`` of them,
+the question last; greedy decoding; right if the first number in the answer is the key. Prompts are
+built in token space, so a prompt's length is the asked length to within one filler sentence.
+Deterministic: the keys come from ``random.Random(seed)``, in the same order for every model.
+
+    prompt = make_prompt(tokenizer, length=1024, depth=0.5, key="48213")
+    run_passkey(model, tokenizer, lengths=(512, 1024, 2048), trials=5)["acc"]
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+from ..checks import UserError
+
+INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+         "I will quiz you about the important information there.")
+FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = " What is the pass key? The pass key is"
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+@dataclass
+class PasskeyPrompt:
+    ids: list[int]  # the whole prompt, special tokens included
+    key: str
+    depth: float  # as asked: the fraction of filler before the key
+    key_at: int  # index in ``ids`` where the key sentence starts
+
+
+def make_prompt(tokenizer, length: int, depth: float, key: str) -> PasskeyPrompt:
+    """A prompt of at most ``length`` tokens and more than ``length - len(filler)``."""
+    intro = tokenizer(INTRO).input_ids  # with the tokenizer's BOS, if it adds one
+    filler, needle, question = (tokenizer(s, add_special_tokens=False).input_ids
+                                for s in (FILLER, NEEDLE.format(key=key), QUESTION))
+    reps = (length - len(intro) - len(needle) - len(question)) // len(filler)
+    if reps < 1:
+        raise UserError(f"--passkey-len {length} is too short for the passkey prompt; use at least "
+                        f"{len(intro) + len(needle) + len(question) + len(filler)}")
+    before = round(depth * reps)
+    ids = intro + filler * before + needle + filler * (reps - before) + question
+    return PasskeyPrompt(ids=ids, key=key, depth=depth, key_at=len(intro) + before * len(filler))
+
+
+def answer_key(text: str) -> str | None:
+    """The first number in the model's answer."""
+    m = re.search(r"\d+", text)
+    return m.group(0) if m else None
+
+
+def keys(seed: int, count: int) -> list[str]:
+    rng = random.Random(seed)
+    return [str(rng.randint(10000, 99999)) for _ in range(count)]
+
+
+def run_passkey(model, tokenizer, lengths, depths=DEPTHS, trials: int = 5, seed: int = 0,
+                max_new_tokens: int = 10) -> dict:
+    """Accuracy per length and depth over ``trials`` keys each; ``records`` holds every answer."""
+    import torch
+
+    device = next(model.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    cells = [(n, d) for n in lengths for d in depths]
+    all_keys = keys(seed, len(cells) * trials)
+    records = []
+    for c, (n, d) in enumerate(cells):
+        for t in range(trials):
+            p = make_prompt(tokenizer, n, d, all_keys[c * trials + t])
+            ids = torch.tensor([p.ids], device=device)
+            with torch.no_grad():
+                out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                     do_sample=False, pad_token_id=pad)
+            text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+            records.append({"length": n, "tokens": len(p.ids), "depth": d, "key": p.key, "answer": text,
+                            "correct": answer_key(text) == p.key})
+    return summarize(records, lengths, depths)
+
+
+def summarize(records: list[dict], lengths, depths) -> dict:
+    def acc(rs):
+        return sum(r["correct"] for r in rs) / len(rs) if rs else None
+
+    by_length = {}
+    for n in lengths:
+        rs = [r for r in records if r["length"] == n]
+        by_length[str(n)] = {"acc": acc(rs), "depths": {str(d): acc([r for r in rs if r["depth"] == d]) for d in depths}}
+    return {"acc": acc(records), "lengths": by_length, "records": records}

@@ -1,0 +1,81 @@
+"""Per-domain perplexity on held-out rows: each domain's documents packed into ``(rows, seq_len)``.
+
+Every model is scored on the same rows (token ids, built once from the corpus or the built-in
+held-out text), so teacher and student compare token for token. Perplexity is exp(mean NLL) over
+every predicted token of a domain's rows (``seq_len - 1`` per row: the first token is context only).
+
+    rows = pack(documents, seq_len=512, tokens=65536)        # (128, 512) int64
+    domain_perplexity(model, rows)                          # {"ppl": ..., "nll": ..., "tokens": ...}
+"""
+
+from __future__ import annotations
+
+import math
+
+from ..checks import UserError
+
+
+def pack(documents, seq_len: int, tokens: int):
+    """Documents (lists of token ids, in order) concatenated and cut into ``tokens // seq_len`` rows
+    of ``seq_len``; fewer rows if the documents run out (whole rows only). Returns ``(rows, seq_len)``."""
+    import torch
+
+    want = max(tokens // seq_len, 1) * seq_len
+    stream, have = [], 0
+    for doc in documents:
+        stream.append(torch.as_tensor(doc, dtype=torch.long).flatten())
+        have += stream[-1].numel()
+        if have >= want:
+            break
+    flat = torch.cat(stream) if stream else torch.zeros(0, dtype=torch.long)
+    n = min(flat.numel(), want) // seq_len
+    return flat[: n * seq_len].view(n, seq_len)
+
+
+def corpus_rows(corpus_dir, seq_len: int, tokens: int) -> dict:
+    """``{domain: (rows, seq_len)}`` from the held-out split of a corpus made by :mod:`linearize.corpus`."""
+    from ..corpus.reader import open_corpus
+
+    corpus = open_corpus(corpus_dir)
+    rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens) for d in corpus.domains}
+    short = [d for d, r in rows.items() if r.shape[0] == 0]
+    if short:
+        raise UserError(f"--corpus {corpus_dir}: domain(s) {', '.join(short)} hold fewer than --seq-len {seq_len} "
+                        "held-out tokens; lower --seq-len")
+    return rows
+
+
+def builtin_rows(tokenizer, seq_len: int, tokens: int) -> dict:
+    """``{"builtin": (rows, seq_len)}`` from the built-in held-out prose (:func:`linearize.eval.text_ids`)."""
+    from ..eval import builtin_text, text_ids
+
+    have = len(tokenizer(builtin_text("heldout")).input_ids)
+    n = min(tokens, have) // seq_len
+    if n < 1:
+        raise UserError(f"--seq-len {seq_len}: the built-in held-out text has {have} tokens; lower --seq-len")
+    return {"builtin": text_ids(tokenizer, seq_len, split="heldout", batch=n)}
+
+
+def check_vocab(rows: dict, vocab_size: int, who: str) -> None:
+    top = max((int(r.max()) for r in rows.values() if r.numel()), default=-1)
+    if top >= vocab_size:
+        raise UserError(f"the corpus holds token id {top} but {who} has {vocab_size} embeddings; "
+                        "build the corpus with this model's tokenizer")
+
+
+def domain_perplexity(model, rows, batch_size: int = 8) -> dict:
+    """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums."""
+    import torch
+
+    device = next(model.parameters()).device
+    nll, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, rows.shape[0], batch_size):
+            ids = rows[i: i + batch_size].to(device)  # (b, T)
+            logits = model(input_ids=ids, use_cache=False).logits.float()  # (b, T, V)
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
+                                                     reduction="sum")
+            nll += float(loss.double())
+            count += ids[:, 1:].numel()
+    mean = nll / count
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count}

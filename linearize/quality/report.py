@@ -1,0 +1,240 @@
+"""One evaluation run: each model (the converted one, its teacher) loaded in turn and measured on
+the same rows — zero-shot tasks, per-domain perplexity, passkey retrieval — into one JSON-ready dict.
+
+    plan = Plan(model="out/model", teacher="smollm2-135m", tasks=["piqa"], limit=100)
+    result = evaluate(plan)
+    print_tables(result)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from ..checks import UserError
+
+
+@dataclass
+class Plan:
+    model: str
+    teacher: str | None = None
+    tasks: list[str] = field(default_factory=list)  # empty: no harness tasks
+    limit: int | None = None
+    eval_data: str | None = None
+    batch_size: int = 8
+    corpus: str | None = None  # None: the built-in held-out text
+    seq_len: int = 512
+    ppl_tokens: int = 16384  # 0: no perplexity
+    passkey_lengths: list[int] = field(default_factory=list)  # empty: no passkey
+    passkey_trials: int = 5
+    seed: int = 0
+    device: str | None = None
+    dtype: str = "float32"
+
+
+def recipe_teacher(model: str) -> str | None:
+    """The teacher named in the ``recipe.yaml`` of the distill run ``model`` came from, if any
+    (``linearize distill`` saves the model as ``<run>/model`` beside ``<run>/recipe.yaml``)."""
+    import yaml
+
+    p = Path(model).expanduser()
+    for folder in (p, p.parent):
+        f = folder / "recipe.yaml"
+        if p.is_dir() and f.is_file():
+            try:
+                name = (yaml.safe_load(f.read_text()) or {}).get("teacher", {}).get("model")
+            except (yaml.YAMLError, AttributeError):
+                return None
+            return name if isinstance(name, str) and name.strip() else None
+    return None
+
+
+def load_model(spec: str, dtype: str = "float32", device: str | None = None):
+    """``(model, tokenizer)``: a converted directory through :func:`linearize.load`, anything else
+    (alias, .gguf, directory, hub id) through :func:`linearize.models.load_teacher`. No remote code."""
+    import torch
+
+    from ..checks import inspect_model, loaded
+
+    src, info = inspect_model(spec)
+    torch_dtype = getattr(torch, dtype)
+    if (info.model_type or "").startswith("linearize_"):
+        from transformers import AutoTokenizer
+
+        from ..saving import load
+
+        lm = loaded(spec, lambda: load(src.path, dtype=torch_dtype))
+        tok = loaded(spec, lambda: AutoTokenizer.from_pretrained(src.path, trust_remote_code=False))
+    else:
+        from ..models import load_teacher
+
+        lm, tok = loaded(spec, lambda: load_teacher(src, dtype=torch_dtype))
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return lm.to(device), tok
+
+
+def _fingerprint(rows) -> str:
+    return hashlib.sha1(rows.contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def measure(plan: Plan, lm, tok) -> dict:
+    """Everything the plan asks, for one loaded model."""
+    from . import harness, passkey, perplexity
+
+    got = {}
+    if plan.passkey_lengths:
+        passkey.make_prompt(tok, min(plan.passkey_lengths), 0.0, "00000")  # too short a length: before any work
+    if plan.tasks:
+        scores = harness.run_tasks(lm, tok, plan.tasks, plan.limit, plan.eval_data, plan.batch_size)
+        got["harness"] = {**scores, "average": harness.average(scores)}
+    if plan.ppl_tokens:
+        if plan.corpus is not None:
+            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens)
+            perplexity.check_vocab(rows, lm.get_input_embeddings().num_embeddings, "the model")
+        else:
+            rows = perplexity.builtin_rows(tok, plan.seq_len, plan.ppl_tokens)
+        got["perplexity"] = {d: {**perplexity.domain_perplexity(lm, r, plan.batch_size), "rows": int(r.shape[0]),
+                                 "rows_sha1": _fingerprint(r)} for d, r in rows.items()}
+    if plan.passkey_lengths:
+        got["passkey"] = passkey.run_passkey(lm, tok, plan.passkey_lengths, trials=plan.passkey_trials, seed=plan.seed)
+    return got
+
+
+def evaluate(plan: Plan, progress=print) -> dict:
+    """Measure ``plan.model`` and then ``plan.teacher`` (one in memory at a time)."""
+    import gc
+
+    sides = {"model": plan.model, **({"teacher": plan.teacher} if plan.teacher else {})}
+    result = {"plan": asdict(plan), "models": sides, "results": {}, "seconds": {}}
+    if plan.tasks:
+        from . import harness
+
+        result["harness"] = {"lm_eval": harness.lm_eval_version(), "primary": {t: harness.PRIMARY[t] for t in plan.tasks},
+                             "split": {t: "test" if t == "lambada" else "validation" for t in plan.tasks}}
+    if plan.passkey_lengths:
+        from .passkey import DEPTHS
+
+        result["passkey"] = {"depths": list(DEPTHS), "filler": "grass/sky/sun (Mohtashami & Jaggi 2023)"}
+    for side, spec in sides.items():
+        t0 = time.perf_counter()
+        progress(f"{side}: loading {spec}")
+        lm, tok = load_model(spec, plan.dtype, plan.device)
+        progress(f"{side}: measuring")
+        result["results"][side] = measure(plan, lm, tok)
+        result["seconds"][side] = round(time.perf_counter() - t0, 1)
+        del lm
+        gc.collect()
+    ppl = [r.get("perplexity") for r in result["results"].values()]
+    if len(ppl) == 2 and all(ppl):
+        result["perplexity_same_rows"] = all(ppl[0][d]["rows_sha1"] == ppl[1].get(d, {}).get("rows_sha1") for d in ppl[0])
+    return result
+
+
+def check_plan(plan: Plan) -> None:
+    """Option checks that need no model: before anything loads."""
+    if plan.limit is not None and plan.limit < 1:
+        raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
+    for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),
+                               ("--passkey-trials", plan.passkey_trials, 1), ("--ppl-tokens", plan.ppl_tokens, 0)):
+        if value < least:
+            raise UserError(f"{flag} must be at least {least}; got {value}")
+    if plan.ppl_tokens and plan.ppl_tokens < plan.seq_len:
+        raise UserError(f"--ppl-tokens {plan.ppl_tokens} is less than one row of --seq-len {plan.seq_len}; "
+                        "raise --ppl-tokens or lower --seq-len")
+    if plan.dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"--dtype must be float32, bfloat16 or float16; got {plan.dtype}")
+    if plan.tasks:
+        from .data import check
+
+        check(plan.eval_data, plan.tasks)
+    if plan.corpus is not None and plan.ppl_tokens:
+        if not Path(plan.corpus).is_dir():
+            raise UserError(f"--corpus {plan.corpus} is not a folder; build one with linearize's corpus tools")
+        from ..corpus.reader import open_corpus
+
+        open_corpus(plan.corpus)  # a bad corpus fails here, before any model loads
+
+
+def command(opts: dict, command_line: str, echo=print) -> None:
+    """``linearize eval``: ``opts`` are its options by name."""
+    from .. import checks
+    from . import data
+    from .harness import parse_tasks
+
+    if opts["fetch_data"]:
+        echo(f"fetched the evaluation data into {data.fetch(opts['eval_data'])}")
+        return
+    model, output = opts["model"], opts["output"]
+    if model is None:
+        raise UserError("--model is missing; give the model to evaluate, e.g. linearize eval -m smollm2-135m-gdn")
+    checks.positive(opts["passkey_len"], "--passkey-len", 16)
+    checks.json_output(output)
+    plan = Plan(model=model, teacher=opts["teacher"] or recipe_teacher(model),
+                tasks=[] if opts["tasks"].strip() == "none" else parse_tasks(opts["tasks"]), limit=opts["limit"],
+                eval_data=None if opts["eval_data"] is None else str(opts["eval_data"]), batch_size=opts["batch_size"],
+                corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
+                ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
+                passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
+                device=opts["device"], dtype=opts["dtype"])
+    check_plan(plan)
+    for spec in filter(None, (plan.model, plan.teacher)):
+        checks.inspect_model(spec)  # a wrong path or remote code: before anything loads
+    if plan.teacher and not opts["teacher"]:
+        echo(f"teacher: {plan.teacher} (from the run's recipe.yaml)")
+    result = evaluate(plan, progress=echo)
+    print_tables(result)
+    if output is not None:
+        checks.write_atomic(Path(output), json.dumps({"command": command_line, **result}, indent=1))
+        echo(f"wrote {output}")
+
+
+# --- printing ------------------------------------------------------------------------------------
+
+def _fmt(v, pct=True):
+    if v is None:
+        return "–"
+    return f"{100 * v:.1f}" if pct else f"{v:.2f}"
+
+
+def print_tables(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    sides = list(result["results"])
+    res = result["results"]
+    names = {s: f"{s} ({Path(result['models'][s]).name or result['models'][s]})" for s in sides}
+    if "harness" in result:
+        primary = result["harness"]["primary"]
+        t = Table(title=f"zero-shot accuracy, % (limit {result['plan']['limit'] or 'none'}; lm-eval "
+                        f"{result['harness']['lm_eval']})")
+        t.add_column("task")
+        t.add_column("metric")
+        for s in sides:
+            t.add_column(names[s], justify="right")
+        for task, metric in primary.items():
+            t.add_row(task, metric, *[_fmt(res[s]["harness"][task][metric]) for s in sides])
+            if task == "lambada":
+                t.add_row(task, "perplexity", *[_fmt(res[s]["harness"][task].get("perplexity"), False) for s in sides])
+        t.add_row(f"{len(primary)}-task average", "", *[_fmt(res[s]["harness"]["average"]) for s in sides])
+        console.print(t)
+    if any("perplexity" in res[s] for s in sides):
+        t = Table(title=f"held-out perplexity (rows of {result['plan']['seq_len']} tokens)")
+        t.add_column("domain")
+        t.add_column("tokens", justify="right")
+        for s in sides:
+            t.add_column(names[s], justify="right")
+        for d, row in res[sides[0]]["perplexity"].items():
+            t.add_row(d, str(row["tokens"]), *[_fmt(res[s]["perplexity"][d]["ppl"], False) for s in sides])
+        console.print(t)
+    if any("passkey" in res[s] for s in sides):
+        t = Table(title=f"passkey retrieval, % correct ({result['plan']['passkey_trials']} keys per length and depth)")
+        t.add_column("length", justify="right")
+        for s in sides:
+            t.add_column(names[s], justify="right")
+        for n in res[sides[0]]["passkey"]["lengths"]:
+            t.add_row(n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides])
+        console.print(t)

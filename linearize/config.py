@@ -41,6 +41,8 @@ class DataConfig:
     heldout_fraction: float = 0.05
     max_documents: int | None = None
     eval_tokens: int = 4096  # held-out tokens used by each evaluation
+    weights: dict[str, float] = field(default_factory=dict)  # corpus:DIR sources: {domain: weight}; default by size
+    max_tokens: int | None = None  # corpus:DIR sources: training tokens to take (default: all at those weights)
 
 
 @dataclass
@@ -248,6 +250,8 @@ def validate(cfg: RecipeConfig) -> None:
           "between 0 and 1 (exclusive)", d.heldout_fraction)
     _need(d.max_documents is None or d.max_documents >= 1, "data.max_documents", "at least 1 or null", d.max_documents)
     _need(d.eval_tokens >= 1, "data.eval_tokens", "at least 1", d.eval_tokens)
+    _need(all(_finite(w) and w >= 0 for w in d.weights.values()), "data.weights", "finite and >= 0", d.weights)
+    _need(d.max_tokens is None or d.max_tokens >= d.seq_len, "data.max_tokens", "at least data.seq_len or null", d.max_tokens)
     if not cfg.stages:
         raise RecipeError("recipe has no stages; add one with name: align or name: distill")
     for i, st in enumerate(cfg.stages):

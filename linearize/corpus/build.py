@@ -1,0 +1,272 @@
+"""Build a corpus: fetch each source's packages, extract and tokenize its documents (cached per
+source, so a second run resumes), deduplicate, split off the held-out documents, write per-domain
+shards and ``manifest.json`` into a temporary folder and rename it into place.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import json
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import documents, shards, sources
+from .extract import EXTRACTORS
+from .fetch import DEFAULT_CACHE, fetch
+from .tokenizer import encode, load_tokenizer
+
+EXTRACT_VERSION = 2  # bump when an extractor changes: cached token files of older versions are redone
+DEFAULT_TOKENS = 150_000_000
+HELDOUT = 0.01
+SHARD_TOKENS = 16_000_000  # 32 MB of uint16 per shard file
+
+
+class CorpusError(ValueError):
+    """Bad input to the corpus builder: one line naming the problem and the fix."""
+
+
+def check_output(out: Path, force: bool) -> None:
+    """Before anything slow: ``out`` must be new (or ``force``) and its parent writable."""
+    if out.exists() and not force:
+        raise CorpusError(f"{out} exists; pass --force to replace it or choose another --out")
+    if out.exists() and not out.is_dir():
+        raise CorpusError(f"{out} is a file; give a folder for --out")
+    parent = out.resolve().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise CorpusError(f"{parent} is a file, not a folder; choose another --out")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CorpusError(f"cannot write into {parent}; choose a writable --out")
+
+
+def _log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def source_files(src: sources.Source, roots: list[Path]) -> list[Path]:
+    """The files a source reads, in a fixed pseudo-random order (so a capped source samples its
+    whole package rather than its first folders)."""
+    files = set()
+    for root in roots:
+        for pattern in src.include:
+            for p in root.glob(pattern):
+                rel = p.relative_to(root).as_posix()
+                if p.is_file() and not any(fnmatch.fnmatch(rel, x) for x in src.exclude):
+                    files.add(p)
+    ordered = sorted(files)
+    random.Random(src.name).shuffle(ordered)
+    return ordered
+
+
+def _cache_key(src: sources.Source, versions: list[str], tok_info: dict) -> str:
+    spec = repr((src.packages, src.extractor, src.include, src.exclude, src.inner, versions, EXTRACT_VERSION,
+                 documents.MAX_CHARS, documents.MIN_CHARS, tok_info["name"], tok_info["vocab_size"]))
+    return hashlib.sha1(spec.encode()).hexdigest()[:12]
+
+
+def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, dtype) -> dict:
+    """The source's documents as ``{tokens, offsets, hashes, stats}``, from the cache when it holds
+    enough (all of the source, or at least ``cap`` tokens), else extracted and tokenized now."""
+    path = cache / "tokens" / tok_info["name"].replace("/", "_") / \
+        f"{src.name}-{_cache_key(src, [p.version for p in packages], tok_info)}.safetensors"
+    if path.is_file():
+        tokens, offsets, stats, extra = shards.read_shard(path)
+        if stats["exhausted"] or (cap is not None and stats["tokens"] >= cap):
+            return _capped({"tokens": tokens, "offsets": offsets, "hashes": extra["hashes"], "stats": stats}, cap)
+    files = source_files(src, [p.root for p in packages])
+    if not files:
+        raise CorpusError(f"source {src.name}: no files match {src.include} in {', '.join(p.name for p in packages)}; "
+                          "the package layout changed, update linearize/corpus/sources.py")
+    extract = EXTRACTORS[src.extractor]
+    parts, hashes, seen = [], [], set()
+    stats = {"files": 0, "skipped_files": 0, "bytes": 0, "documents": 0, "tokens": 0, "exhausted": True}
+    batch: list[str] = []
+
+    def flush():
+        for text, ids in zip(batch, encode(tok, batch)):
+            parts.append(np.asarray(ids, dtype=dtype))
+            stats["tokens"] += len(ids)
+            stats["bytes"] += len(text.encode())
+        batch.clear()
+
+    t0 = time.time()
+    for n, file in enumerate(files):
+        if cap is not None and stats["tokens"] >= cap:
+            stats["exhausted"] = False
+            break
+        try:
+            texts = list(documents.pieces(extract(file)))
+        except (ValueError, OSError, EOFError, UnicodeError, AssertionError) as e:  # a damaged file: skip it
+            stats["skipped_files"] += 1
+            _log(f"  {src.name}: skipped {file.name} ({type(e).__name__})")
+            continue
+        stats["files"] += 1
+        for text in texts:
+            h = documents.doc_hash(text)
+            if h in seen:
+                continue
+            seen.add(h)
+            hashes.append(h)
+            batch.append(text)
+        if len(batch) >= 512:
+            flush()
+        if n % 500 == 0 and n:
+            _log(f"  {src.name}: {n}/{len(files)} files, {stats['tokens'] / 1e6:.1f}M tokens, {time.time() - t0:.0f}s")
+    flush()
+    stats["documents"] = len(parts)
+    tokens, offsets = shards.concat(parts, dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp-{os.getpid()}")
+    shards.write_shard(tmp, tokens, offsets, stats, hashes=np.asarray(hashes, dtype=np.uint64))
+    tmp.rename(path)
+    return _capped({"tokens": tokens, "offsets": offsets, "hashes": np.asarray(hashes, dtype=np.uint64),
+                    "stats": stats}, cap)
+
+
+def _capped(data: dict, cap: int | None) -> dict:
+    """The first documents up to the one that reaches ``cap`` tokens (all when ``cap`` is None)."""
+    offsets = data["offsets"]
+    if cap is None or offsets[-1] <= cap:
+        return data
+    k = int(np.searchsorted(offsets, cap, side="left"))  # offsets[k] >= cap: documents 0..k-1
+    stats = dict(data["stats"], documents=k, tokens=int(offsets[k]), exhausted=False)
+    stats["bytes"] = int(stats["bytes"] * offsets[k] / offsets[-1])  # bytes are kept per source, not per document
+    return {"tokens": data["tokens"][: offsets[k]], "offsets": offsets[: k + 1], "hashes": data["hashes"][:k],
+            "stats": stats}
+
+
+def _write_domains(tmp: Path, domain_docs: dict, dtype, shard_tokens: int) -> dict:
+    out = {}
+    for domain, splits in domain_docs.items():
+        folder = tmp / domain
+        folder.mkdir()
+        out[domain] = {}
+        for split, parts in splits.items():
+            files = shards.write_split(folder, split, parts, dtype, shard_tokens)
+            out[domain][split] = {"documents": len(parts), "tokens": int(sum(len(p) for p in parts)), "shards": files}
+    return out
+
+
+def write_atomic(out: Path, force: bool, fill) -> None:
+    """``fill(tmp)`` writes the corpus into a temporary folder beside ``out``, renamed into place
+    only when complete; on any error (or Ctrl-C) nothing is left behind."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        if out.exists():
+            if not force:
+                raise CorpusError(f"{out} appeared while building; pass --force to replace it")
+            old = out.with_name(f".{out.name}.old-{os.getpid()}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135m", names: list[str] | None = None,
+          cache: Path = DEFAULT_CACHE, force: bool = False, heldout: float = HELDOUT,
+          shard_tokens: int = SHARD_TOKENS, command: str = "") -> dict:
+    """Build the corpus into ``out``; returns the manifest. Caps in the sources table are for
+    :data:`DEFAULT_TOKENS` and scale with ``tokens``; uncapped sources are always read in full."""
+    out = Path(out)
+    try:
+        chosen = sources.select(names)
+    except ValueError as e:
+        raise CorpusError(f"--sources: {e}") from None
+    if not 0 < heldout < 0.5:
+        raise CorpusError(f"--heldout must be in (0, 0.5); got {heldout}")
+    check_output(out, force)
+    tok, tok_info = load_tokenizer(tokenizer, cache)
+    dtype = shards.token_dtype(tok_info["vocab_size"])
+    scale = tokens / DEFAULT_TOKENS
+    fetched = {}
+    for src in chosen:  # every download first: a missing package stops the build before hours of work
+        for name in src.packages:
+            if name not in fetched:
+                _log(f"fetch {name}")
+                fetched[name] = fetch(name, cache, src.inner)
+    table, seen = [], set()
+    domain_docs = {d: {"train": [], "heldout": []} for d in sources.DOMAINS if any(s.domain == d for s in chosen)}
+    keyed = {d: {"train": [], "heldout": []} for d in domain_docs}
+    for src in chosen:
+        cap = None if src.cap is None else max(1, round(src.cap * scale))
+        pkgs = [fetched[n] for n in src.packages]
+        _log(f"source {src.name} ({src.domain}, cap {cap if cap is not None else 'none'})")
+        data = tokenize_source(src, pkgs, tok, tok_info, cap, cache, dtype)
+        offsets, kept, dup = data["offsets"], {"documents": 0, "tokens": 0}, 0
+        for i, h in enumerate(data["hashes"].tolist()):
+            if h in seen:  # the same text in an earlier source
+                dup += 1
+                continue
+            seen.add(h)
+            split = "heldout" if documents.is_heldout(h, heldout) else "train"
+            doc = data["tokens"][offsets[i]:offsets[i + 1]]
+            keyed[src.domain][split].append((h, doc))
+            kept["documents"] += 1
+            kept["tokens"] += len(doc)
+        st = data["stats"]
+        table.append({"name": src.name, "domain": src.domain, "extractor": src.extractor,
+                      "packages": [{"package": p.name, "version": p.version, "license": p.license} for p in pkgs],
+                      "cap_tokens": cap, "files": st["files"], "bytes": st["bytes"], "documents": kept["documents"],
+                      "tokens": kept["tokens"], "duplicates_dropped": dup, "complete": bool(st["exhausted"])})
+        _log(f"  {src.name}: {kept['documents']} documents, {kept['tokens'] / 1e6:.2f}M tokens")
+    for d, splits in keyed.items():  # hash order: a prefix of a domain is a uniform sample of it
+        for split, pairs in splits.items():
+            pairs.sort(key=lambda p: p[0])
+            domain_docs[d][split] = [doc for _, doc in pairs]
+    manifest = {"format": "linearize-corpus/1", "command": command, "tokenizer": tok_info,
+                "token_dtype": np.dtype(dtype).name, "heldout_fraction": heldout,
+                "document_chars": [documents.MIN_CHARS, documents.MAX_CHARS], "sources": table}
+
+    def fill(tmp: Path):
+        manifest["domains"] = _write_domains(tmp, domain_docs, dtype, shard_tokens)
+        manifest["total_tokens"] = sum(s["tokens"] for d in manifest["domains"].values() for s in d.values())
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+    write_atomic(out, force, fill)
+    return manifest
+
+
+def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = None, force: bool = False,
+           shard_tokens: int = SHARD_TOKENS, command: str = "") -> dict:
+    """A smaller corpus from a built one: a mixture of about ``train_tokens`` training tokens
+    (``weights`` per domain, default equal) and all of the held-out documents."""
+    from .reader import open_corpus
+
+    out = Path(out)
+    check_output(out, force)
+    corpus = open_corpus(src_dir)
+    weights = weights or {d: 1.0 for d in corpus.domains}
+    budgets = corpus.budgets(weights, train_tokens, "train")
+    dtype = np.dtype(corpus.manifest["token_dtype"])
+    domain_docs = {}
+    for d in corpus.domains:
+        tokens, offsets = corpus.arrays(d, "train")
+        k = int(np.searchsorted(offsets, budgets.get(d, 0), side="left"))
+        domain_docs[d] = {"train": [tokens[offsets[i]:offsets[i + 1]] for i in range(k)],
+                          "heldout": list(corpus.documents(d, "heldout"))}
+    manifest = dict(corpus.manifest, command=command, subset_of=str(Path(src_dir).resolve()),
+                    subset_weights=weights)
+
+    def fill(tmp: Path):
+        manifest["domains"] = _write_domains(tmp, domain_docs, dtype, shard_tokens)
+        manifest["total_tokens"] = sum(s["tokens"] for d in manifest["domains"].values() for s in d.values())
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+    write_atomic(out, force, fill)
+    return manifest

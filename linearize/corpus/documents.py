@@ -1,0 +1,48 @@
+"""Documents: cut to a sensible length, hashed for deduplication and the held-out split."""
+
+from __future__ import annotations
+
+import hashlib
+
+MAX_CHARS = 16_000  # about 4k tokens: longer texts (a whole dictionary, a book) are cut at paragraphs
+MIN_CHARS = 200  # shorter pieces (a .so redirect, an empty page) carry too little to learn from
+
+
+def split_document(text: str, max_chars: int = MAX_CHARS) -> list[str]:
+    """``text`` in pieces of at most ``max_chars``, cut at blank lines where possible, else at line
+    ends, else anywhere. Pieces join back (with the separators) into ``text``."""
+    if len(text) <= max_chars:
+        return [text]
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        window = text[start:start + max_chars]
+        cut = window.rfind("\n\n")
+        if cut < max_chars // 4:
+            cut = window.rfind("\n")
+        if cut < max_chars // 4:
+            cut = max_chars
+        else:
+            cut += 1  # the newline stays with the piece before
+        pieces.append(text[start:start + cut])
+        start += cut
+    pieces.append(text[start:])
+    return pieces
+
+
+def pieces(texts, max_chars: int = MAX_CHARS, min_chars: int = MIN_CHARS):
+    """Every text cut by :func:`split_document`, stripped, short pieces dropped."""
+    for text in texts:
+        for piece in split_document(text, max_chars):
+            piece = piece.strip("\n")
+            if len(piece.strip()) >= min_chars:
+                yield piece
+
+
+def doc_hash(text: str) -> int:
+    """64-bit hash of a document with its whitespace normalized: equal hashes are duplicates."""
+    return int.from_bytes(hashlib.blake2b(" ".join(text.split()).encode(), digest_size=8).digest(), "little")
+
+
+def is_heldout(h: int, fraction: float) -> bool:
+    """The held-out split by hash: deterministic, independent of order and of the other documents."""
+    return (h >> 11) % 100_000 < round(fraction * 100_000)

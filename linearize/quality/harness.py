@@ -20,12 +20,14 @@ from ..checks import UserError
 TASK_DIR = Path(__file__).parent / "tasks"
 # our name -> lm-eval's task name (the YAML's ``task:``)
 TASKS = {"piqa": "piqa", "arc_easy": "arc_easy", "arc_challenge": "arc_challenge", "hellaswag": "hellaswag",
-         "winogrande": "winogrande", "lambada": "lambada_openai"}
+         "winogrande": "winogrande", "lambada": "lambada_openai", "mmlu": "mmlu"}
+# the six-task average of the linearization papers; MMLU (zero-shot here, 57 subjects, lm-eval's
+# size-weighted mean) is reported beside it, outside the average
 DEFAULT_TASKS = ("piqa", "arc_easy", "arc_challenge", "hellaswag", "winogrande", "lambada")
 # the metric each task is usually reported with in the linear-attention literature (Mamba, GLA,
 # LoLCATs tables): acc_norm where the choices differ in length a lot (ARC-c, HellaSwag), acc elsewhere
 PRIMARY = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
-           "winogrande": "acc", "lambada": "acc"}
+           "winogrande": "acc", "lambada": "acc", "mmlu": "acc"}
 
 
 def parse_tasks(spec: str) -> list[str]:
@@ -50,7 +52,8 @@ def task_manager(eval_data: str | Path):
 def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str | Path | None = None,
               batch_size: int = 8) -> dict[str, dict]:
     """Per task: lm-eval's metrics (``acc``, ``acc_norm``, ``perplexity`` … and their ``_stderr``), and
-    ``n``, the rows scored (the first ``limit`` of each split: the same rows for every model)."""
+    ``n``, the rows scored (the first ``limit`` of each split: the same rows for every model; for MMLU
+    the first ``limit`` of each subject)."""
     import datasets
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -80,14 +83,21 @@ def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str 
             metric, _, filt = key.partition(",")
             if filt == "none" and isinstance(value, (int, float)):
                 row[metric] = float(value) if math.isfinite(value) else None
-        row["n"] = int(out["n-samples"][TASKS[t]]["effective"])
+        row["n"] = _rows(out, TASKS[t])
         scores[t] = row
     return scores
 
 
+def _rows(out: dict, name: str) -> int:
+    """Rows scored by a task, or by all the tasks of a group (MMLU: subjects inside categories)."""
+    if name in out["n-samples"]:
+        return int(out["n-samples"][name]["effective"])
+    return sum(_rows(out, sub) for sub in out["group_subtasks"][name])
+
+
 def average(scores: dict[str, dict]) -> float | None:
-    """Mean of each task's :data:`PRIMARY` metric: the "N-task average" tables report."""
-    vals = [scores[t][PRIMARY[t]] for t in scores if t in PRIMARY]
+    """Mean of the :data:`PRIMARY` metric over the :data:`DEFAULT_TASKS` scored: the "6-task average"."""
+    vals = [scores[t][PRIMARY[t]] for t in DEFAULT_TASKS if t in scores]
     return sum(vals) / len(vals) if vals else None
 
 

@@ -203,6 +203,8 @@ def print_tables(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from .harness import DEFAULT_TASKS
+
     console = Console()
     sides = list(result["results"])
     res = result["results"]
@@ -219,7 +221,10 @@ def print_tables(result: dict) -> None:
             t.add_row(task, metric, *[_fmt(res[s]["harness"][task][metric]) for s in sides])
             if task == "lambada":
                 t.add_row(task, "perplexity", *[_fmt(res[s]["harness"][task].get("perplexity"), False) for s in sides])
-        t.add_row(f"{len(primary)}-task average", "", *[_fmt(res[s]["harness"]["average"]) for s in sides])
+        k = sum(t in DEFAULT_TASKS for t in primary)
+        if k:
+            t.add_row(f"{k}-task average" + (" (without mmlu)" if "mmlu" in primary else ""), "",
+                      *[_fmt(res[s]["harness"]["average"]) for s in sides])
         console.print(t)
     if any("perplexity" in res[s] for s in sides):
         t = Table(title=f"held-out perplexity (rows of {result['plan']['seq_len']} tokens)")

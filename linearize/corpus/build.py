@@ -22,7 +22,8 @@ from .extract import EXTRACTORS
 from .fetch import DEFAULT_CACHE, fetch
 from .tokenizer import encode, load_tokenizer
 
-EXTRACT_VERSION = 2  # bump when an extractor changes: cached token files of older versions are redone
+EXTRACT_VERSION = 3  # bump when the shared text handling changes: every cached token file is redone
+EXTRACTOR_VERSIONS = {"osis": 3}  # bump one extractor's entry when only it changes
 DEFAULT_TOKENS = 150_000_000
 HELDOUT = 0.01
 SHARD_TOKENS = 16_000_000  # 32 MB of uint16 per shard file
@@ -67,7 +68,8 @@ def source_files(src: sources.Source, roots: list[Path]) -> list[Path]:
 
 
 def _cache_key(src: sources.Source, versions: list[str], tok_info: dict) -> str:
-    spec = repr((src.packages, src.extractor, src.include, src.exclude, src.inner, versions, EXTRACT_VERSION,
+    spec = repr((src.packages, src.extractor, src.include, src.exclude, src.inner, versions,
+                 EXTRACTOR_VERSIONS.get(src.extractor, EXTRACT_VERSION),
                  documents.MAX_CHARS, documents.MIN_CHARS, tok_info["name"], tok_info["vocab_size"]))
     return hashlib.sha1(spec.encode()).hexdigest()[:12]
 
@@ -87,7 +89,8 @@ def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, 
                           "the package layout changed, update linearize/corpus/sources.py")
     extract = EXTRACTORS[src.extractor]
     parts, hashes, seen = [], [], set()
-    stats = {"files": 0, "skipped_files": 0, "bytes": 0, "documents": 0, "tokens": 0, "exhausted": True}
+    stats = {"files": 0, "skipped_files": 0, "bytes": 0, "documents": 0, "tokens": 0, "duplicates": 0,
+             "exhausted": True}
     batch: list[str] = []
 
     def flush():
@@ -112,6 +115,7 @@ def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, 
         for text in texts:
             h = documents.doc_hash(text)
             if h in seen:
+                stats["duplicates"] += 1
                 continue
             seen.add(h)
             hashes.append(h)
@@ -221,9 +225,12 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
             kept["tokens"] += len(doc)
         st = data["stats"]
         table.append({"name": src.name, "domain": src.domain, "extractor": src.extractor,
-                      "packages": [{"package": p.name, "version": p.version, "license": p.license} for p in pkgs],
+                      "packages": [{"package": p.name, "version": p.version,
+                                    "license": src.license if src.license and p.license.startswith("unknown")
+                                    else p.license} for p in pkgs],
                       "cap_tokens": cap, "files": st["files"], "bytes": st["bytes"], "documents": kept["documents"],
-                      "tokens": kept["tokens"], "duplicates_dropped": dup, "complete": bool(st["exhausted"])})
+                      "tokens": kept["tokens"], "duplicates_dropped": st.get("duplicates", 0) + dup,
+                      "complete": bool(st["exhausted"])})
         _log(f"  {src.name}: {kept['documents']} documents, {kept['tokens'] / 1e6:.2f}M tokens")
     for d, splits in keyed.items():  # hash order: a prefix of a domain is a uniform sample of it
         for split, pairs in splits.items():

@@ -308,19 +308,33 @@ def sword_blocks(index: Path) -> dict[int, bytes]:
     return blocks
 
 
+def _verse_entries(raw: bytes, blocks: dict[int, bytes]) -> list[tuple[int, int, int]]:
+    """The ``(block, offset, size)`` entries of a verse index. zText/zCom modules store ``<IIH>``
+    (10 bytes), zText4/zCom4 ``<III>`` (12 bytes); the layout is the one whose every entry lies
+    inside an existing block (a misread layout fails that at once)."""
+    for fmt, width in (("<III", 12), ("<IIH", 10)):
+        if len(raw) % width:
+            continue
+        entries = [struct.unpack_from(fmt, raw, width * j) for j in range(len(raw) // width)]
+        if all(size == 0 or (b in blocks and offset + size <= len(blocks[b])) for b, offset, size in entries):
+            return entries
+    raise ValueError("the verse index matches neither the <IIH> nor the <III> layout")
+
+
 def sword_documents(index: Path) -> list[str]:
-    """One OSIS string per block (a book or a chapter). The ``*.bzv`` index beside it holds
-    ``<IIH`` (block, offset in block, size) per verse; verses are cut apart on it and joined by
-    newlines, so the last word of one never runs into the first of the next."""
+    """One OSIS string per block (a book or a chapter). The verse index beside it (``*.bzv``)
+    places each verse in a block; verses are cut apart on it and joined by newlines, so the last
+    word of one never runs into the first of the next."""
     blocks = sword_blocks(index)
     verses = index.with_suffix(index.suffix[:-1] + "v")
     if not verses.is_file():
         return [b.decode("utf-8", errors="replace") for b in blocks.values()]
-    raw = verses.read_bytes()
     grouped: dict[int, list[bytes]] = {}
-    for j in range(len(raw) // 10):
-        b, offset, size = struct.unpack_from("<IIH", raw, 10 * j)
-        if size and b in blocks:
+    seen = set()
+    for entry in _verse_entries(verses.read_bytes(), blocks):
+        b, offset, size = entry
+        if size and entry not in seen:  # commentaries link a range of verses to one shared entry
+            seen.add(entry)
             grouped.setdefault(b, []).append(blocks[b][offset:offset + size])
     return [b"\n".join(parts).decode("utf-8", errors="replace") for _, parts in sorted(grouped.items())]
 

@@ -62,18 +62,16 @@ def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str 
 
     root = check(eval_data, tasks)
     device = str(next(model.parameters()).device)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device, trust_remote_code=False)
-    quiet = [logging.getLogger(n) for n in ("lm_eval", "lm-eval")]
-    levels = [q.level for q in quiet]
+    quiet = logging.getLogger("lm_eval")
+    level = quiet.level
     datasets.disable_progress_bars()
     try:
-        for q in quiet:
-            q.setLevel(logging.ERROR)  # the per-task 'custom kwargs' notices, the already-built-model notice
+        quiet.setLevel(logging.ERROR)  # the per-task 'custom kwargs' notices, the already-built-model notice
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device, trust_remote_code=False)
         out = lm_eval.simple_evaluate(model=lm, tasks=[TASKS[t] for t in tasks], limit=limit,
                                       task_manager=task_manager(root), bootstrap_iters=1000, log_samples=False)
     finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
+        quiet.setLevel(level)
         datasets.enable_progress_bars()
     scores = {}
     for t in tasks:

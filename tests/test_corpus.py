@@ -3,7 +3,6 @@ its cache) and ``linearize data`` bad input. No network: pip runs with --no-inde
 
 from __future__ import annotations
 
-import json
 import struct
 import zipfile
 import zlib
@@ -14,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from linearize.cli import app
-from linearize.corpus import documents, extract, shards
+from linearize.corpus import documents, extract, shards, sword
 from linearize.corpus.build import build, subset
 from linearize.corpus.reader import open_corpus
 
@@ -163,11 +162,11 @@ def test_extract_osis_module(tmp_path, wide):
          'Then<note type="x-footnote">a footnote</note> came &amp; went.'],
         ["<div type='x-p'/>Second book, first verse.", "Second verse."],
     ], wide)
-    assert [len(b) for b in extract.sword_blocks(index).values()] == [
+    assert [len(b) for b in sword.sword_blocks(index).values()] == [
         len('<title type="main">Matthew</title><chapter n="1"/><w lemma="G1">In</w> the beginning.'
             'Then<note type="x-footnote">a footnote</note> came &amp; went.'),
         len("<div type='x-p'/>Second book, first verse.Second verse.")]
-    docs = list(extract.extract_osis(index))
+    docs = list(sword.extract_osis(index))
     assert docs == ["Matthew\n\nIn the beginning.\nThen came & went.", "Second book, first verse.\nSecond verse."]
 
 

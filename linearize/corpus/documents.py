@@ -1,11 +1,28 @@
-"""Documents: cut to a sensible length, hashed for deduplication and the held-out split."""
+"""Documents: read, tidied, cut to a sensible length, hashed for deduplication and the held-out split."""
 
 from __future__ import annotations
 
+import gzip
 import hashlib
+import re
+from pathlib import Path
 
 MAX_CHARS = 16_000  # about 4k tokens: longer texts (a whole dictionary, a book) are cut at paragraphs
 MIN_CHARS = 200  # shorter pieces (a .so redirect, an empty page) carry too little to learn from
+
+
+def read_text(path: Path) -> str:
+    """The file as text; ``.gz``/``.dz`` (dictzip is gzip) decompressed; bad bytes replaced."""
+    data = Path(path).read_bytes()
+    if data[:2] == b"\x1f\x8b":
+        data = gzip.decompress(data)
+    return data.decode("utf-8", errors="replace")
+
+
+def tidy(text: str) -> str:
+    """Trailing spaces off, at most one blank line in a row, no leading/trailing blank lines."""
+    lines = [line.rstrip() for line in text.splitlines()]
+    return re.sub(r"\n{3,}", "\n\n", "\n".join(lines)).strip("\n")
 
 
 def split_document(text: str, max_chars: int = MAX_CHARS) -> list[str]:

@@ -28,7 +28,7 @@ def tokenizer_file(name: str, cache: Path) -> Path:
         from transformers import AutoTokenizer
 
         src = resolve_model(name)
-        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file)
+        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=False)
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp")
         tok.backend_tokenizer.save(str(tmp))

@@ -32,10 +32,15 @@ def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = 
             try:
                 if "-" in part[1:]:
                     a, b = part.split("-", 1)
-                    out.update(range(int(a), (int(b) if b else num_layers - 1) + 1))
+                    lo, hi = int(a), (int(b) if b else num_layers - 1)
+                    if hi < lo:
+                        raise ValueError(f"{what}: the range {part!r} is empty; write it low-high, e.g. {hi}-{lo}")
+                    out.update(range(lo, hi + 1))
                 else:
                     out.add(int(part))
-            except ValueError:
+            except ValueError as e:
+                if "is empty" in str(e):
+                    raise
                 raise ValueError(f"{what}: cannot read {part!r}; use indices and ranges like 0-3,7,10-") from None
         idx = sorted(out)
     else:

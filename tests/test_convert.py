@@ -212,6 +212,11 @@ def test_convert_layers_option_and_errors():
     assert model.config.linearize["gdn_layers"] == [1, 2, 4]
     with pytest.raises(ValueError, match="out of range"):
         linearize.convert(tiny_model("llama"), calibration_ids=calib(teacher), layers="0-9")
+    with pytest.raises(ValueError, match=r"the range '1-0' is empty"):
+        linearize.convert(tiny_model("llama"), calibration_ids=calib(teacher), layers="1-0")
+    from linearize.conversion import parse_layers
+
+    assert parse_layers("3-", 5) == [3, 4] and parse_layers("0-1,3", 5) == [0, 1, 3]
     with pytest.raises(ValueError, match="not supported"):
         linearize.convert(tiny_model("llama"), to="mamba", calibration_ids=calib(teacher))
     with pytest.raises(ValueError, match="calibration"):

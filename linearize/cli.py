@@ -155,6 +155,7 @@ def convert(
         help="Layers to keep as softmax: indices (e.g. '3,7' or '5,'), or a count N: the N worst-initialized."),
     form: str = typer.Option("stable", "--form", help="Taylor form: 'stable', or 'seed' (the literal seed form; diverges; for study)."),
     beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
+    short_conv: int = typer.Option(0, "--short-conv", help="Kernel size (2-8) of a learnable causal conv on q, k, v; 0 = off."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
@@ -171,6 +172,8 @@ def convert(
         check_target(to)
         check_form(form, "--form")
         checks.positive(beta_max, "--beta-max", finite=True)
+        if not (short_conv == 0 or 2 <= short_conv <= 8):
+            raise UserError(f"--short-conv must be 0 (off) or a kernel size from 2 to 8; got {short_conv}")
         checks.positive(tokens, "--tokens", 2)
         checks.positive(calibration_tokens, "--calibration-tokens", 1)
         checks.builtin_tokens(tokens, "--tokens", "heldout")
@@ -200,11 +203,11 @@ def convert(
         teacher_ppl = perplexity(lm, heldout)
         caps = capture_attention(lm, heldout)
         convert_model(lm, to=to, layers=layers, keep_softmax=keep_softmax, tokenizer=tok,
-                      calibration_tokens=calibration_tokens, options=GDNOptions(form=form, beta_max=beta_max))
+                      calibration_tokens=calibration_tokens, options=GDNOptions(form=form, beta_max=beta_max, short_conv=short_conv))
         t_convert = time.perf_counter()
         report = conversion_report(caps, lm, heldout, teacher_ppl)
         t_report = time.perf_counter()
-        report.update(model=model, output=str(out), options={"form": form, "beta_max": beta_max})
+        report.update(model=model, output=str(out), options={"form": form, "beta_max": beta_max, "short_conv": short_conv})
         rows = report["layers"]
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens")
         ppl = report["perplexity"]

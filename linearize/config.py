@@ -27,6 +27,7 @@ class ConvertConfig:
     keep_softmax: str | None = None  # "3,7" (indices) or "2" (count of worst layers)
     form: str = "stable"
     beta_max: float = 1.0
+    short_conv: int = 0  # kernel size of a learnable causal conv on q, k, v (identity at init); 0 = off
     calibration_tokens: int = 512
 
 
@@ -240,6 +241,7 @@ def validate(cfg: RecipeConfig) -> None:
     c = cfg.convert
     _need(c.form in FORMS, "convert.form", " or ".join(repr(f) for f in FORMS), c.form)
     _need(_finite(c.beta_max) and c.beta_max > 0, "convert.beta_max", "a finite number > 0", c.beta_max)
+    _need(c.short_conv == 0 or 2 <= c.short_conv <= 8, "convert.short_conv", "0 (off) or a kernel size 2 to 8", c.short_conv)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))
     d = cfg.data

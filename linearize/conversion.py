@@ -80,7 +80,7 @@ def linearize_layer(
     return gdn
 
 
-NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias")
+NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias", "q_conv", "k_conv", "v_conv")
 
 
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:

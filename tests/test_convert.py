@@ -347,3 +347,204 @@ def test_import_linearize_is_cheap_and_registers_on_first_use(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["LinearizedQwen3ForCausalLM", "GDNAttention"]
+
+
+# --- GDNOptions(short_conv=K): a learnable causal depthwise convolution on q, k, v ---------------------------
+
+
+def random_convs(model_or_block, seed=0, scale=0.4):
+    """Trained-looking short-convolution taps on every GDN block: identity plus noise."""
+    blocks = [model_or_block] if isinstance(model_or_block, GDNAttention) else [
+        m for m in model_or_block.modules() if isinstance(m, GDNAttention)]
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in blocks:
+            for name in ("q_conv", "k_conv", "v_conv"):
+                w = getattr(b, name)
+                w.add_(torch.randn(w.shape, generator=gen) * scale)
+
+
+def conv_by_loops(x, w):
+    """Reference causal depthwise convolution of ONE document: x (L, C), w (C, K), explicit loops."""
+    L, C = x.shape
+    K = w.shape[1]
+    y = torch.zeros_like(x)
+    for t in range(L):
+        for j in range(K):
+            src = t - (K - 1) + j
+            if src >= 0:
+                y[t] += w[:, j] * x[src]
+    return y
+
+
+def block_reference(gdn, h, cos, sin, split_docs=True, docs=((0, 15), (15, 40))):
+    """The block with short_conv on one packed row, independently: per document, the projections, the
+    convolution by loops, the norms, RoPE, then the Taylor equations (float64). ``split_docs=False``
+    convolves the whole row (a convolution that crosses the document start), for the test's power."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    d = gdn.head_dim
+    raw = [lin(h).double() for lin in (gdn.q_proj, gdn.k_proj, gdn.v_proj)]  # (T, C) each
+    convs = [getattr(gdn, n).double() for n in ("q_conv", "k_conv", "v_conv")]
+    if not split_docs:
+        raw = [conv_by_loops(x, w) for x, w in zip(raw, convs)]
+    outs = []
+    for a, e in docs:
+        q, k, v = (x[a:e] if not split_docs else conv_by_loops(x[a:e], w) for x, w in zip(raw, convs))
+        q, k, v = (x.view(1, e - a, -1, d) for x in (q, k, v))
+        if getattr(gdn, "q_norm", None) is not None:
+            q, k = gdn.q_norm.double()(q), gdn.k_norm.double()(k)
+        q, k = apply_rotary_pos_emb(q, k, cos[None, a:e].double(), sin[None, a:e].double(), unsqueeze_dim=2)
+        outs.append(taylor_direct(q, k, v, gdn.scaling, "stable", rho=gdn.rho.double(), beta_max=gdn.options.beta_max))
+    return torch.cat(outs, 1).flatten(2)[0]  # (T, Hq·D)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_convert_short_conv_is_the_identity_at_init(family):
+    """short_conv=4 at init: the same model as without it, packed documents and decoding included."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model(family)
+    plain = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher))
+    conv = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(short_conv=4))
+    assert all(getattr(m, "q_conv", None) is not None for m in conv.modules() if isinstance(m, GDNAttention))
+    assert torch.equal(plain.model.layers[0].self_attn.rho, conv.model.layers[0].self_attn.rho)
+    x = ids(teacher, B=2, T=40)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)
+    with torch.no_grad():
+        assert (plain(x, position_ids=pos).logits - conv(x, position_ids=pos).logits).abs().max() < 1e-6
+        mask, p = torch.ones_like(x), torch.arange(40)[None].expand(2, -1)
+        a, _ = incremental_logits(plain, x, mask, p, prefill=30)
+        b, _ = incremental_logits(conv, x, mask, p, prefill=30)
+    assert (a - b).abs().max() < 1e-6
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_gdn_block_short_conv_equals_reference_per_document(family):
+    """Random taps, a packed batch (two documents per row): the block equals the per-document reference
+    (convolution by loops inside each document, then the Taylor equations); a convolution that crossed
+    the document start would be far from it."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model(family)
+    x = ids(teacher, B=2, T=40)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)
+    cap = capture_attention(teacher, x, [1], position_ids=pos)[1]
+    gdn = linearize.linearize_layer(teacher.model.layers[1].self_attn, GDNOptions(short_conv=4),
+                                    cap.hidden_states, cap.position_embeddings)
+    random_convs(gdn)
+    out = gdn.attention_output(cap.hidden_states, cap.position_embeddings, pos).detach().double()
+    cos, sin = (t.expand(2, -1, -1) for t in cap.position_embeddings)
+    for b in range(2):
+        ref = block_reference(gdn, cap.hidden_states[b], cos[b], sin[b])
+        crossing = block_reference(gdn, cap.hidden_states[b], cos[b], sin[b], split_docs=False)
+        assert ((out[b] - ref).norm() / ref.norm()).item() < 1e-5
+        assert ((out[b] - crossing).norm() / ref.norm()).item() > 1e-3  # the test can see a crossing
+
+
+@pytest.mark.parametrize("keep", [None, [1]])
+@pytest.mark.parametrize("prefill", [2, 13])
+def test_convert_short_conv_prefill_and_decode_equal_full_forward(keep, prefill):
+    """Random taps: prefill (shorter or longer than the kernel) then token-by-token decoding equals the
+    full forward; the cache keeps the last K-1 inputs; beam reordering permutes them; reset empties them."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=keep, options=GDNOptions(short_conv=4))
+    random_convs(model)
+    x = ids(model, B=2, T=20)
+    mask = torch.ones_like(x)
+    pos = torch.arange(20)[None].expand(2, -1)
+    with torch.no_grad():
+        full = model(x, attention_mask=mask).logits
+        inc, cache = incremental_logits(model, x, mask, pos, prefill=prefill)
+    assert (inc - full).abs().max() < 1e-4
+    layer = cache.layers[0]
+    assert [t.shape for t in layer.conv_inputs] == [(2, 3, 64), (2, 3, 32), (2, 3, 32)]
+    with torch.no_grad():  # layer 0's last three v_proj inputs
+        v = model.model.layers[0].self_attn.v_proj(model.model.layers[0].input_layernorm(model.model.embed_tokens(x[:, -3:])))
+    assert torch.allclose(layer.conv_inputs[2], v, atol=1e-6)
+    perm = torch.tensor([1, 0])
+    before = layer.conv_inputs[0].clone()
+    cache.reorder_cache(perm)
+    assert torch.equal(layer.conv_inputs[0], before[perm])
+    cache.reset()
+    assert layer.conv_inputs is None and cache.get_seq_length() == 0
+
+
+def test_convert_short_conv_left_padding_matches_unpadded():
+    """Random taps: a left-padded row equals the row alone, in the full forward and while decoding (no
+    tap reads the padding)."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(short_conv=3))
+    random_convs(model)
+    a, b = ids(model, B=1, T=18, seed=5), ids(model, B=1, T=12, seed=6)
+    pad = 6
+    x = torch.cat([a, torch.cat([torch.full((1, pad), 7, dtype=torch.long), b], 1)])
+    mask = torch.ones_like(x)
+    mask[1, :pad] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        full_b, full_a = model(b).logits, model(a).logits
+        padded = model(x, attention_mask=mask, position_ids=pos).logits
+        inc, _ = incremental_logits(model, x, mask, pos, prefill=8)
+    assert (padded[1, pad:] - full_b[0]).abs().max() < 1e-4
+    assert (padded[0] - full_a[0]).abs().max() < 1e-4
+    assert (inc[1, pad:] - full_b[0]).abs().max() < 1e-4
+
+
+def test_convert_short_conv_save_load_round_trip(tmp_path):
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("qwen3")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(short_conv=5))
+    random_convs(model)
+    x = ids(model)
+    ref = model(x).logits
+    linearize.save(model, None, tmp_path / "out")
+    for loaded in (AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval(), linearize.load(tmp_path / "out")):
+        assert loaded.config.linearize["options"]["short_conv"] == 5
+        got = loaded.model.layers[2].self_attn
+        assert got.options.short_conv == 5
+        assert torch.equal(got.k_conv, model.model.layers[2].self_attn.k_conv)
+        assert torch.equal(loaded(x).logits, ref)
+
+
+def test_gdn_block_short_conv_gradients():
+    """The convolution's gradient: gradcheck (float64) across a document start and a cached past, and
+    through the block every tap of q_conv, k_conv and v_conv gets a gradient."""
+    from linearize.layers import GDNOptions
+    from linearize.layers.short_conv import causal_conv, since_document_start
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(3, 4, dtype=torch.float64, generator=gen, requires_grad=True)
+    past = torch.randn(2, 3, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    since = since_document_start(torch.tensor([0, 4, 9]), 9).expand(2, -1)
+    assert since[0].tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4]
+    assert torch.autograd.gradcheck(lambda x, w: causal_conv(x, w, since)[0], (x, w))
+    assert torch.autograd.gradcheck(lambda x, w, p: causal_conv(x, w, None, p)[0], (x, w, past))
+
+    teacher = tiny_model("llama")
+    x = ids(teacher, B=2, T=40)
+    pos = torch.cat([torch.arange(15), torch.arange(25)]).repeat(2, 1)
+    cap = capture_attention(teacher, x, [0], position_ids=pos)[0]
+    gdn = linearize.linearize_layer(teacher.model.layers[0].self_attn, GDNOptions(short_conv=4))
+    out = gdn.attention_output(cap.hidden_states, cap.position_embeddings, pos)
+    (out * torch.randn(out.shape, generator=gen)).sum().backward()
+    for name in ("q_conv", "k_conv", "v_conv"):
+        g = getattr(gdn, name).grad
+        assert g is not None and torch.isfinite(g).all() and (g.abs().sum(0) > 0).all(), name
+
+
+def test_gdn_options_short_conv_checked_and_off_the_fused_path():
+    from linearize.layers import GDNOptions, fused_path
+
+    for bad in (1, 9, -2, 2.5, True):
+        with pytest.raises(ValueError, match="short_conv must be 0 .off. or a kernel size from 2 to 8"):
+            GDNOptions(short_conv=bad)
+    h = torch.zeros(1, 4, 8)
+    assert fused_path(GDNOptions(fused_front=True), h) or not linearize.ops._triton_usable(h)
+    assert not fused_path(GDNOptions(fused_front=True, short_conv=4), h)

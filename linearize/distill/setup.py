@@ -89,7 +89,7 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     student = copy.deepcopy(teacher)
     convert(student, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
             calibration_tokens=cfg.convert.calibration_tokens,
-            options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max))
+            options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv))
     for i, st in enumerate(cfg.stages):
         if st.name == "align":
             try:

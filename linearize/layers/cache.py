@@ -16,6 +16,9 @@ from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttent
 from ..ops.taylor import RunningSums
 
 _STATE, _SUM_K, _SUM_V, _COUNT = range(4)  # recurrent state slots: A, Σk, Σv, t
+# the short convolution's last K-1 inputs of q, k, v (GDNOptions.short_conv), kept as recurrent slots
+# too, so the library's reorder, offload and reset treat them like the rest of the state
+_CONV_INPUTS = (4, 5, 6)
 
 
 # Also a CacheLayerMixin: beside A it keeps running sums (3 more slots), and a model whose every layer
@@ -29,7 +32,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
     def __init__(self, **kwargs):
         CacheLayerMixin.__init__(self)
-        LinearAttentionLayer.__init__(self, number_of_states=4)
+        LinearAttentionLayer.__init__(self, number_of_states=7)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
 
     @property
@@ -43,9 +46,19 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         r = self.recurrent_states
         return RunningSums(k=r[_SUM_K], v=r[_SUM_V], count=r[_COUNT])
 
-    def set_state(self, state: torch.Tensor, sums: RunningSums, new_tokens: int) -> None:
+    @property
+    def conv_inputs(self) -> tuple[torch.Tensor, ...] | None:
+        """The short convolution's last K-1 inputs of q, k, v, each ``[B, K-1, H·D]``; None without one."""
+        if not (self.has_previous_state[_STATE] and self.has_previous_state[_CONV_INPUTS[0]]):
+            return None
+        return tuple(self.recurrent_states[i] for i in _CONV_INPUTS)
+
+    def set_state(self, state: torch.Tensor, sums: RunningSums, new_tokens: int,
+                  conv_inputs: list[torch.Tensor] | None = None) -> None:
         self.device, self.dtype = state.device, state.dtype  # what the library's reorder/prefetch read
-        for i, x in ((_STATE, state), (_SUM_K, sums.k), (_SUM_V, sums.v), (_COUNT, sums.count)):
+        slots = [(_STATE, state), (_SUM_K, sums.k), (_SUM_V, sums.v), (_COUNT, sums.count)]
+        slots += list(zip(_CONV_INPUTS, conv_inputs or []))
+        for i, x in slots:
             self.update_recurrent_state(x, state_idx=i)
             self.has_previous_state[i] = True
         self.seen += new_tokens
@@ -54,7 +67,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
     def nbytes(self) -> int:
         if self.state is None:
             return 0
-        return sum(x.numel() * x.element_size() for x in self.recurrent_states.values())
+        return sum(x.numel() * x.element_size() for x in self.recurrent_states.values() if x is not None)
 
     # the CacheLayerMixin side ---------------------------------------------------------------------
     def update(self, *args, **kwargs):

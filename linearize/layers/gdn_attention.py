@@ -8,7 +8,9 @@ identity:
 
 - ``rho``: per-KV-head query-norm scale of the bounded ``c_t = ρ k̂_t`` (calibrated at convert);
 - ``gate_proj``: a data-dependent exponent on the decay, ``α_t ← α_t^{exp(w·x_t + b)}`` (zero init);
-- ``beta_proj``: a bounded factor on β, ``2σ(w·x_t + b)`` ∈ (0, 2) (zero init → 1).
+- ``beta_proj``: a bounded factor on β, ``2σ(w·x_t + b)`` ∈ (0, 2) (zero init → 1);
+- ``q_conv/k_conv/v_conv`` (with ``GDNOptions.short_conv``): a short causal depthwise convolution on the
+  projections' outputs (:mod:`linearize.layers.short_conv`; identity init).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from ..ops.common import LastTensorMemo
 from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
 from .cache import gdn_cache_layer
 from .options import GDNOptions
+from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 
 
 def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
@@ -30,9 +33,11 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
     """Whether a call takes the fused Triton path (the Taylor front as one kernel each way, RoPE in one
     pass): the stable form, asked for (``fused_front=True``) or by default on CUDA, on fp16/bf16/fp32
     inputs where Triton runs, with no padding mask, no carried running sums and no final state wanted
-    (decoding and padded prefill take the PyTorch front). The one place that decides it."""
+    (decoding and padded prefill take the PyTorch front), and no short convolution (``short_conv``: the
+    layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one place
+    that decides it."""
     want = options.fused_front
-    return (options.form == "stable" and mask is None and initial is None and not output_final_state
+    return (options.form == "stable" and not options.short_conv and mask is None and initial is None and not output_final_state
             and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
 
 
@@ -125,24 +130,42 @@ class GDNAttention(nn.Module):
         for lin in (self.gate_proj, self.beta_proj):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+        if self.options.short_conv:  # [H·D, K] depthwise taps each, on q_proj/k_proj/v_proj's outputs
+            widths = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
+            for name, width in zip(CONV_NAMES, widths):
+                setattr(self, name, nn.Parameter(identity_weight(width, self.options.short_conv, p.device, p.dtype)))
 
     @torch.no_grad()
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
         """Set ρ per KV head to the mean norm of the scaled queries on calibration activations."""
-        q, _, _ = project_qkv(self, hidden_states, position_embeddings)
+        mix = (lambda q, k, v: conv_qkv(self, q, k, v)[:3]) if self.options.short_conv else None  # noqa: E731
+        q, _, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
         rho = calibrate_rho(q.float() * self.scaling, self.num_kv_heads)
         if rho.shape != self.rho.shape:  # copy_ would broadcast a wrong shape silently
             raise RuntimeError(f"calibrated rho has shape {tuple(rho.shape)}; the block has {tuple(self.rho.shape)} KV heads")
         self.rho.copy_(rho)
 
-    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False):
-        """``(q, scale, front)``: q and the Taylor front's GDN inputs; the operator takes ``scale·q``.
+    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False,
+                   conv_past=None):
+        """``(q, scale, front, conv_tails)``: q and the Taylor front's GDN inputs; the operator takes ``scale·q``.
+        With ``short_conv``, q/k/v are convolved first (``conv_past``: the cache's last inputs, see
+        :func:`conv_qkv`) and ``conv_tails`` are the last inputs to cache; otherwise it is None.
 
         PyTorch front: everything in float32 (float64 if the model is), q scaled (scale 1). Fused front
         (``fused``, as :func:`fused_path` decides: the Triton kernels, ``front.sums`` None): q, k̂ and u
         stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
         softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
-        q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused)
+        tails = None
+        mix = None
+        if self.options.short_conv:
+            since = since_document_start(cu_seqlens, hidden_states.shape[1]) if cu_seqlens is not None else None
+
+            def mix(q, k, v):
+                nonlocal tails
+                *qkv, tails = conv_qkv(self, q, k, v, mask, since, conv_past)
+                return qkv
+
+        q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused, mix=mix)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
         if fused:
@@ -161,7 +184,7 @@ class GDNAttention(nn.Module):
             )
             scale = 1.0
         front.g = front.g * gate_factor
-        return q, scale, front
+        return q, scale, front, tails
 
     def forward(
         self,
@@ -178,13 +201,14 @@ class GDNAttention(nn.Module):
         layer = gdn_cache_layer(cache, self.layer_idx) if use_cache else None
         initial = layer.sums if layer is not None and layer.state is not None else None
         h0 = layer.state if initial is not None else None
+        conv_past = layer.conv_inputs if initial is not None else None
 
         mask = token_mask(attention_mask, B, T)
         if layer is None and mask is None:  # training/scoring: packed documents restart the state
             return self.o_proj(self._fresh_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
-        o, state, sums = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache)
+        o, state, sums, tails = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache, conv_past=conv_past)
         if layer is not None:
-            layer.set_state(state, sums, T)
+            layer.set_state(state, sums, T, tails)
         return self.o_proj(o), None
 
     def attention_output(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None,
@@ -204,10 +228,12 @@ class GDNAttention(nn.Module):
         (flat,), pe = flatten_rows([hidden_states], position_embeddings)
         return self._attend(flat, pe, None, None, None, False, cu)[0].view(B, T, -1)
 
-    def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None):
+    def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None,
+                conv_past=None):
         B, T, _ = hidden_states.shape
         fused = fused_path(self.options, hidden_states, mask, initial, output_final_state)
-        q, scale, front = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused)
+        q, scale, front, tails = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused,
+                                                 conv_past)
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head (never fused)
             o, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
             o = taylor_back(o[:, None], front.v_mean)  # (B, 1, Hq, V)
@@ -223,7 +249,7 @@ class GDNAttention(nn.Module):
                 initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 backend=self.options.backend, v_offset=front.v_mean,
             )  # (B, T, Hq, V)
-        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums
+        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
 
 
 def _head_counts(teacher: nn.Module) -> tuple[int, int]:

@@ -36,6 +36,8 @@ class GDNOptions:
     # the Taylor front as one Triton kernel each way (ops/triton/front.py) instead of ~30 PyTorch ops:
     # None = on CUDA, True = wherever Triton runs (also TRITON_INTERPRET=1 on the CPU, for tests), False = never
     fused_front: bool | None = None
+    # a learnable causal depthwise convolution of this kernel size on q, k and v (identity at init; 0 = off)
+    short_conv: int = 0
 
     def __post_init__(self):
         check_form(self.form)
@@ -43,6 +45,9 @@ class GDNOptions:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if not (self.beta_max > 0 and self.beta_max < float("inf")):
             raise ValueError(f"beta_max must be a positive number; got {self.beta_max!r}")
+        k = self.short_conv
+        if isinstance(k, bool) or not isinstance(k, int) or not (k == 0 or 2 <= k <= 8):
+            raise ValueError(f"short_conv must be 0 (off) or a kernel size from 2 to 8; got {k!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -385,7 +385,9 @@ checkpoint.save = slow
 run_recipe(load_recipe(None, {args!r}))
 """
     run_and_kill_when(code, out / "checkpoints" / f"step_{kill_after:08d}.pt")
-    run_recipe(load_recipe(None, args), resume=True)
+    ran = []
+    run_recipe(load_recipe(None, args), resume=True, progress=lambda rec, step: ran.append(step))
+    assert ran == list(range(kill_after + 1, 7))  # it went on from the checkpoint, not from the start
     same_metrics(metrics(out), metrics(two_stage_reference))
 
 
@@ -422,7 +424,10 @@ def test_distill_resume_skips_a_bad_latest_checkpoint(tiny_dir, tmp_path, two_st
     (out / "checkpoints" / "partial-x1y2.pt").write_bytes(b"half")
     (out / ".model.tmp-abc").mkdir()
     shutil.rmtree(out / "model")
-    run_recipe(load_recipe(None, overrides(tiny_dir, out) + [TWO_STAGES]), resume=True)
+    ran = []
+    run_recipe(load_recipe(None, overrides(tiny_dir, out) + [TWO_STAGES]), resume=True,
+               progress=lambda rec, step: ran.append(step))
+    assert ran == [5, 6]  # from step 4, the checkpoint before the bad one
     assert not marker.exists()
     assert "step_00000006.pt is not a readable checkpoint" in capfd.readouterr().err
     same_metrics(metrics(out), metrics(two_stage_reference))
@@ -657,8 +662,8 @@ def test_distill_fsdp_two_processes_match_one_process_and_resume(tiny_dir, tmp_p
 
     stages = ("stages:\n"
               "  - {name: align, steps: 3, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
-              "  - {name: distill, steps: 2, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
-              "optim: {grad_clip: 0.05}\nseed: 0\n")
+              "  - {name: distill, steps: 2, batch_size: 2, lr: 0.01, trainable: all}\n"
+              "optim: {grad_clip: 0.05}\nseed: 0\n")  # all: embeddings and head stay whole under FSDP
     one_recipe, recipe = tmp_path / "one.yaml", tmp_path / "fsdp.yaml"
     one_recipe.write_text(stages)
     recipe.write_text(stages + "parallel: fsdp\n")
@@ -795,7 +800,9 @@ def test_distill_on_a_built_corpus(tiny_dir, tiny_corpus, tmp_path):
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     data = build_data(cfg.data, tok)
     corpus = open_corpus(tiny_corpus)
-    train = [d.tolist() + [tok.eos_token_id] for _, d in corpus.mixture("train")]
+    eos = corpus.manifest["tokenizer"]["special_tokens"]["<|endoftext|>"]  # the corpus's end of document
+    assert eos != tok.eos_token_id  # the instruct tokenizer's eos ends a chat turn
+    train = [d.tolist() + [eos] for _, d in corpus.mixture("train")]
     flat = [t for d in train for t in d]
     n = len(flat) // cfg.data.seq_len
     assert torch.equal(data.train_ids, torch.tensor(flat[: n * cfg.data.seq_len]).view(n, cfg.data.seq_len))
@@ -809,3 +816,25 @@ def test_distill_on_a_built_corpus(tiny_dir, tiny_corpus, tmp_path):
     with pytest.raises(RecipeError, match="weights name domain 'code'"):
         run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "w", **{"data.source": f"corpus:{tiny_corpus}",
                                                                           "data.weights": "{code: 1}"})))
+
+
+def test_float32_masters_keep_tied_weights_tied():
+    """bf16 with float32 masters on a model whose LM head is its embedding: one master for both, seen by
+    both, and one tensor again after the casts are removed (the saved model still matches its config)."""
+    from conftest import tiny_model
+
+    from linearize.distill.precision import float32_trainables, remove_casts
+
+    model = tiny_model("llama", tie_word_embeddings=True).to(torch.bfloat16)
+    model.tie_weights()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    names = {n for n, _ in model.named_parameters()}  # every parameter, as trainable: all makes it
+    float32_trainables(model, names, torch.bfloat16)
+    masters = [p for n, p in model.named_parameters() if "embed_tokens" in n or "lm_head" in n]
+    assert len(masters) == 1 and masters[0].dtype == torch.float32
+    assert model.lm_head.weight.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)
+    with torch.no_grad():
+        masters[0].add_(1.0)
+    assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # the head follows its master
+    remove_casts(model)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16

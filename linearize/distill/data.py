@@ -227,10 +227,13 @@ def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
         raise RecipeError(f"data.source: the corpus was tokenized with {built.get('name')!r} ({built['vocab_size']} tokens); "
                           f"the teacher's tokenizer has {len(tokenizer)}; build a corpus with the teacher's tokenizer")
     weights = cfg.weights or None
+    # documents end with the corpus's own end-of-text where it has one (an instruct tokenizer's eos is the
+    # end of a chat turn, not of a document)
+    eos = built.get("special_tokens", {}).get("<|endoftext|>", tokenizer.eos_token_id)
     train = [doc for _, doc in corpus.mixture("train", weights, cfg.max_tokens, seed=0)]
     held = [doc for _, doc in corpus.mixture("heldout", weights, max(2 * cfg.eval_tokens, 4 * cfg.seq_len), seed=0)]
-    train_ids, train_pos = pack_arrays(train, cfg.seq_len, tokenizer.eos_token_id)
-    held_ids, held_pos = pack_arrays(held, cfg.seq_len, tokenizer.eos_token_id)
+    train_ids, train_pos = pack_arrays(train, cfg.seq_len, eos)
+    held_ids, held_pos = pack_arrays(held, cfg.seq_len, eos)
     if train_ids.shape[0] == 0 or held_ids.shape[0] == 0:
         raise RecipeError(f"data.source: the corpus has fewer than data.seq_len={cfg.seq_len} tokens in a split; lower seq_len")
     return PackedData(train_ids, train_pos, held_ids, held_pos, len(train) + len(held))

@@ -23,28 +23,47 @@ class _CastTo(torch.nn.Module):
         return x.to(self.dtype)
 
 
+def _places(model) -> dict[int, list[tuple[torch.nn.Module, str]]]:
+    """Every (module, attribute) holding each parameter: tied weights (embeddings and LM head) share one."""
+    places: dict[int, list] = {}
+    for mod in model.modules():
+        for attr, p in mod._parameters.items():
+            if p is not None:
+                places.setdefault(id(p), []).append((mod, attr))
+    return places
+
+
 def float32_trainables(model, names: set[str], dtype: torch.dtype) -> None:
-    """Make the parameters ``names`` float32 masters seen by their modules in ``dtype``."""
+    """Make the parameters ``names`` float32 masters seen by their modules in ``dtype``; a tied parameter
+    gets one master, seen through every module that holds it."""
     from torch.nn.utils import parametrize
 
     from ..layers import GDNAttention
 
+    places = _places(model)
     for name in sorted(names):
         mod_name, _, attr = name.rpartition(".")
         mod = model.get_submodule(mod_name)
         p = getattr(mod, attr)
-        setattr(mod, attr, torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad))
-        if not (isinstance(mod, GDNAttention) and attr == "rho"):
-            parametrize.register_parametrization(mod, attr, _CastTo(dtype), unsafe=True)
+        if p.dtype == torch.float32 and not parametrize.is_parametrized(mod, attr):
+            continue  # float32 already (ρ), or a tied parameter done under its other name
+        master = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+        for holder, a in places[id(p)]:
+            setattr(holder, a, master)
+            if not (isinstance(holder, GDNAttention) and a == "rho"):
+                parametrize.register_parametrization(holder, a, _CastTo(dtype), unsafe=True)
 
 
 def remove_casts(model) -> None:
-    """Undo :func:`float32_trainables` before saving: parameters back in the model's dtype."""
+    """Undo :func:`float32_trainables` before saving: parameters back in the model's dtype, ties kept."""
     from torch.nn.utils import parametrize
 
+    done: dict[int, torch.nn.Parameter] = {}
     for mod in list(model.modules()):
         if parametrize.is_parametrized(mod):
             for attr in list(mod.parametrizations):
-                value = getattr(mod, attr).detach().clone()  # the float32 original, cast
+                master = mod.parametrizations[attr].original
+                if id(master) not in done:  # the float32 original, cast; one tensor for all its holders
+                    done[id(master)] = torch.nn.Parameter(getattr(mod, attr).detach().clone(), requires_grad=False)
                 parametrize.remove_parametrizations(mod, attr, leave_parametrized=False)
-                setattr(mod, attr, torch.nn.Parameter(value, requires_grad=False))
+                setattr(mod, attr, done[id(master)])

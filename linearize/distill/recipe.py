@@ -28,8 +28,9 @@ def budget(cfg: RecipeConfig) -> dict:
 def initial_evaluation(run, resume: bool) -> dict | None:
     """The student at init beside the teacher (``initial_eval.json``; a resumed run reads it back)."""
     path = run.out / "initial_eval.json"
-    if resume:
-        return json.loads(path.read_text()) if path.is_file() else None
+    if resume and path.is_file():
+        return json.loads(path.read_text())
+    # a fresh run, or one killed before its first evaluation was written: the student is still at init here
     initial = evaluate(run)
     if is_main():
         write_text(path, json.dumps(initial, indent=1))

@@ -44,11 +44,11 @@ class RunLock:
         """Unlock; after a failure before the run wrote anything, remove the directory this lock made."""
         if self.fd is None:
             return
-        if failed and self.made_dir and [p.name for p in self.out.iterdir()] == [LOCK]:
-            shutil.rmtree(self.out, ignore_errors=True)
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
         self.fd = None
+        if failed and self.made_dir and [p.name for p in self.out.iterdir()] == [LOCK]:
+            shutil.rmtree(self.out, ignore_errors=True)
 
 
 def check_output(out: Path, resume: bool) -> None:

@@ -24,7 +24,7 @@ from .evaluation import evaluate
 from .losses import objective_for, per_layer_values
 from .metrics import MetricLogger, truncate_metrics
 from .optim import make_optimizer, trainable_names
-from .parallel import all_finite, all_mean, barrier, clip_gradients, data_parallel, is_main, world
+from .parallel import all_finite, all_mean, barrier, clip_gradients, data_parallel, is_main, is_sharded, world
 
 
 class TrainingError(RuntimeError):
@@ -35,9 +35,10 @@ class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training; ``str()`` says where the run stopped and what to resume from."""
 
 
-def _resume_point(run, resume: bool) -> dict | None:
+def _resume_point(run, resume: bool) -> tuple:
+    """``(checkpoint path, state)`` to go on from (``(None, None)``: from the start), restored into the run."""
     if not resume:
-        return None
+        return None, None
     path, state = checkpoint.load_latest(run.out)
     if path is None and checkpoint.checkpoints(run.out):
         raise RecipeError(f"--resume: no checkpoint in {run.out / checkpoint.CKPT_DIR} reads back whole; "
@@ -50,19 +51,19 @@ def _resume_point(run, resume: bool) -> dict | None:
     if is_main():
         truncate_metrics(run.out, state["step"] if state else 0)
     barrier()
-    return state
+    return path, state
 
 
 def train(run, resume: bool, progress=None) -> dict:
     """Run every stage from the start or from the newest checkpoint; returns the final evaluation."""
     cfg = run.cfg
     names = sorted({n for st in cfg.stages for n in trainable_names(run.student, st)})
-    state = _resume_point(run, resume)
+    resumed_from, state = _resume_point(run, resume)
     start_stage, start_step = (state["stage"], state["stage_step"]) if state else (0, 0)
     step = state["step"] if state else 0
     rank, size = world()
     logger = MetricLogger(run.out) if is_main() else None
-    last_ckpt, si = None, start_stage
+    last_ckpt, si, last_eval = resumed_from, start_stage, None
     try:
         for si, st in enumerate(cfg.stages):
             if si < start_stage:
@@ -82,8 +83,12 @@ def train(run, resume: bool, progress=None) -> dict:
                 loss, per_layer = objective(ids, pos)
                 run.student.zero_grad(set_to_none=True)
                 loss.backward()
+                if run.fsdp:  # FSDP reduces its shards' gradients; the unsharded ones (embeddings, norm, head) are ours
+                    for p in params:
+                        if p.grad is not None and not is_sharded(p.grad):
+                            all_mean(p.grad)
                 loss_value = all_mean(loss.detach().clone()).item()
-                where = f"last good checkpoint: {last_ckpt or next(iter(checkpoint.checkpoints(run.out)), 'none')}"
+                where = f"last good checkpoint: {last_ckpt or 'none'}"
                 if not math.isfinite(loss_value):
                     raise TrainingError(f"loss became {loss_value} at stage {st.name} step {s}; stopped ({where})")
                 if cfg.optim.grad_clip:
@@ -98,7 +103,8 @@ def train(run, resume: bool, progress=None) -> dict:
                 if per_layer is not None:
                     rec["layer_loss"] = per_layer_values(per_layer)
                 if (s + 1) % cfg.output.eval_every == 0 or s + 1 == st.steps:
-                    rec.update({f"eval_{k}": v for k, v in evaluate(run).items()})
+                    last_eval = evaluate(run)
+                    rec.update({f"eval_{k}": v for k, v in last_eval.items()})
                 if logger is not None and ((s + 1) % cfg.output.log_every == 0 or "eval_kl" in rec):
                     logger.log(rec)
                 if progress is not None and is_main():
@@ -108,10 +114,10 @@ def train(run, resume: bool, progress=None) -> dict:
                     last_ckpt = checkpoint.save(run, step, *nxt, opt, sched, si, names) or last_ckpt
                     barrier()
     except KeyboardInterrupt:
-        last = last_ckpt or next(iter(checkpoint.checkpoints(run.out)), None)
+        last = last_ckpt
         raise TrainingInterrupted(f"interrupted at step {step} ({cfg.stages[min(si, len(cfg.stages) - 1)].name}); "
                                   f"last checkpoint: {last or 'none'}; continue the run with --resume") from None
     finally:
         if logger is not None:
             logger.close()
-    return evaluate(run)
+    return last_eval if last_eval is not None else evaluate(run)  # the last stage ends with an evaluation

@@ -367,3 +367,27 @@ def test_corpus_package_imports_no_torch():
 
     code = "import sys, linearize.corpus.reader, linearize.corpus.build, linearize.corpus.cli; print('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_write_atomic_puts_the_old_corpus_back_when_the_swap_fails(tmp_path, monkeypatch):
+    """--force replacing a corpus: if the new folder cannot be renamed in (a Ctrl-C between the renames),
+    the old corpus is back in place and no temporary folder is left."""
+    from pathlib import Path
+
+    from linearize.corpus.build import write_atomic
+
+    out = tmp_path / "corpus"
+    out.mkdir()
+    (out / "manifest.json").write_text("old")
+    real = Path.rename
+
+    def rename(self, target):
+        if self.name.startswith(".corpus.tmp-"):
+            raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", rename)
+    with pytest.raises(KeyboardInterrupt):
+        write_atomic(out, True, lambda tmp: (tmp / "manifest.json").write_text("new"))
+    assert (out / "manifest.json").read_text() == "old"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]

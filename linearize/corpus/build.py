@@ -173,7 +173,12 @@ def write_atomic(out: Path, force: bool, fill) -> None:
                 raise CorpusError(f"{out} appeared while building; pass --force to replace it")
             old = out.with_name(f".{out.name}.old-{os.getpid()}")
             out.rename(old)
-            tmp.rename(out)
+            try:
+                tmp.rename(out)
+            except BaseException:  # put the old corpus back before giving up
+                if not out.exists():
+                    old.rename(out)
+                raise
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(out)

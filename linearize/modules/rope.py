@@ -10,6 +10,7 @@ shapes those passes cost more GPU time than the GDN operator. Here, with ``x = (
 in float32, one program per (token, block of up to ``2048 // D`` heads). ``cos``/``sin`` are the model's position
 embeddings, ``(B, T, D)`` or ``(1, T, D)``; they take no gradient (they are functions of the positions).
 ``tests/test_triton.py`` checks it against transformers' function in float64 under ``TRITON_INTERPRET=1``.
+Measured on the H200 with the fewer-pass align loss (``rowsq.py``): the align step's kernels 130.5 → 108.4 ms over 5 steps (results/ab_align.json).
 """
 
 from __future__ import annotations

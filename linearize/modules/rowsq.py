@@ -5,6 +5,7 @@ it, or L = 1), and ``r`` the teacher's captured output of each layer, L tensors 
 the same sums cost a float32 copy of ``o``, a float32 difference and a norm per layer, and the backward
 four more passes; here the forward reads ``o`` and ``r`` once and writes ``(B, ·)`` partial sums, the
 backward reads them once and writes ``2 g (o − r)`` straight into the one ``(B, T, L, D)`` gradient.
+Measured on the H200 with the fused RoPE (``rope.py``): the align step's kernels 130.5 → 108.4 ms over 5 steps (results/ab_align.json).
 """
 
 from __future__ import annotations

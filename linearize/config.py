@@ -93,10 +93,6 @@ class RecipeConfig:
     parallel: str = "ddp"  # under torchrun: "ddp" (whole model on every process) or "fsdp" (FSDP2 shards layers)
 
 
-def _valid_keys(cls) -> list[str]:
-    return [f.name for f in fields(cls)]
-
-
 def _check_keys(raw: Any, cls, path: str = "") -> None:
     """Walk the raw YAML/overrides against the schema; fail on the first unknown key."""
     if not isinstance(raw, dict) or not is_dataclass(cls):

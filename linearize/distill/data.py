@@ -31,10 +31,6 @@ class PackedData:
     heldout_pos: torch.Tensor
     documents: int
 
-    @property
-    def train_tokens(self) -> int:
-        return self.train_ids.numel()
-
 
 class DataWarning(UserWarning):
     """Rows of the data that are skipped (no text in the text field); shown as one line."""

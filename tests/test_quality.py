@@ -446,3 +446,23 @@ def test_cli_eval_corpus_perplexity_side_by_side(world, tmp_path):
     code, text = _run("--model", d / "teacher", "--tasks", "none", "--corpus", corpus, "--seq-len", 16,
                       "--ppl-tokens", 48, "--device", "cpu")
     assert code == 2 and "build it with the model's" in text, text
+
+
+def test_markdown_tables_carry_the_json_values():
+    """``linearize eval -o X.json`` also writes X.md: every table, each value from the result."""
+    from linearize.quality.report import markdown
+
+    result = {"command": "linearize eval -m m", "models": {"model": "/runs/m", "teacher": "t.gguf"},
+              "plan": {"limit": 10, "seq_len": 8, "passkey_trials": 2},
+              "harness": {"primary": {"piqa": "acc", "lambada": "acc"}, "lm_eval": "0.4.13"},
+              "results": {side: {"harness": {"piqa": {"acc": a}, "lambada": {"acc": b, "perplexity": c}, "average": (a + b) / 2},
+                                 "perplexity": {"prose": {"ppl": c, "tokens": 16}},
+                                 "passkey": {"lengths": {"64": {"acc": b}}}}
+                          for side, (a, b, c) in {"model": (0.5, 0.25, 40.0), "teacher": (0.75, 0.5, 4.0)}.items()}}
+    md = markdown(result)
+    assert md.startswith("`linearize eval -m m`")
+    assert "| piqa | acc | 50.0 | 75.0 |" in md and "| lambada | perplexity | 40.00 | 4.00 |" in md
+    assert "| 2-task average |  | 37.5 | 62.5 |" in md
+    assert "| prose | 16 | 40.00 | 4.00 |" in md and "| 64 | 25.0 | 50.0 |" in md
+    seps = [line for line in md.splitlines() if line.startswith("| --- ")]
+    assert [line.count("---") for line in seps] == [4, 4, 3]  # one separator per table, one cell per column

@@ -186,9 +186,11 @@ def command(opts: dict, command_line: str, echo=print) -> None:
         echo(f"teacher: {plan.teacher} (from the run's recipe.yaml)")
     result = evaluate(plan, progress=echo)
     print_tables(result)
-    if output is not None:
+    if output is not None:  # the JSON, and its tables as markdown beside it
+        md = Path(output).with_suffix(".md")
         checks.write_atomic(Path(output), json.dumps({"command": command_line, **result}, indent=1))
-        echo(f"wrote {output}")
+        checks.write_atomic(md, markdown({"command": command_line, **result}))
+        echo(f"wrote {output} and {md}")
 
 
 # --- printing ------------------------------------------------------------------------------------
@@ -199,47 +201,59 @@ def _fmt(v, pct=True):
     return f"{100 * v:.1f}" if pct else f"{v:.2f}"
 
 
+def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
+    """The result as ``(title, columns, rows)`` tables: zero-shot accuracy, perplexity, passkey."""
+    from .harness import DEFAULT_TASKS
+
+    sides = list(result["results"])
+    res = result["results"]
+    names = [f"{s} ({Path(result['models'][s]).name or result['models'][s]})" for s in sides]
+    out = []
+    if "harness" in result:
+        primary = result["harness"]["primary"]
+        rows = []
+        for task, metric in primary.items():
+            rows.append([task, metric, *[_fmt(res[s]["harness"][task][metric]) for s in sides]])
+            if task == "lambada":
+                rows.append([task, "perplexity", *[_fmt(res[s]["harness"][task].get("perplexity"), False) for s in sides]])
+        k = sum(t in DEFAULT_TASKS for t in primary)
+        if k:
+            rows.append([f"{k}-task average" + (" (without mmlu)" if "mmlu" in primary else ""), "",
+                         *[_fmt(res[s]["harness"]["average"]) for s in sides]])
+        out.append((f"zero-shot accuracy, % (limit {result['plan']['limit'] or 'none'}; lm-eval "
+                    f"{result['harness']['lm_eval']})", ["task", "metric", *names], rows))
+    if any("perplexity" in res[s] for s in sides):
+        rows = [[d, str(row["tokens"]), *[_fmt(res[s]["perplexity"][d]["ppl"], False) for s in sides]]
+                for d, row in res[sides[0]]["perplexity"].items()]
+        out.append((f"held-out perplexity (rows of {result['plan']['seq_len']} tokens)", ["domain", "tokens", *names], rows))
+    if any("passkey" in res[s] for s in sides):
+        rows = [[n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides]] for n in res[sides[0]]["passkey"]["lengths"]]
+        out.append((f"passkey retrieval, % correct ({result['plan']['passkey_trials']} keys per length and depth)",
+                    ["length", *names], rows))
+    return out
+
+
+def markdown(result: dict) -> str:
+    """The tables as GitHub markdown, under the command that produced them."""
+    parts = [f"`{result['command']}`\n"] if result.get("command") else []
+    for title, columns, rows in tables(result):
+        parts.append(f"**{title}**\n")
+        parts.append("| " + " | ".join(columns) + " |")
+        parts.append("|" + "|".join(" --- " for _ in columns) + "|")
+        parts += ["| " + " | ".join(r) + " |" for r in rows]
+        parts.append("")
+    return "\n".join(parts)
+
+
 def print_tables(result: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from .harness import DEFAULT_TASKS
-
     console = Console()
-    sides = list(result["results"])
-    res = result["results"]
-    names = {s: f"{s} ({Path(result['models'][s]).name or result['models'][s]})" for s in sides}
-    if "harness" in result:
-        primary = result["harness"]["primary"]
-        t = Table(title=f"zero-shot accuracy, % (limit {result['plan']['limit'] or 'none'}; lm-eval "
-                        f"{result['harness']['lm_eval']})")
-        t.add_column("task")
-        t.add_column("metric")
-        for s in sides:
-            t.add_column(names[s], justify="right")
-        for task, metric in primary.items():
-            t.add_row(task, metric, *[_fmt(res[s]["harness"][task][metric]) for s in sides])
-            if task == "lambada":
-                t.add_row(task, "perplexity", *[_fmt(res[s]["harness"][task].get("perplexity"), False) for s in sides])
-        k = sum(t in DEFAULT_TASKS for t in primary)
-        if k:
-            t.add_row(f"{k}-task average" + (" (without mmlu)" if "mmlu" in primary else ""), "",
-                      *[_fmt(res[s]["harness"]["average"]) for s in sides])
-        console.print(t)
-    if any("perplexity" in res[s] for s in sides):
-        t = Table(title=f"held-out perplexity (rows of {result['plan']['seq_len']} tokens)")
-        t.add_column("domain")
-        t.add_column("tokens", justify="right")
-        for s in sides:
-            t.add_column(names[s], justify="right")
-        for d, row in res[sides[0]]["perplexity"].items():
-            t.add_row(d, str(row["tokens"]), *[_fmt(res[s]["perplexity"][d]["ppl"], False) for s in sides])
-        console.print(t)
-    if any("passkey" in res[s] for s in sides):
-        t = Table(title=f"passkey retrieval, % correct ({result['plan']['passkey_trials']} keys per length and depth)")
-        t.add_column("length", justify="right")
-        for s in sides:
-            t.add_column(names[s], justify="right")
-        for n in res[sides[0]]["passkey"]["lengths"]:
-            t.add_row(n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides])
+    for title, columns, rows in tables(result):
+        t = Table(title=title)
+        for i, c in enumerate(columns):
+            t.add_column(c, justify="left" if c in ("task", "metric", "domain") else "right")
+        for r in rows:
+            t.add_row(*r)
         console.print(t)

@@ -813,6 +813,16 @@ def test_distill_on_a_built_corpus(tiny_dir, tiny_corpus, tmp_path):
     assert held and not held & {tuple(d[:-1]) for d in train}
     run_recipe(cfg)
     assert len(losses(tmp_path / "o")) == 2
+    assert corpus.manifest["tokenizer"]["vocab_sha1"]  # the builder's fingerprint matched the teacher's above
+    import shutil
+
+    other = tmp_path / "other-vocab"
+    shutil.copytree(tiny_corpus, other)
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["tokenizer"]["vocab_sha1"] = "0" * 16  # same size, another vocabulary
+    (other / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(RecipeError, match="whose vocabulary differs from the teacher's"):
+        build_data(load_recipe(None, overrides(tiny_dir, tmp_path / "v", **{"data.source": f"corpus:{other}"})).data, tok)
     with pytest.raises(RecipeError, match="weights name domain 'code'"):
         run_recipe(load_recipe(None, overrides(tiny_dir, tmp_path / "w", **{"data.source": f"corpus:{tiny_corpus}",
                                                                           "data.weights": "{code: 1}"})))

@@ -43,7 +43,17 @@ def load_tokenizer(name: str, cache: Path):
     tok = Tokenizer.from_file(str(tokenizer_file(name, cache)))
     special = {t: tok.token_to_id(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>")
                if tok.token_to_id(t) is not None}
-    return tok, {"name": name, "vocab_size": tok.get_vocab_size(), "special_tokens": special}
+    return tok, {"name": name, "vocab_size": tok.get_vocab_size(), "special_tokens": special,
+                 "vocab_sha1": vocab_hash(tok.get_vocab())}
+
+
+def vocab_hash(vocab: dict) -> str:
+    """A fingerprint of a vocabulary (token -> id, added tokens included): two tokenizers of the same size
+    can still map ids to different tokens."""
+    import hashlib
+    import json
+
+    return hashlib.sha1(json.dumps(sorted(vocab.items())).encode()).hexdigest()[:16]
 
 
 def encode(tok, texts: list[str]) -> list[list[int]]:

@@ -10,6 +10,8 @@ import os
 import warnings
 from pathlib import Path
 
+from .saving import write_atomic  # noqa: F401  (the CLI's commands write their reports through checks)
+
 
 class UserError(ValueError):
     """Bad input from the user: printed as one line, exit code 2."""
@@ -82,13 +84,6 @@ def json_output(output: Path | None) -> None:
         raise UserError(f"--output {output}: cannot write into {parent}; create it or choose another --output")
 
 
-def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def show_warning(message, category, filename, lineno, file=None, line=None, _default=warnings.showwarning):

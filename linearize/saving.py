@@ -25,15 +25,26 @@ def save(model, tokenizer, out_dir: str | os.PathLike, force: bool = False, extr
     """
     out = Path(out_dir)
     check_output_dir(out, force)
-    created = _make_parents(out.parent)
-    tmp = aside = None
-    try:
-        tmp = _temp_sibling(out, "tmp")
+
+    def fill(tmp: Path) -> None:
         model.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if extra is not None:
             extra(tmp)
+
+    return write_folder(out, fill)
+
+
+def write_folder(out: Path, fill) -> Path:
+    """``fill(tmp)`` writes a folder beside ``out``, which is renamed into place when complete: an existing
+    ``out`` is renamed aside first and removed last, and put back if anything fails. Parent folders that
+    did not exist are created, and removed again on failure. Files get the umask's modes."""
+    created = _make_parents(out.parent)
+    tmp = aside = None
+    try:
+        tmp = _temp_sibling(out, "tmp")
+        fill(tmp)
         _umask_modes(tmp)
         if out.exists():
             aside = _temp_sibling(out, "old")
@@ -94,6 +105,16 @@ def clean_stale(out: Path) -> list[Path]:
     return removed
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """Write a small file atomically: a temporary name beside it, then a rename."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def umask_mode() -> int:
     """The mode a plain ``mkdir`` gives a folder under the current umask."""
     mask = os.umask(0)
@@ -105,7 +126,7 @@ def _umask_modes(root: Path) -> None:
     """Folders and files as ``mkdir``/``open`` make them under the umask (some writers use 0600 temp files)."""
     d_mode = umask_mode()
     f_mode = d_mode & 0o666
-    for folder, dirs, files in os.walk(root):
+    for folder, _dirs, files in os.walk(root):
         os.chmod(folder, d_mode)
         for f in files:
             os.chmod(os.path.join(folder, f), f_mode)

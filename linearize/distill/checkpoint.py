@@ -17,8 +17,8 @@ from pathlib import Path
 
 import torch
 
+from ..saving import umask_mode
 from .parallel import full_tensor, is_main, is_sharded
-from .rundir import umask_mode
 
 CKPT_DIR = "checkpoints"
 FORMAT = 2
@@ -68,7 +68,7 @@ def save(run, step: int, next_stage: int, next_stage_step: int, opt, sched, opt_
             torch.save(state, f)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the latest
-        os.chmod(tmp, umask_mode())
+        os.chmod(tmp, umask_mode() & 0o666)  # mkstemp makes 0600 files
         os.replace(tmp, final)  # atomic: a kill leaves either the old set or the new file, never half of one
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -28,11 +28,11 @@ def read_metrics(out: Path) -> list[dict]:
 def truncate_metrics(out: Path, step: int) -> None:
     """After a resume from ``step``, keep only the records up to it (drops what the killed run wrote past
     its last checkpoint, and any torn line)."""
-    from .rundir import write_text
+    from ..saving import write_atomic
 
     if (out / METRICS).is_file():
         keep = [r for r in read_metrics(out) if r["step"] <= step]
-        write_text(out / METRICS, "".join(json.dumps(r) + "\n" for r in keep))
+        write_atomic(out / METRICS, "".join(json.dumps(r) + "\n" for r in keep))
 
 
 class MetricLogger:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import json
 
 from ..config import RecipeConfig
+from ..saving import write_atomic
 from .evaluation import evaluate
 from .export import save_student
 from .parallel import barrier, is_main
-from .rundir import write_text
 from .setup import cleanup, setup
 from .stages import train
 
@@ -33,7 +33,7 @@ def initial_evaluation(run, resume: bool) -> dict | None:
     # a fresh run, or one killed before its first evaluation was written: the student is still at init here
     initial = evaluate(run)
     if is_main():
-        write_text(path, json.dumps(initial, indent=1))
+        write_atomic(path, json.dumps(initial, indent=1))
     return initial
 
 

@@ -64,21 +64,7 @@ def check_output(out: Path, resume: bool) -> None:
 def clean_stale(out: Path) -> list[Path]:
     """Remove what a killed run left half-written: ``checkpoints/partial-*`` and ``.*.tmp-*`` folders
     and files (the model and reports are written to a temporary name and renamed when complete)."""
-    stale = [*out.glob("checkpoints/partial-*"), *out.glob(".*.tmp-*"), *out.glob("*.tmp")]
+    stale = [*out.glob("checkpoints/partial-*"), *out.glob(".*.tmp-*")]
     for p in stale:
         shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
     return stale
-
-
-def write_text(path: Path, text: str) -> None:
-    """Write a small file atomically (temporary name, then rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def umask_mode(base: int = 0o666) -> int:
-    """The mode a plain ``open()`` would give a new file (``tempfile`` makes 0600 files and 0700 folders)."""
-    mask = os.umask(0)
-    os.umask(mask)
-    return base & ~mask

@@ -11,12 +11,13 @@ from pathlib import Path
 import torch
 
 from ..config import RecipeConfig, RecipeError, to_yaml
+from ..saving import write_atomic
 from .data import PackedData, build_data
 from .lora import add_lora
 from .optim import trainable_names
 from .parallel import barrier, init_distributed, is_main, shard_layers, world
 from .precision import float32_trainables
-from .rundir import RunLock, check_output, clean_stale, write_text
+from .rundir import RunLock, check_output, clean_stale
 
 
 @dataclass
@@ -63,7 +64,7 @@ def setup(cfg: RecipeConfig, resume: bool) -> Run:
         run = _build(cfg, out, device)
         run.lock = lock
         if rank == 0:
-            write_text(out / "recipe.yaml", to_yaml(cfg))
+            write_atomic(out / "recipe.yaml", to_yaml(cfg))
         barrier()
         return run
     except BaseException:

@@ -252,7 +252,7 @@ def print_tables(result: dict) -> None:
     console = Console()
     for title, columns, rows in tables(result):
         t = Table(title=title)
-        for i, c in enumerate(columns):
+        for c in columns:
             t.add_column(c, justify="left" if c in ("task", "metric", "domain") else "right")
         for r in rows:
             t.add_row(*r)

@@ -372,6 +372,7 @@ def test_corpus_package_imports_no_torch():
 def test_write_atomic_puts_the_old_corpus_back_when_the_swap_fails(tmp_path, monkeypatch):
     """--force replacing a corpus: if the new folder cannot be renamed in (a Ctrl-C between the renames),
     the old corpus is back in place and no temporary folder is left."""
+    import os
     from pathlib import Path
 
     from linearize.corpus.build import write_atomic
@@ -379,14 +380,14 @@ def test_write_atomic_puts_the_old_corpus_back_when_the_swap_fails(tmp_path, mon
     out = tmp_path / "corpus"
     out.mkdir()
     (out / "manifest.json").write_text("old")
-    real = Path.rename
+    real = os.replace
 
-    def rename(self, target):
-        if self.name.startswith(".corpus.tmp-"):
+    def replace(src, dst):
+        if Path(src).name.startswith(".corpus.tmp-"):  # the new corpus, about to be renamed in
             raise KeyboardInterrupt
-        return real(self, target)
+        return real(src, dst)
 
-    monkeypatch.setattr(Path, "rename", rename)
+    monkeypatch.setattr(os, "replace", replace)
     with pytest.raises(KeyboardInterrupt):
         write_atomic(out, True, lambda tmp: (tmp / "manifest.json").write_text("new"))
     assert (out / "manifest.json").read_text() == "old"

@@ -10,7 +10,6 @@ import hashlib
 import json
 import os
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -160,31 +159,29 @@ def _write_domains(tmp: Path, domain_docs: dict, dtype, shard_tokens: int) -> di
 
 
 def write_atomic(out: Path, force: bool, fill) -> None:
-    """``fill(tmp)`` writes the corpus into a temporary folder beside ``out``, renamed into place
-    only when complete; on any error (or Ctrl-C) nothing is left behind."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    """``fill(tmp)`` writes the corpus into a temporary folder beside ``out``, renamed into place only
+    when complete (:func:`linearize.saving.write_folder`); on any error or Ctrl-C nothing is left behind
+    and a corpus it was replacing is back in place."""
+    from ..saving import write_folder
+
+    def checked(tmp: Path) -> None:
         fill(tmp)
-        if out.exists():
-            if not force:
-                raise CorpusError(f"{out} appeared while building; pass --force to replace it")
-            old = out.with_name(f".{out.name}.old-{os.getpid()}")
-            out.rename(old)
-            try:
-                tmp.rename(out)
-            except BaseException:  # put the old corpus back before giving up
-                if not out.exists():
-                    old.rename(out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if out.exists() and not force:
+            raise CorpusError(f"{out} appeared while building; pass --force to replace it")
+
+    write_folder(out, checked)
+
+
+def write_corpus(out: Path, force: bool, manifest: dict, domain_docs: dict, dtype, shard_tokens: int) -> dict:
+    """Shard ``domain_docs`` and write them with ``manifest`` (completed with the domains and the total)."""
+
+    def fill(tmp: Path):
+        manifest["domains"] = _write_domains(tmp, domain_docs, dtype, shard_tokens)
+        manifest["total_tokens"] = sum(s["tokens"] for d in manifest["domains"].values() for s in d.values())
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+    write_atomic(out, force, fill)
+    return manifest
 
 
 def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135m", names: list[str] | None = None,
@@ -244,14 +241,7 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
     manifest = {"format": "linearize-corpus/1", "command": command, "tokenizer": tok_info,
                 "token_dtype": np.dtype(dtype).name, "heldout_fraction": heldout,
                 "document_chars": [documents.MIN_CHARS, documents.MAX_CHARS], "sources": table}
-
-    def fill(tmp: Path):
-        manifest["domains"] = _write_domains(tmp, domain_docs, dtype, shard_tokens)
-        manifest["total_tokens"] = sum(s["tokens"] for d in manifest["domains"].values() for s in d.values())
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-
-    write_atomic(out, force, fill)
-    return manifest
+    return write_corpus(out, force, manifest, domain_docs, dtype, shard_tokens)
 
 
 def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = None, force: bool = False,
@@ -274,11 +264,4 @@ def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = N
                           "heldout": list(corpus.documents(d, "heldout"))}
     manifest = dict(corpus.manifest, command=command, subset_of=str(Path(src_dir).resolve()),
                     subset_weights=weights)
-
-    def fill(tmp: Path):
-        manifest["domains"] = _write_domains(tmp, domain_docs, dtype, shard_tokens)
-        manifest["total_tokens"] = sum(s["tokens"] for d in manifest["domains"].values() for s in d.values())
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-
-    write_atomic(out, force, fill)
-    return manifest
+    return write_corpus(out, force, manifest, domain_docs, dtype, shard_tokens)

@@ -50,6 +50,23 @@ def tiny_model(family: str, seed: int = 0, **overrides):
     return model
 
 
+def tiny_tokenizer(vocab_size: int, documents: int):
+    """A byte-level BPE tokenizer trained here on the first ``documents`` built-in texts (no hub), with
+    ``<eos>`` as its end of text."""
+    from pydoc_data.topics import topics
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<eos>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([topics[k] for k in sorted(topics)[:documents]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+
+
 def _real_teacher(alias: str, package: str):
     if importlib.util.find_spec(package) is None:
         pytest.fail(f"{package.replace('_', '-')} is not installed: see README's set-up command")

@@ -41,17 +41,9 @@ class EvilModel(LlamaForCausalLM):
 
 
 def _tokenizer():
-    from pydoc_data.topics import topics
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from conftest import tiny_tokenizer
 
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator([topics[k] for k in sorted(topics)[:20]], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+    return tiny_tokenizer(320, 20)
 
 
 def _cut(src: Path, dst: Path, name: str = "model.safetensors") -> Path:

@@ -25,18 +25,9 @@ ROWS = 6
 
 
 def _tokenizer():
-    from pydoc_data.topics import topics
+    from conftest import tiny_tokenizer
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tk = Tokenizer(models.BPE())
-    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tk.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<eos>"], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tk.train_from_iterator([topics[k] for k in sorted(topics)[:30]], trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")
+    return tiny_tokenizer(400, 30)
 
 
 WORDS = "the cat sat on a warm mat while rain fell over quiet hills and old roads near the sea".split()

@@ -156,6 +156,9 @@ def convert(
     form: str = typer.Option("stable", "--form", help="Taylor form: 'stable', or 'seed' (the literal seed form; diverges; for study)."),
     beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
     short_conv: int = typer.Option(0, "--short-conv", help="Kernel size (2-8) of a learnable causal conv on q, k, v; 0 = off."),
+    window: int = typer.Option(0, "--window", help="Exact softmax over each query's last N tokens, the GDN over older ones; 0 = off."),
+    sinks: int = typer.Option(0, "--sinks", help="With --window: also exact over each document's first N tokens."),
+    output_gate: bool = typer.Option(False, "--output-gate", help="A gate and mixed RMSNorm before o_proj (identity at init)."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
@@ -174,6 +177,13 @@ def convert(
         checks.positive(beta_max, "--beta-max", finite=True)
         if not (short_conv == 0 or 2 <= short_conv <= 8):
             raise UserError(f"--short-conv must be 0 (off) or a kernel size from 2 to 8; got {short_conv}")
+        from .layers.options import GDNOptions
+
+        try:
+            options = GDNOptions(form=form, beta_max=beta_max, short_conv=short_conv, window=window, sinks=sinks,
+                                 output_gate=output_gate)
+        except ValueError as e:
+            raise UserError(f"--{str(e).replace('_', '-')}") from None
         checks.positive(tokens, "--tokens", 2)
         checks.positive(calibration_tokens, "--calibration-tokens", 1)
         checks.builtin_tokens(tokens, "--tokens", "heldout")
@@ -188,7 +198,6 @@ def convert(
             check_conversion(layers, keep_softmax, info.num_layers)  # ranges, from config.json / GGUF metadata
         from .conversion import convert as convert_model
         from .eval import capture_attention, conversion_report, perplexity, plot_fidelity, text_ids
-        from .layers.options import GDNOptions
         from .models import load_teacher
         from .models.adapters import decoder_layers
         from .models.families import family_of
@@ -203,11 +212,11 @@ def convert(
         teacher_ppl = perplexity(lm, heldout)
         caps = capture_attention(lm, heldout)
         convert_model(lm, to=to, layers=layers, keep_softmax=keep_softmax, tokenizer=tok,
-                      calibration_tokens=calibration_tokens, options=GDNOptions(form=form, beta_max=beta_max, short_conv=short_conv))
+                      calibration_tokens=calibration_tokens, options=options)
         t_convert = time.perf_counter()
         report = conversion_report(caps, lm, heldout, teacher_ppl)
         t_report = time.perf_counter()
-        report.update(model=model, output=str(out), options={"form": form, "beta_max": beta_max, "short_conv": short_conv})
+        report.update(model=model, output=str(out), options=options.to_dict())
         rows = report["layers"]
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens")
         ppl = report["perplexity"]

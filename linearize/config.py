@@ -28,6 +28,9 @@ class ConvertConfig:
     form: str = "stable"
     beta_max: float = 1.0
     short_conv: int = 0  # kernel size of a learnable causal conv on q, k, v (identity at init); 0 = off
+    window: int = 0  # exact softmax over each query's last `window` tokens and `sinks` first ones; 0 = off
+    sinks: int = 0
+    output_gate: bool = False  # a gate and mixed RMSNorm before o_proj (identity at init)
     calibration_tokens: int = 512
 
 
@@ -238,6 +241,11 @@ def validate(cfg: RecipeConfig) -> None:
     _need(c.form in FORMS, "convert.form", " or ".join(repr(f) for f in FORMS), c.form)
     _need(_finite(c.beta_max) and c.beta_max > 0, "convert.beta_max", "a finite number > 0", c.beta_max)
     _need(c.short_conv == 0 or 2 <= c.short_conv <= 8, "convert.short_conv", "0 (off) or a kernel size 2 to 8", c.short_conv)
+    _need(isinstance(c.window, int) and not isinstance(c.window, bool) and 0 <= c.window <= 65536, "convert.window",
+          "0 (off) or a number of tokens up to 65536", c.window)
+    _need(isinstance(c.sinks, int) and not isinstance(c.sinks, bool) and 0 <= c.sinks <= 65536 and (c.window or not c.sinks),
+          "convert.sinks", "0, or a number of tokens with a convert.window", c.sinks)
+    _need(isinstance(c.output_gate, bool), "convert.output_gate", "true or false", c.output_gate)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))
     d = cfg.data

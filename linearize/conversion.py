@@ -80,7 +80,8 @@ def linearize_layer(
     return gdn
 
 
-NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias", "q_conv", "k_conv", "v_conv")
+NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias", "q_conv", "k_conv", "v_conv",
+                  "mix_bias", "out_gate.norm_weight", "out_gate.norm_mix")
 
 
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:

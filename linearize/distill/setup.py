@@ -90,7 +90,8 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     student = copy.deepcopy(teacher)
     convert(student, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
             calibration_tokens=cfg.convert.calibration_tokens,
-            options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv))
+            options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv,
+                               window=cfg.convert.window, sinks=cfg.convert.sinks, output_gate=cfg.convert.output_gate))
     for i, st in enumerate(cfg.stages):
         if st.name == "align":
             try:

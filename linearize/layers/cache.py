@@ -19,6 +19,8 @@ _STATE, _SUM_K, _SUM_V, _COUNT = range(4)  # recurrent state slots: A, Σk, Σv,
 # the short convolution's last K-1 inputs of q, k, v (GDNOptions.short_conv), kept as recurrent slots
 # too, so the library's reorder, offload and reset treat them like the rest of the state
 _CONV_INPUTS = (4, 5, 6)
+# a sink + sliding-window block's sinks and last tokens (GDNOptions.window; layers/window.py's WindowBuffers)
+_WINDOW = tuple(range(7, 14))
 
 
 # Also a CacheLayerMixin: beside A it keeps running sums (3 more slots), and a model whose every layer
@@ -32,7 +34,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
     def __init__(self, **kwargs):
         CacheLayerMixin.__init__(self)
-        LinearAttentionLayer.__init__(self, number_of_states=7)
+        LinearAttentionLayer.__init__(self, number_of_states=14)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
 
     @property
@@ -53,11 +55,21 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
             return None
         return tuple(self.recurrent_states[i] for i in _CONV_INPUTS)
 
+    @property
+    def window_buffers(self):
+        """The sinks and window of a sink + sliding-window block (a ``WindowBuffers``); None without one."""
+        if not (self.has_previous_state[_STATE] and self.has_previous_state[_WINDOW[0]]):
+            return None
+        from .window import WindowBuffers
+
+        return WindowBuffers(*(self.recurrent_states[i] for i in _WINDOW))
+
     def set_state(self, state: torch.Tensor, sums: RunningSums, new_tokens: int,
-                  conv_inputs: list[torch.Tensor] | None = None) -> None:
+                  conv_inputs: list[torch.Tensor] | None = None, window=None) -> None:
         self.device, self.dtype = state.device, state.dtype  # what the library's reorder/prefetch read
         slots = [(_STATE, state), (_SUM_K, sums.k), (_SUM_V, sums.v), (_COUNT, sums.count)]
         slots += list(zip(_CONV_INPUTS, conv_inputs or []))
+        slots += list(zip(_WINDOW, window.tensors() if window is not None else []))
         for i, x in slots:
             self.update_recurrent_state(x, state_idx=i)
             self.has_previous_state[i] = True

@@ -10,7 +10,13 @@ identity:
 - ``gate_proj``: a data-dependent exponent on the decay, ``α_t ← α_t^{exp(w·x_t + b)}`` (zero init);
 - ``beta_proj``: a bounded factor on β, ``2σ(w·x_t + b)`` ∈ (0, 2) (zero init → 1);
 - ``q_conv/k_conv/v_conv`` (with ``GDNOptions.short_conv``): a short causal depthwise convolution on the
-  projections' outputs (:mod:`linearize.layers.short_conv`; identity init).
+  projections' outputs (:mod:`linearize.layers.short_conv`; identity init);
+- ``mix_bias`` (with ``GDNOptions.window``): exact softmax over a sliding window and the attention sinks,
+  the Taylor-GDN over the older tokens, mixed by their share of the softmax mass, with this per-head
+  correction on the older part's normalizer (:mod:`linearize.ops.window`; 0 at init, where the block is
+  the teacher exactly for the first ``window + sinks`` tokens);
+- ``out_gate`` (with ``GDNOptions.output_gate``): a gate and mixed RMSNorm on the output before ``o_proj``
+  (:mod:`linearize.layers.output_gate`; identity init).
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
 from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
+from ..ops.window import mix_by_mass, sink_window_softmax
 from .cache import gdn_cache_layer
 from .options import GDNOptions
+from .output_gate import OutputGate
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
+from .window import WindowBuffers, cached_inputs, fresh_inputs
 
 
 def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
@@ -33,11 +42,12 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
     """Whether a call takes the fused Triton path (the Taylor front as one kernel each way, RoPE in one
     pass): the stable form, asked for (``fused_front=True``) or by default on CUDA, on fp16/bf16/fp32
     inputs where Triton runs, with no padding mask, no carried running sums and no final state wanted
-    (decoding and padded prefill take the PyTorch front), and no short convolution (``short_conv``: the
-    layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one place
-    that decides it."""
+    (decoding and padded prefill take the PyTorch front), and no short convolution, window or output gate
+    (the layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one
+    place that decides it."""
     want = options.fused_front
-    return (options.form == "stable" and not options.short_conv and mask is None and initial is None and not output_final_state
+    plain = not (options.short_conv or options.window or options.output_gate)
+    return (options.form == "stable" and plain and mask is None and initial is None and not output_final_state
             and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
 
 
@@ -134,6 +144,10 @@ class GDNAttention(nn.Module):
             widths = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
             for name, width in zip(CONV_NAMES, widths):
                 setattr(self, name, nn.Parameter(identity_weight(width, self.options.short_conv, p.device, p.dtype)))
+        if self.options.window:  # per query head, on log Z of the tokens older than the window and the sinks
+            self.mix_bias = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=p.device))
+        if self.options.output_gate:
+            self.out_gate = OutputGate(hidden, self.num_heads, self.head_dim, device=p.device, dtype=p.dtype)
 
     @torch.no_grad()
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
@@ -145,16 +159,9 @@ class GDNAttention(nn.Module):
             raise RuntimeError(f"calibrated rho has shape {tuple(rho.shape)}; the block has {tuple(self.rho.shape)} KV heads")
         self.rho.copy_(rho)
 
-    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False,
-                   conv_past=None):
-        """``(q, scale, front, conv_tails)``: q and the Taylor front's GDN inputs; the operator takes ``scale·q``.
-        With ``short_conv``, q/k/v are convolved first (``conv_past``: the cache's last inputs, see
-        :func:`conv_qkv`) and ``conv_tails`` are the last inputs to cache; otherwise it is None.
-
-        PyTorch front: everything in float32 (float64 if the model is), q scaled (scale 1). Fused front
-        (``fused``, as :func:`fused_path` decides: the Triton kernels, ``front.sums`` None): q, k̂ and u
-        stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
-        softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
+    def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None):
+        """``(q, k, v, conv_tails)`` after the norms and RoPE, before the softmax scale; with ``short_conv``
+        q/k/v convolved first (``conv_past``/``conv_tails``: the cache's last inputs before and after)."""
         tails = None
         mix = None
         if self.options.short_conv:
@@ -166,6 +173,19 @@ class GDNAttention(nn.Module):
                 return qkv
 
         q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused, mix=mix)
+        return q, k, v, tails
+
+    def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False,
+                   conv_past=None):
+        """``(q, scale, front, conv_tails)``: q and the Taylor front's GDN inputs; the operator takes ``scale·q``.
+        With ``short_conv``, q/k/v are convolved first (``conv_past``: the cache's last inputs, see
+        :func:`conv_qkv`) and ``conv_tails`` are the last inputs to cache; otherwise it is None.
+
+        PyTorch front: everything in float32 (float64 if the model is), q scaled (scale 1). Fused front
+        (``fused``, as :func:`fused_path` decides: the Triton kernels, ``front.sums`` None): q, k̂ and u
+        stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
+        softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
+        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
         if fused:
@@ -206,10 +226,15 @@ class GDNAttention(nn.Module):
         mask = token_mask(attention_mask, B, T)
         if layer is None and mask is None:  # training/scoring: packed documents restart the state
             return self.o_proj(self._fresh_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
-        o, state, sums, tails = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache, conv_past=conv_past)
+        buffers = None
+        if self.options.window:
+            o, state, sums, tails, buffers = self._attend_window(hidden_states, position_embeddings, mask, layer)
+        else:
+            o, state, sums, tails = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache,
+                                                 conv_past=conv_past)
         if layer is not None:
-            layer.set_state(state, sums, T, tails)
-        return self.o_proj(o), None
+            layer.set_state(state, sums, T, tails, buffers)
+        return self.o_proj(self._gated(o, hidden_states)), None
 
     def attention_output(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None,
                          mask=None) -> torch.Tensor:
@@ -223,13 +248,56 @@ class GDNAttention(nn.Module):
     def _fresh_output(self, hidden_states, position_embeddings, position_ids=None, mask=None) -> torch.Tensor:
         B, T, _ = hidden_states.shape
         cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
+        attend = self._attend_window if self.options.window else self._attend
         if cu is None:
-            return self._attend(hidden_states, position_embeddings, mask, None, None, False)[0]
-        (flat,), pe = flatten_rows([hidden_states], position_embeddings)
-        return self._attend(flat, pe, None, None, None, False, cu)[0].view(B, T, -1)
+            o = attend(hidden_states, position_embeddings, mask)[0]
+        else:
+            (flat,), pe = flatten_rows([hidden_states], position_embeddings)
+            o = attend(flat, pe, None, cu_seqlens=cu)[0].view(B, T, -1)
+        return self._gated(o, hidden_states)
 
-    def _attend(self, hidden_states, position_embeddings, mask, initial, h0, output_final_state, cu_seqlens=None,
-                conv_past=None):
+    def _gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.out_gate(o, hidden_states) if self.options.output_gate else o
+
+    def _attend_window(self, hidden_states, position_embeddings, mask, layer=None, cu_seqlens=None):
+        """The sink + sliding-window block (``GDNOptions.window``): exact softmax over each query's window and
+        sinks, the Taylor-GDN over the older tokens — fed the token leaving the window at every step —
+        mixed by :func:`mix_by_mass`. ``layer``: the cache layer to continue from (None: a fresh sequence).
+        Returns ``(o, state, sums, conv_tails, window buffers)``. The β and decay corrections are read off
+        the current token, as in GDN."""
+        B, T, _ = hidden_states.shape
+        W, S = self.options.window, self.options.sinks
+        h0 = layer.state if layer is not None else None
+        conv_past = layer.conv_inputs if h0 is not None else None
+        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
+        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        q = q.to(dt) * self.scaling
+        if layer is None:
+            inp, buffers = fresh_inputs(k, v, W, S, cu_seqlens, mask), None
+        else:
+            past = layer.window_buffers if h0 is not None else WindowBuffers.empty(k, W, S)
+            inp, buffers = cached_inputs(k, v, past, layer.seen, W, S, mask)
+        o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
+                                           inp.sink_ok)
+        beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
+        front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form=self.options.form, rho=self.rho.to(dt),
+                             beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,
+                             initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens)
+        g = front.g * gate_factor
+        if T == 1 and h0 is not None:
+            o_old, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], g[:, 0], front.beta[:, 0], h0)
+            o_old = taylor_back(o_old[:, None], front.v_mean)
+        else:
+            cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else dt
+            o_old, state = gated_delta_rule(
+                q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=g, beta=front.beta, initial_state=h0,
+                output_final_state=layer is not None, cu_seqlens=cu_seqlens, backend=self.options.backend,
+                v_offset=front.v_mean)
+        o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, self.mix_bias)
+        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails, buffers
+
+    def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
+                cu_seqlens=None, conv_past=None):
         B, T, _ = hidden_states.shape
         fused = fused_path(self.options, hidden_states, mask, initial, output_final_state)
         q, scale, front, tails = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused,

@@ -38,6 +38,13 @@ class GDNOptions:
     fused_front: bool | None = None
     # a learnable causal depthwise convolution of this kernel size on q, k and v (identity at init; 0 = off)
     short_conv: int = 0
+    # exact softmax over each query's last `window` tokens (itself included) and its document's first
+    # `sinks` tokens, the Taylor-GDN over every other earlier token, mixed by their share of the softmax
+    # mass (linearize.ops.window); 0 = off (the pure Taylor-GDN block)
+    window: int = 0
+    sinks: int = 0
+    # a gate and a mixed RMSNorm on the output before o_proj (linearize.layers.output_gate; identity at init)
+    output_gate: bool = False
 
     def __post_init__(self):
         check_form(self.form)
@@ -48,6 +55,14 @@ class GDNOptions:
         k = self.short_conv
         if isinstance(k, bool) or not isinstance(k, int) or not (k == 0 or 2 <= k <= 8):
             raise ValueError(f"short_conv must be 0 (off) or a kernel size from 2 to 8; got {k!r}")
+        for name, lo in (("window", 0), ("sinks", 0)):
+            n = getattr(self, name)
+            if isinstance(n, bool) or not isinstance(n, int) or n < lo or n > 65536:
+                raise ValueError(f"{name} must be a whole number of tokens from 0 to 65536; got {n!r}")
+        if self.sinks and not self.window:
+            raise ValueError(f"sinks={self.sinks} needs a window: set window (e.g. 64) or sinks=0")
+        if not isinstance(self.output_gate, bool):
+            raise ValueError(f"output_gate must be true or false; got {self.output_gate!r}")
 
     def to_dict(self) -> dict:
         return asdict(self)

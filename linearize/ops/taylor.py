@@ -38,6 +38,8 @@ class TaylorInputs:
     beta: torch.Tensor  # (B, T, H)
     v_mean: torch.Tensor  # (B, T, H, V): v̄_t
     sums: RunningSums  # Σk, Σv and t after the last token (for decoding on)
+    k_mean: torch.Tensor | None = None  # (B, T, H, K): k̄_t (the PyTorch front only)
+    count: torch.Tensor | None = None  # (B, T): t, the tokens counted so far (the PyTorch front only)
 
 
 @dataclass
@@ -145,7 +147,8 @@ def taylor_front(
     live = valid & (t > 1)  # where the state moves at all
     # k̃_t; identically 0 at a document's first token (k − k): `where` keeps the 0/0 of its
     # normalization out of the gradient, which would otherwise pour ~1/eps into the prefix-sum backward
-    k_c = torch.where(live[..., None], k - sum_k / t_safe[..., None], 0.0)
+    k_mean = sum_k / t_safe[..., None]  # k̄_t (0 before a document's first counted token)
+    k_c = torch.where(live[..., None], k - k_mean, 0.0)
     v_c = v - prev_mean  # ṽ_t
     n = k_c.norm(dim=-1)  # (B, T, H)
     k_hat = k_c / n.clamp_min(eps)[..., None]
@@ -167,7 +170,7 @@ def taylor_front(
     alpha = torch.where(live, 1.0 - 1.0 / t_safe, torch.ones_like(t_safe)).expand(B, T, H)
     # clone: a view of the last position would keep the whole (B, T, ...) cumsum alive in the cache
     sums = RunningSums(k=sum_k[:, -1].clone(), v=sum_v[:, -1].clone(), count=t[:, -1, 0].clone()) if T else initial
-    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=sums)
+    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=sums, k_mean=k_mean, count=t[..., 0])
 
 
 def taylor_back(o: torch.Tensor, v_mean: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,117 @@
+"""The exact part of a sink + sliding-window block: softmax over the attention sinks and a window.
+
+A converted block with ``GDNOptions.window = W`` and ``sinks = S`` splits the keys a query ``t``
+attends to in two (SPEC §2, "What the student could not learn"):
+
+- exact: its window — itself and the ``W − 1`` tokens before it — and its document's first ``S``
+  tokens (the sinks), through softmax with their exact normalizer ``Z_E``;
+- old: every other earlier token of its document, through the Taylor-GDN, which stands for the softmax
+  over those tokens alone; its normalizer to first order of log-sum-exp, ``log Z_O ≈ log n_O + q·k̄_O``.
+
+:func:`mix_by_mass` combines the two by their share of the softmax mass, ``Z_E / (Z_E + Z_O)``. While
+there are no old tokens (``t ≤ W + S``) the share is 1 and the block is softmax attention exactly.
+
+:func:`sink_window_softmax` is written for training and decoding alike: its keys come as the ``W``
+keys before the first query followed by one key per query, so a decode step passes the cached window
+and the new token, and a fresh sequence passes ``W`` empty slots. It runs in blocks of ``W`` queries
+against ``2W`` keys (a band), so its cost is linear in ``T``; PyTorch computes and differentiates it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sink_window_softmax(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_doc: torch.Tensor,
+    query_doc: torch.Tensor,
+    window: int,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_ok: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over its window and its sinks; ``(o, lse)``.
+
+    Args:
+        q: ``(B, T, G·H, D)``, the softmax scale folded in.
+        k, v: ``(B, W + T, H, D)``: the ``W`` keys before the first query, then one per query. Query
+            ``t`` sees keys ``t + 1 … t + W`` of this array (itself and the ``W − 1`` before it) whose
+            ``key_doc`` ``(B, W + T)`` equals its ``query_doc`` ``(B, T)`` — so empty slots and padding
+            take a document id no query has, and packed documents do not see each other.
+        sink_k, sink_v: ``(B, T or 1, S, H, D)``: the sinks each query sees beside its window, where
+            ``sink_ok`` ``(B, T, S)`` — the caller leaves out sinks that are inside the window already.
+
+    Returns ``o (B, T, G·H, D)`` and the log-normalizer ``lse (B, T, G·H)``, both float32 (float64 for
+    float64 inputs); ``lse`` is −inf for a query that sees no key (padding), whose ``o`` is 0.
+    """
+    B, T, Hq, D = q.shape
+    H, W = k.shape[2], window
+    G = Hq // H
+    if k.shape[1] != W + T or key_doc.shape != (B, W + T) or query_doc.shape != (B, T):
+        raise ValueError(f"keys must be the {W} before the first query and one per query: k {tuple(k.shape)}, "
+                         f"key_doc {tuple(key_doc.shape)}, query_doc {tuple(query_doc.shape)} for q {tuple(q.shape)}")
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    nb = -(-T // W)  # blocks of W queries; block b sees keys [bW, bW + 2W) of the array
+    pad = nb * W - T
+    qb = F.pad(q.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb, W, H, G, D)
+    kp = F.pad(k.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb + 1, W, H, D)
+    vp = F.pad(v.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb + 1, W, H, D)
+    kb, vb = (torch.cat([x[:, :-1], x[:, 1:]], dim=2) for x in (kp, vp))  # (B, nb, 2W, H, D)
+    kd = F.pad(key_doc, (0, pad), value=-1).view(B, nb + 1, W)
+    kd = torch.cat([kd[:, :-1], kd[:, 1:]], dim=2)  # (B, nb, 2W)
+    qd = F.pad(query_doc, (0, pad), value=-2).view(B, nb, W)
+    i = torch.arange(W, device=q.device)[:, None]
+    r = torch.arange(2 * W, device=q.device)[None]
+    band = (r > i) & (r <= i + W)  # query i of a block sees its keys r in (i, i + W]
+    seen = band & (kd[:, :, None, :] == qd[:, :, :, None])  # (B, nb, W, 2W)
+    scores = torch.einsum("bnihgd,bnrhd->bnihgr", qb, kb)
+    scores = scores.masked_fill(~seen[:, :, :, None, None, :], float("-inf"))
+    parts = [scores]
+    if sink_k is not None:
+        sk, sv = sink_k.to(acc).expand(B, T, -1, -1, -1), sink_v.to(acc).expand(B, T, -1, -1, -1)
+        S = sk.shape[2]
+        ss = torch.einsum("bthgd,btshd->bthgs", q.to(acc).view(B, T, H, G, D), sk)
+        ss = ss.masked_fill(~sink_ok[:, :, None, None, :], float("-inf"))
+        parts.append(F.pad(ss, (0, 0, 0, 0, 0, 0, 0, pad), value=float("-inf")).view(B, nb, W, H, G, S))
+    logits = torch.cat(parts, dim=-1) if len(parts) > 1 else scores
+    lse = torch.logsumexp(logits, dim=-1)  # (B, nb, W, H, G)
+    p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
+    o = torch.einsum("bnihgr,bnrhd->bnihgd", p[..., : 2 * W], vb)
+    o = o.reshape(B, nb * W, Hq, D)[:, :T]
+    if sink_k is not None:
+        ps = p[..., 2 * W:].reshape(B, nb * W, H, G, -1)[:, :T]
+        o = o + torch.einsum("bthgs,btshd->bthgd", ps, sv).reshape(B, T, Hq, D)
+    return o, lse.reshape(B, nb * W, Hq)[:, :T]
+
+
+def mix_by_mass(
+    o_exact: torch.Tensor,
+    lse_exact: torch.Tensor,
+    o_old: torch.Tensor,
+    q: torch.Tensor,
+    k_mean_old: torch.Tensor,
+    n_old: torch.Tensor,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``w·o_exact + (1 − w)·o_old`` with ``w = Z_E / (Z_E + Z_O)`` the exact part's share of the mass.
+
+    ``log Z_O ≈ log n_O + q·k̄_O + bias``: the first-order log-sum-exp of the old tokens' logits (Jensen:
+    their mean logit, plus the log of their count), with a learnable per-query-head ``bias`` ``(G·H,)`` on
+    top (0 at init). q: ``(B, T, G·H, D)`` scaled; ``k_mean_old`` ``(B, T, H, D)`` the old tokens' mean key;
+    ``n_old`` ``(B, T)`` their count — where it is 0, ``w = 1``. Outputs ``(B, T, G·H, D)``.
+    """
+    B, T, Hq, D = q.shape
+    H = k_mean_old.shape[2]
+    acc = lse_exact.dtype
+    mean_logit = torch.einsum("bthgd,bthd->bthg", q.to(acc).view(B, T, H, Hq // H, D), k_mean_old.to(acc))
+    has_old = (n_old > 0)[..., None]  # (B, T, 1)
+    log_z_old = torch.log(n_old.to(acc).clamp_min(1))[..., None] + mean_logit.reshape(B, T, Hq)
+    if bias is not None:
+        log_z_old = log_z_old + bias.to(acc)
+    lse = torch.where(torch.isfinite(lse_exact), lse_exact, torch.zeros_like(lse_exact))
+    w = torch.where(has_old, torch.sigmoid(lse - log_z_old), torch.ones_like(lse))[..., None]
+    return w * o_exact.to(acc) + (1 - w) * o_old.to(acc)

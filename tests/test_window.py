@@ -1,0 +1,212 @@
+"""The sink + sliding-window block (GDNOptions.window/sinks) against references written here in float64:
+dense masked softmax for the exact part, the Taylor recurrence by loops (test_ops.taylor_direct) for the
+older tokens, the mixing rule of SPEC §2; and the teacher itself for the first window + sinks tokens."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_convert import calib, ids, incremental_logits
+from test_ops import taylor_direct
+
+import linearize
+from linearize.eval import capture_attention
+from linearize.layers import GDNAttention, GDNOptions
+from linearize.models import project_qkv
+from linearize.ops.window import sink_window_softmax
+
+f64 = torch.float64
+
+
+def exact_sets(t: int, window: int, sinks: int) -> tuple[list[int], list[int]]:
+    """1-based positions a query at position t sees exactly (sinks ∪ window) and through the state (the rest)."""
+    exact = sorted(set(range(1, min(sinks, t) + 1)) | set(range(max(1, t - window + 1), t + 1)))
+    return exact, [i for i in range(1, t + 1) if i not in exact]
+
+
+def dense_sink_window(q, k, v, docs, window, sinks, valid=None):
+    """``(o, lse)`` by loops over queries: softmax over each query's exact set inside its document."""
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    o, lse = torch.zeros(B, T, Hq, D, dtype=f64), torch.full((B, T, Hq), -math.inf, dtype=f64)
+    for b in range(B):
+        for a, e in docs:
+            real = [i for i in range(a, e) if valid is None or valid[b, i]]
+            for n, t in enumerate(real, 1):
+                keys = [real[p - 1] for p in exact_sets(n, window, sinks)[0] if real[p - 1] <= t]
+                keys = [i for i in keys if t - i < window or real.index(i) < sinks]
+                for h in range(Hq):
+                    s = torch.stack([q[b, t, h].double() @ k[b, i, h // G].double() for i in keys])
+                    lse[b, t, h] = torch.logsumexp(s, 0)
+                    o[b, t, h] = (s.softmax(0)[:, None] * torch.stack([v[b, i, h // G].double() for i in keys])).sum(0)
+    return o, lse
+
+
+def window_layout(k, v, docs, window):
+    """The kernel's layout: W empty slots, then the keys; document ids per key and query."""
+    B, T, H, D = k.shape
+    doc = torch.zeros(T, dtype=torch.long)
+    for n, (a, e) in enumerate(docs):
+        doc[a:e] = n
+    z = k.new_zeros(B, window, H, D)
+    key_doc = torch.cat([torch.full((window,), -1), doc]).expand(B, -1)
+    return torch.cat([z, k], 1), torch.cat([z, v], 1), key_doc, doc.expand(B, -1)
+
+
+@pytest.mark.parametrize("window,T", [(4, 13), (8, 8), (16, 5)])
+def test_sink_window_softmax_equals_dense_reference(window, T):
+    """No sinks: a band of W keys per query, packed documents apart; values and log-normalizers."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, T, 4, 8, generator=g), torch.randn(2, T, 2, 8, generator=g), torch.randn(2, T, 2, 8, generator=g)
+    docs = [(0, T // 2), (T // 2, T)]
+    kk, vv, kd, qd = window_layout(k, v, docs, window)
+    o, lse = sink_window_softmax(q, kk, vv, kd, qd, window)
+    o_ref, lse_ref = dense_sink_window(q, k, v, docs, window, 0)
+    assert (o.double() - o_ref).abs().max() < 1e-5 and (lse.double() - lse_ref).abs().max() < 1e-5
+
+
+def test_sink_window_softmax_gradients():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 9, h, 4, generator=g, dtype=f64, requires_grad=True) for h in (2, 1, 1))
+    docs = [(0, 9)]
+
+    def f(q, k, v):
+        kk, vv, kd, qd = window_layout(k, v, docs, 3)
+        sk, sv = k[:, None, :2].expand(1, 9, 2, 1, 4), v[:, None, :2].expand(1, 9, 2, 1, 4)
+        ok = torch.tensor([[[j + 1 <= t + 1 and j <= t - 3 for j in range(2)] for t in range(9)]])
+        o, lse = sink_window_softmax(q, kk, vv, kd, qd, 3, sk, sv, ok)
+        return o, lse
+
+    assert torch.autograd.gradcheck(f, (q, k, v))
+
+
+def convert(family, options, seed=0):
+    teacher = tiny_model(family, seed=seed)
+    model = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=options)
+    return teacher, model
+
+
+@pytest.mark.parametrize("family,window,sinks", [("llama", 8, 3), ("qwen3", 8, 3), ("gemma3_text", 5, 2)])
+def test_window_block_is_the_teacher_for_the_first_window_plus_sinks_tokens(family, window, sinks):
+    """Every layer converted: on window + sinks tokens the model is its teacher (to float32 rounding); past
+    them the older tokens go through the state, and the logits move off by far more. (The tiny Gemma 3's
+    own sliding window is 8 tokens, so it is checked within them.)"""
+    teacher, model = convert(family, GDNOptions(window=window, sinks=sinks))
+    n = window + sinks
+    x = ids(teacher, B=2, T=24)
+    with torch.no_grad():
+        short = (model(x[:, :n]).logits - teacher(x[:, :n]).logits).abs().max()
+        long = (model(x).logits[:, n:] - teacher(x).logits[:, n:]).abs().max()
+    assert short < 1e-5 and long > 20 * max(short, 1e-7)
+
+
+def block_reference(gdn, h, pe, docs):
+    """The block on one packed row, independently, in float64: per document and per query, softmax over
+    its exact set; the Taylor recurrence (by loops) over the tokens older than its window and sinks,
+    fed in order, read with its query; the two mixed by w = σ(lse_E − log n_O − q·k̄_O − bias)."""
+    W, S = gdn.options.window, gdn.options.sinks
+    g64 = copy.deepcopy(gdn).double()
+    q, k, v = project_qkv(g64, h.double()[None], tuple(x.double() for x in pe))
+    G = gdn.num_heads // gdn.num_kv_heads
+    out = torch.zeros(h.shape[0], gdn.num_heads, gdn.head_dim, dtype=f64)
+    for a, e in docs:
+        L = e - a
+        qs, ks, vs = q[:, a:e], k[:, a:e], v[:, a:e]
+        o_exact, lse = dense_sink_window(qs * gdn.scaling, ks, vs, [(0, L)], W, S)
+        n_old = max(L - W - S, 0)
+        if n_old:  # step n of the old stream writes token S + n and is read by the query at S + n + W
+            o_old = taylor_direct(qs[:, S + W:], ks[:, S:S + n_old], vs[:, S:S + n_old], gdn.scaling, "stable",
+                                  rho=g64.rho, beta_max=gdn.options.beta_max)
+        for t in range(L):
+            n = t + 1 - W - S  # old tokens this query has
+            for hq in range(gdn.num_heads):
+                if n <= 0:
+                    out[a + t, hq] = o_exact[0, t, hq]
+                    continue
+                k_mean = ks[0, S:S + n, hq // G].mean(0)
+                log_z = math.log(n) + gdn.scaling * qs[0, t, hq] @ k_mean + g64.mix_bias[hq]
+                w = torch.sigmoid(lse[0, t, hq] - log_z)
+                out[a + t, hq] = w * o_exact[0, t, hq] + (1 - w) * o_old[0, n - 1, hq]
+    return out.flatten(1)
+
+
+@pytest.mark.parametrize("family,window,sinks", [("llama", 4, 2), ("qwen3", 6, 0), ("llama", 3, 5)])
+def test_window_block_equals_reference_per_document(family, window, sinks):
+    """Two packed documents per row, a random per-head mix bias: the block's output before o_proj and
+    its gradient with respect to the input equal the float64 reference."""
+    teacher = tiny_model(family)
+    x = ids(teacher, B=1, T=30)
+    pos = torch.cat([torch.arange(12), torch.arange(18)])[None]
+    cap = capture_attention(teacher, x, [1], position_ids=pos)[1]
+    gdn = linearize.linearize_layer(teacher.model.layers[1].self_attn, GDNOptions(window=window, sinks=sinks),
+                                    cap.hidden_states, cap.position_embeddings)
+    with torch.no_grad():
+        gdn.mix_bias.normal_(0, 1.0)
+    h = cap.hidden_states.detach().clone().requires_grad_(True)
+    out = gdn.attention_output(h, cap.position_embeddings, pos)[0]
+    h64 = h.detach().double()[0].requires_grad_(True)
+    ref = block_reference(gdn, h64, cap.position_embeddings, [(0, 12), (12, 30)])
+    assert ((out.double() - ref).norm() / ref.norm()).item() < 1e-5
+    r = torch.randn_like(ref)
+    (gh,) = torch.autograd.grad((out * r.float()).sum(), h)
+    (gr,) = torch.autograd.grad((ref * r).sum(), h64)
+    assert ((gh[0].double() - gr).norm() / gr.norm()).item() < 1e-4
+
+
+@pytest.mark.parametrize("prefill", [3, 14])
+@pytest.mark.parametrize("keep", [None, [1]])
+def test_window_prefill_and_decode_equal_full_forward(prefill, keep):
+    """Prefill shorter and longer than window + sinks, then token by token: the full forward's logits; the
+    cache holds a fixed number of keys (sinks + window) whatever the length; beam reordering permutes it."""
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=keep,
+                              options=GDNOptions(window=5, sinks=2, short_conv=3, output_gate=True))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, GDNAttention):
+                m.mix_bias.normal_(0, 0.5)
+                m.out_gate.norm_mix.fill_(0.5)
+                m.out_gate.gate_proj.weight.normal_(0, 0.1)
+    x = ids(model, B=2, T=24)
+    mask, pos = torch.ones_like(x), torch.arange(24)[None].expand(2, -1)
+    with torch.no_grad():
+        full = model(x, attention_mask=mask).logits
+        inc, cache = incremental_logits(model, x, mask, pos, prefill=prefill)
+    assert (inc - full).abs().max() < 1e-4
+    buf = cache.layers[0].window_buffers
+    assert buf.win_k.shape[1] == 5 and buf.sink_k.shape[1] == 2 and buf.count.tolist() == [24, 24]
+    assert buf.sink_index.tolist() == [[0, 1], [0, 1]] and buf.win_pos[0].tolist() == list(range(20, 25))
+    before = buf.win_k.clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[0].window_buffers.win_k, before[[1, 0]])
+
+
+def test_window_left_padding_matches_unpadded():
+    """A left-padded row decodes as the same row alone: padding is no key, no sink, no position."""
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    x = ids(model, B=1, T=16)
+    padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), x], 1)
+    both = torch.cat([padded, torch.cat([ids(model, B=1, T=21, seed=5)], 1)])
+    mask = torch.ones_like(both)
+    mask[0, :5] = 0
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    with torch.no_grad():
+        alone = model(x).logits
+        inc, _ = incremental_logits(model, both, mask, pos, prefill=12)
+    assert (inc[0, 5:] - alone[0]).abs().max() < 1e-4
+
+
+def test_window_options_checked_and_off_the_fused_path():
+    from linearize.layers.gdn_attention import fused_path
+
+    for bad in (dict(window=-1), dict(sinks=4), dict(window=True), dict(output_gate=1)):
+        with pytest.raises(ValueError):
+            GDNOptions(**bad)
+    h = torch.zeros(1, 4, 8)
+    assert not fused_path(GDNOptions(window=8, fused_front=True), h)
+    assert not fused_path(GDNOptions(output_gate=True, fused_front=True), h)

@@ -106,7 +106,8 @@ def host_profile(step, iters: int = 3, top: int = 30) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
 
 
-def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False, host: bool = False) -> dict:
+def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False, host: bool = False,
+            block: dict | None = None) -> dict:
     """Seconds per step of the teacher's forward+backward and of the align and distill steps."""
     from linearize.layers import GDNOptions
 
@@ -126,7 +127,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     teacher.requires_grad_(False)
     vocab = teacher.config.vocab_size
     student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, vocab, (1, 512), device=dev),
-                                options=GDNOptions(fused_front=fused_front))
+                                options=GDNOptions(fused_front=fused_front, **(block or {})))
     float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
     # the part of an align step that is the teacher's own forward (no grad, capturing every layer's
     # attention input and output): what is left of the step is the GDN blocks' forward, loss and backward
@@ -187,6 +188,9 @@ def main():
                    help="also profile the align and distill steps: GPU ms per kernel name, kernel total against wall")
     p.add_argument("--host-profile", action="store_true",
                    help="also cProfile the align and distill steps: host ms per function (is the step Python-bound?)")
+    p.add_argument("--window", type=int, default=0, help="GDNOptions.window: the sink + sliding-window block")
+    p.add_argument("--sinks", type=int, default=0, help="GDNOptions.sinks (with --window)")
+    p.add_argument("--output-gate", action="store_true", help="GDNOptions.output_gate")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
@@ -215,9 +219,11 @@ def main():
     res = {"command": " ".join(["python", *sys.argv]),
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (--tiny: a check of the script)",
            "B": B, "T": T, "iters": args.iters, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
+    block = dict(window=args.window, sinks=args.sinks, output_gate=args.output_gate)
+    res["block"] = block
     variants = []
     for name, pos, fused in plan:
-        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile, args.host_profile)}
+        row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile, args.host_profile, block)}
         variants.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.variants:

@@ -353,3 +353,16 @@ def test_gated_delta_rule_chunk_bwd_equals_reference_gradients(cu):
     mine = gated_delta_rule_chunk_bwd(q, k, v, g, beta, 0.7, h0, do, dht, cu_seqlens=cs)
     for name, a, b in zip("q k v g beta h0".split(), mine, leaves):
         assert rel(a, b.grad) < 1e-10, name
+
+
+@pytest.mark.parametrize("T", [7, 257, 1000])
+def test_chunked_time_scan_equals_cumsum(T):
+    """The Taylor front's prefix sums run in chunks (ops.taylor._scan): the same values and gradient as
+    one float64 cumsum along time, for lengths below, at and past the chunking threshold."""
+    from linearize.ops.taylor import _scan
+
+    x = torch.randn(2, T, 3, 4, dtype=f64, requires_grad=True)
+    g = torch.randn(2, T, 3, 4, dtype=f64)
+    (a,) = torch.autograd.grad((_scan(x) * g).sum(), x)
+    (b,) = torch.autograd.grad((x.cumsum(1) * g).sum(), x)
+    assert (_scan(x) - x.cumsum(1)).abs().max() < 1e-10 and (a - b).abs().max() < 1e-10

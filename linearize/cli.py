@@ -102,7 +102,7 @@ def print_fidelity(rows: list[dict], title: str, inits=("uniform", "vala", "seed
     table.add_column("layer", justify="right")
     blocks = any("block" in r for r in rows)
     if blocks:
-        table.add_column("block")
+        table.add_column("block", no_wrap=True)
     for name in inits:
         table.add_column(name, justify="right")
     for r in rows:
@@ -156,8 +156,8 @@ def convert(
     form: str = typer.Option("stable", "--form", help="Taylor form: 'stable', or 'seed' (the literal seed form; diverges; for study)."),
     beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
     short_conv: int = typer.Option(0, "--short-conv", help="Kernel size (2-8) of a learnable causal conv on q, k, v; 0 = off."),
-    window: int = typer.Option(0, "--window", help="Exact softmax over each query's last N tokens, the GDN over older ones; 0 = off."),
-    sinks: int = typer.Option(0, "--sinks", help="With --window: also exact over each document's first N tokens."),
+    window: int = typer.Option(64, "--window", help="Exact softmax over each query's last N tokens, the GDN over older ones; 0 = the pure GDN block."),
+    sinks: int | None = typer.Option(None, "--sinks", help="With --window: also exact over each document's first N tokens (default 4; 0 without a window)."),
     output_gate: bool = typer.Option(False, "--output-gate", help="A gate and mixed RMSNorm before o_proj (identity at init)."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
@@ -180,7 +180,8 @@ def convert(
         from .layers.options import GDNOptions
 
         try:
-            options = GDNOptions(form=form, beta_max=beta_max, short_conv=short_conv, window=window, sinks=sinks,
+            options = GDNOptions(form=form, beta_max=beta_max, short_conv=short_conv, window=window,
+                                 sinks=(4 if window else 0) if sinks is None else sinks,
                                  output_gate=output_gate)
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
@@ -218,7 +219,8 @@ def convert(
         t_report = time.perf_counter()
         report.update(model=model, output=str(out), options=options.to_dict())
         rows = report["layers"]
-        print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens")
+        print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens",
+                       ("uniform", "vala", "seed", "stable") + (("converted",) if window else ()))
         ppl = report["perplexity"]
         gdn = sum(r["block"] == "gdn" for r in rows)
         typer.echo(f"converted {gdn} of {len(rows)} layers to GDN; softmax kept: "

@@ -171,7 +171,8 @@ def conversion_report(teacher_caps: dict[int, AttentionCapture], model, input_id
     """Fidelity of a converted model against the teacher activations captured before converting.
 
     Per layer: the error of every initialization (``stable`` uses the block's calibrated ρ and β
-    bound, i.e. exactly the converted block), and whether the layer was converted; plus the
+    bound), of the block as converted (``converted``: the stable form, or with a window and sinks the
+    sink + window block; 0 for a layer kept softmax), and whether the layer was converted; plus the
     perplexity of teacher and converted model on the same ids.
     """
     from .layers.gdn_attention import GDNAttention
@@ -181,7 +182,10 @@ def conversion_report(teacher_caps: dict[int, AttentionCapture], model, input_id
         attn = attention_modules(model)[i]
         gdn = isinstance(attn, GDNAttention)
         errs = init_errors(attn, cap, rho=attn.rho if gdn else None, beta_max=attn.options.beta_max if gdn else None)
-        rows.append({"layer": i, "block": "gdn" if gdn else "softmax", **errs})
+        # the block as converted (with its window, sinks, gate: what the model runs); a kept softmax layer is the teacher
+        with torch.no_grad():
+            converted = relative_error(attn.attention_output(cap.hidden_states, cap.position_embeddings), cap.output) if gdn else 0.0
+        rows.append({"layer": i, "block": "gdn" if gdn else "softmax", **errs, "converted": converted})
     return {
         "tokens": int(input_ids.numel()),
         "layers": rows,

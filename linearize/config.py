@@ -31,6 +31,7 @@ class ConvertConfig:
     window: int = 0  # exact softmax over each query's last `window` tokens and `sinks` first ones; 0 = off
     sinks: int = 0
     output_gate: bool = False  # a gate and mixed RMSNorm before o_proj (identity at init)
+    calibrate_mix: bool = False  # with a window: fit the mix's per-head bias on the calibration text
     calibration_tokens: int = 512
 
 
@@ -246,6 +247,7 @@ def validate(cfg: RecipeConfig) -> None:
     _need(isinstance(c.sinks, int) and not isinstance(c.sinks, bool) and 0 <= c.sinks <= 65536 and (c.window or not c.sinks),
           "convert.sinks", "0, or a number of tokens with a convert.window", c.sinks)
     _need(isinstance(c.output_gate, bool), "convert.output_gate", "true or false", c.output_gate)
+    _need(isinstance(c.calibrate_mix, bool), "convert.calibrate_mix", "true or false", c.calibrate_mix)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))
     d = cfg.data

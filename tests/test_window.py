@@ -204,9 +204,37 @@ def test_window_left_padding_matches_unpadded():
 def test_window_options_checked_and_off_the_fused_path():
     from linearize.layers.gdn_attention import fused_path
 
-    for bad in (dict(window=-1), dict(sinks=4), dict(window=True), dict(output_gate=1)):
+    for bad in (dict(window=-1), dict(sinks=4), dict(window=True), dict(output_gate=1), dict(calibrate_mix=1)):
         with pytest.raises(ValueError):
             GDNOptions(**bad)
     h = torch.zeros(1, 4, 8)
     assert not fused_path(GDNOptions(window=8, fused_front=True), h)
     assert not fused_path(GDNOptions(output_gate=True, fused_front=True), h)
+
+
+def test_first_order_gap_equals_loops_and_calibration_sets_it():
+    """The mean normalizer gap per head by loops over queries and heads; convert with calibrate_mix puts
+    it in mix_bias (and without, 0); the gap is never negative (Jensen)."""
+    from linearize.ops.window import first_order_gap
+
+    g = torch.Generator().manual_seed(3)
+    q, k = torch.randn(2, 20, 4, 8, generator=g, dtype=f64), torch.randn(2, 20, 2, 8, generator=g, dtype=f64)
+    W, S = 5, 2
+    gaps = torch.zeros(4, dtype=f64)
+    count = 0
+    for b in range(2):
+        for t in range(20):
+            old = [i for i in range(S, t - W + 1)]
+            if not old:
+                continue
+            count += b == 0
+            for h in range(4):
+                x = torch.stack([q[b, t, h] @ k[b, i, h // 2] for i in old])
+                gaps[h] += torch.logsumexp(x, 0) - math.log(len(old)) - x.mean()
+    ref = gaps / (2 * count)
+    got = first_order_gap(q, k, W, S)
+    assert (got - ref).abs().max() < 1e-10 and bool((got > 0).all())
+    teacher = tiny_model("llama")
+    on = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2, calibrate_mix=True))
+    off = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    assert bool((on.model.layers[0].self_attn.mix_bias > 0).all()) and not off.model.layers[0].self_attn.mix_bias.any()

@@ -91,7 +91,8 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     convert(student, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
             calibration_tokens=cfg.convert.calibration_tokens,
             options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv,
-                               window=cfg.convert.window, sinks=cfg.convert.sinks, output_gate=cfg.convert.output_gate))
+                               window=cfg.convert.window, sinks=cfg.convert.sinks, output_gate=cfg.convert.output_gate,
+                               calibrate_mix=cfg.convert.calibrate_mix))
     for i, st in enumerate(cfg.stages):
         if st.name == "align":
             try:

@@ -29,7 +29,7 @@ from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
 from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
-from ..ops.window import mix_by_mass, sink_window_softmax
+from ..ops.window import first_order_gap, mix_by_mass, sink_window_softmax
 from .cache import gdn_cache_layer
 from .options import GDNOptions
 from .output_gate import OutputGate
@@ -151,13 +151,17 @@ class GDNAttention(nn.Module):
 
     @torch.no_grad()
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
-        """Set ρ per KV head to the mean norm of the scaled queries on calibration activations."""
+        """Set ρ per KV head to the mean norm of the scaled queries on calibration activations; with a window
+        (and ``calibrate_mix``), ``mix_bias`` per head to the mean gap of the first-order normalizer there."""
         mix = (lambda q, k, v: conv_qkv(self, q, k, v)[:3]) if self.options.short_conv else None  # noqa: E731
         q, _, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
         rho = calibrate_rho(q.float() * self.scaling, self.num_kv_heads)
         if rho.shape != self.rho.shape:  # copy_ would broadcast a wrong shape silently
             raise RuntimeError(f"calibrated rho has shape {tuple(rho.shape)}; the block has {tuple(self.rho.shape)} KV heads")
         self.rho.copy_(rho)
+        if self.options.window and self.options.calibrate_mix:  # the mix's normalizer gap, per head, on these rows
+            q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
+            self.mix_bias.copy_(first_order_gap(q.float() * self.scaling, k.float(), self.options.window, self.options.sinks))
 
     def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None):
         """``(q, k, v, conv_tails)`` after the norms and RoPE, before the softmax scale; with ``short_conv``

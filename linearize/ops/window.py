@@ -115,3 +115,26 @@ def mix_by_mass(
     lse = torch.where(torch.isfinite(lse_exact), lse_exact, torch.zeros_like(lse_exact))
     w = torch.where(has_old, torch.sigmoid(lse - log_z_old), torch.ones_like(lse))[..., None]
     return w * o_exact.to(acc) + (1 - w) * o_old.to(acc)
+
+
+def first_order_gap(q: torch.Tensor, k: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
+    """Per query head, the mean gap ``log Z_O − (log n_O + q·k̄_O)`` between the older tokens' true
+    log-normalizer and its first-order form (Jensen: never negative), over the queries that have older
+    tokens: the ``bias`` of :func:`mix_by_mass` that calibrates the mix on these rows. q ``(B, T, G·H, D)``
+    scaled, k ``(B, T, H, D)``, each row one document from its start. Returns ``(G·H,)`` float64 (zeros
+    when no query has older tokens)."""
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    q64 = q.double().view(B, T, H, Hq // H, D)
+    logits = torch.einsum("bthgd,bshd->bhgts", q64, k.double())  # (B, H, G, T, T)
+    t = torch.arange(T, device=q.device)[:, None]
+    s = torch.arange(T, device=q.device)[None]
+    old = (s <= t - window) & (s >= sinks)  # 0-based: older than the window, not a sink
+    n = old.sum(1)  # (T,)
+    has = n > 0
+    if not bool(has.any()):
+        return torch.zeros(Hq, dtype=torch.float64, device=q.device)
+    lz = torch.logsumexp(logits.masked_fill(~old, float("-inf")), -1)  # (B, H, G, T)
+    mean_logit = (logits * old).sum(-1) / n.clamp_min(1)
+    gap = (lz - torch.log(n.clamp_min(1).double()) - mean_logit)[..., has]  # (B, H, G, tokens with older ones)
+    return gap.mean(dim=(0, 3)).reshape(Hq)

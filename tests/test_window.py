@@ -238,3 +238,60 @@ def test_first_order_gap_equals_loops_and_calibration_sets_it():
     on = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2, calibrate_mix=True))
     off = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
     assert bool((on.model.layers[0].self_attn.mix_bias > 0).all()) and not off.model.layers[0].self_attn.mix_bias.any()
+
+
+def flex_against_banded(device, dtype, mask_rows, grads):
+    """``[(o, lse, grads)]`` of the banded softmax and of FlexAttention's path on the same real queries."""
+    import warnings
+
+    from linearize.layers.window import fresh_inputs
+    from linearize.ops.window import sink_window_flex
+
+    g = torch.Generator().manual_seed(0)
+    B, T = (2, 150) if mask_rows else (1, 300)
+    q = (torch.randn(B, T, 4, 16, generator=g) * 0.5).to(device, dtype).requires_grad_(grads)
+    k, v = (torch.randn(B, T, 2, 16, generator=g).to(device, dtype).requires_grad_(grads) for _ in range(2))
+    cu = None if mask_rows else torch.tensor([0, 70, 300], device=device)
+    mask = None
+    if mask_rows:
+        mask = torch.ones(B, T, dtype=torch.bool, device=device)
+        mask[1, :9] = False
+    outs = []
+    for flex in (False, True):
+        inp = fresh_inputs(k, v, 16, 3, cu, mask)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if flex:
+                o, lse = sink_window_flex(q, k, v, inp.key_doc[:, 16:], inp.query_doc, inp.pos, 16, 3,
+                                          compiled=device != "cpu")
+            else:
+                o, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, 16, inp.sink_k, inp.sink_v,
+                                             inp.sink_ok)
+        real = inp.query_doc >= 0
+        d = ()
+        if grads:
+            r = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).to(device)
+            d = torch.autograd.grad(((o * r)[real].sum() + lse[real].sum()), (q, k, v))
+        outs.append((o[real].detach(), lse[real].detach(), d))
+    return outs
+
+
+@pytest.mark.parametrize("mask_rows", [False, True])
+def test_sink_window_flex_equals_banded(mask_rows):
+    """FlexAttention's path for fresh sequences (eager on the CPU, which has no backward for it) equals
+    the banded softmax on packed documents and on a left-padded batch. Gradients: the gpu test below."""
+    (o1, l1, _), (o2, l2, _) = flex_against_banded("cpu", torch.float32, mask_rows, grads=False)
+    assert (o1 - o2).abs().max() < 1e-5 and (l1 - l2).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("mask_rows", [False, True])
+def test_sink_window_flex_compiled_equals_banded_on_gpu(mask_rows, dtype, tol):
+    """The compiled FlexAttention kernel (what training on CUDA runs) against the banded softmax in
+    float32 on the same inputs: values, log-normalizers and the gradients of q, k, v (relative)."""
+    (o1, l1, g1), (o2, l2, g2) = flex_against_banded("cuda", dtype, mask_rows, grads=True)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert rel(o2, o1) < tol and rel(l2, l1) < tol
+    assert all(rel(a, b) < tol for a, b in zip(g2, g1))

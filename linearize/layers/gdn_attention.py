@@ -29,7 +29,7 @@ from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
 from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
-from ..ops.window import first_order_gap, mix_by_mass, sink_window_softmax
+from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
 from .cache import gdn_cache_layer
 from .options import GDNOptions
 from .output_gate import OutputGate
@@ -281,8 +281,11 @@ class GDNAttention(nn.Module):
         else:
             past = layer.window_buffers if h0 is not None else WindowBuffers.empty(k, W, S)
             inp, buffers = cached_inputs(k, v, past, layer.seen, W, S, mask)
-        o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
-                                           inp.sink_ok)
+        if layer is None and flex_usable(q):  # a fresh sequence on CUDA: one fused kernel
+            o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
+        else:
+            o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
+                                               inp.sink_ok)
         beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
         front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form=self.options.form, rho=self.rho.to(dt),
                              beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,

@@ -32,6 +32,7 @@ class WindowInputs:
     sink_v: torch.Tensor | None
     sink_ok: torch.Tensor | None  # (B, T, S): the sink exists, precedes the query and is outside its window
     old_ok: torch.Tensor  # (B, T): the old stream's token at t (k[:, t], v[:, t]) is written into the state
+    pos: torch.Tensor | None = None  # (B, T): position in its document from 1 (padding 0); fresh inputs only
 
     @property
     def old_k(self) -> torch.Tensor:
@@ -104,7 +105,7 @@ def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_s
         if cu_seqlens is None:  # one set of sinks per row
             index = index[:, :1]
         sink_k, sink_v = (gather(x).view(B, -1, sinks, *x.shape[2:]) for x in (k, v))
-    return WindowInputs(kk, vv, key_doc, query_doc, sink_k, sink_v, sink_ok, old_ok)
+    return WindowInputs(kk, vv, key_doc, query_doc, sink_k, sink_v, sink_ok, old_ok, pos * valid)
 
 
 def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, seen: int, window: int, sinks: int,

@@ -138,3 +138,60 @@ def first_order_gap(q: torch.Tensor, k: torch.Tensor, window: int, sinks: int) -
     mean_logit = (logits * old).sum(-1) / n.clamp_min(1)
     gap = (lz - torch.log(n.clamp_min(1).double()) - mean_logit)[..., has]  # (B, H, G, tokens with older ones)
     return gap.mean(dim=(0, 3)).reshape(Hq)
+
+
+_FLEX = {}
+_MASK = {}  # the last block mask: every layer of one forward sees the same documents
+
+
+def _block_mask(key_doc, query_doc, pos, window, sinks, compiled):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    key = (key_doc.shape, window, sinks, str(key_doc.device))
+    last = _MASK.get("last")
+    if last is not None and last[0] == key and all(torch.equal(a, b) for a, b in zip(last[1], (key_doc, query_doc, pos))):
+        return last[2]
+
+    def seen(b, h, t, s):
+        return (query_doc[b, t] == key_doc[b, s]) & (s <= t) & ((t - s < window) | (pos[b, s] <= sinks))
+
+    B, T = query_doc.shape
+    mask = create_block_mask(seen, B, None, T, T, device=query_doc.device, _compile=compiled)
+    _MASK["last"] = (key, (key_doc.clone(), query_doc.clone(), pos.clone()), mask)
+    return mask
+
+
+def flex_usable(x: torch.Tensor) -> bool:
+    """Whether the fresh exact part runs through FlexAttention: on CUDA, where it compiles to one kernel."""
+    return x.is_cuda
+
+
+def _flex_attention():
+    """``flex_attention`` compiled once (on CUDA it becomes one Triton kernel each way); eager elsewhere."""
+    if "fn" not in _FLEX:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def sink_window_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_doc: torch.Tensor,
+                     query_doc: torch.Tensor, pos: torch.Tensor, window: int, sinks: int,
+                     compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sink_window_softmax` for a fresh sequence through PyTorch's FlexAttention: one fused kernel
+    with a block-sparse mask (the band and the sinks' columns), GQA native, returning the log-normalizer.
+
+    q ``(B, T, G·H, D)`` scaled; k, v ``(B, T, H, D)`` — the sequence itself, no slots before it;
+    ``key_doc``/``query_doc`` ``(B, T)`` document ids (padding: −1 / −2); ``pos`` ``(B, T)`` each token's
+    position in its document from 1. Query t sees key s of its document with ``s ≤ t`` and either
+    ``t − s < W`` or ``pos_s ≤ S``. Returns ``(o (B, T, G·H, D) float32, lse (B, T, G·H) float32)``.
+    ``compiled=False`` runs FlexAttention eagerly (its reference path: for tests on the CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    B, T, Hq, D = q.shape
+    mask = _block_mask(key_doc, query_doc, pos, window, sinks, compiled)
+    dt = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    fn = _flex_attention() if compiled else flex_attention
+    o, lse = fn(q.to(dt).transpose(1, 2), k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2), block_mask=mask,
+                scale=1.0, enable_gqa=Hq != k.shape[2], return_lse=True)
+    return o.transpose(1, 2).float(), lse.transpose(1, 2).float()

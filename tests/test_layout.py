@@ -72,10 +72,11 @@ def test_nothing_loaded_can_run_code():
         assert "trust_remote_code=True" not in src, p
         for call in re.finditer(r"\.from_pretrained\(", src):
             args = src[call.end(): call.end() + 300]
-            depth, end = 1, 0
-            for end, ch in enumerate(args):
+            depth, end = 1, len(args)
+            for i, ch in enumerate(args):
                 depth += {"(": 1, ")": -1}.get(ch, 0)
                 if depth == 0:
+                    end = i
                     break
             line = src[: call.start()].count("\n") + 1
             text = src[: call.start()].rsplit("\n", 1)[-1]

@@ -174,7 +174,7 @@ def test_window_prefill_and_decode_equal_full_forward(prefill, keep):
     x = ids(model, B=2, T=24)
     mask, pos = torch.ones_like(x), torch.arange(24)[None].expand(2, -1)
     with torch.no_grad():
-        full = model(x, attention_mask=mask).logits
+        full = model(x, attention_mask=mask, use_cache=False).logits  # the fresh (training) path
         inc, cache = incremental_logits(model, x, mask, pos, prefill=prefill)
     assert (inc - full).abs().max() < 1e-4
     buf = cache.layers[0].window_buffers
@@ -199,6 +199,33 @@ def test_window_left_padding_matches_unpadded():
         alone = model(x).logits
         inc, _ = incremental_logits(model, both, mask, pos, prefill=12)
     assert (inc[0, 5:] - alone[0]).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("prefill", [6, 14])
+def test_window_mask_with_a_hole_fresh_equals_decoding(prefill):
+    """A padding slot inside a row (a mask with a hole): the fresh path and decoding agree — the token
+    leaving the window at the padded slot still enters the state, with correction factors 1 — and the
+    token under the mask changes nothing."""
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, GDNAttention):
+                m.beta_proj.weight.normal_(0, 0.3)
+                m.gate_proj.weight.normal_(0, 0.3)
+    x = ids(model, B=2, T=20)
+    mask = torch.ones_like(x)
+    mask[0, 10] = 0
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    other = x.clone()
+    other[0, 10] = (x[0, 10] + 7) % model.config.vocab_size
+    with torch.no_grad():
+        fresh = model(x, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        inc, _ = incremental_logits(model, x, mask, pos, prefill=prefill)
+        inc_other, _ = incremental_logits(model, other, mask, pos, prefill=prefill)
+    real = mask.bool()
+    assert (fresh - inc)[real].abs().max() < 1e-4
+    assert (inc - inc_other)[real].abs().max() < 1e-6
 
 
 def test_window_options_checked_and_off_the_fused_path():

@@ -286,7 +286,10 @@ class GDNAttention(nn.Module):
         else:
             o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
                                                inp.sink_ok)
-        beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
+        beta_logit, gate_logit = self.beta_proj(hidden_states), self.gate_proj(hidden_states)
+        if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1
+            beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * mask[..., None]
+        beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
         front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form=self.options.form, rho=self.rho.to(dt),
                              beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,
                              initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens)

@@ -91,7 +91,8 @@ def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_s
     query_doc = torch.where(valid, doc, -2)
     kk, vv, pos_c = _with_empty_window(k, v, pos, window)
     key_doc = torch.cat([doc.new_full((B, window), -1), torch.where(valid, doc, -1)], 1)
-    old_ok = (key_doc[:, :T] == query_doc) & (pos_c[:, :T] > sinks)
+    # the token leaving the window at t is written even when t itself is padding, as decoding does
+    old_ok = (key_doc[:, :T] == doc) & (pos_c[:, :T] > sinks)
     sink_k = sink_v = sink_ok = None
     if sinks:
         j = torch.arange(sinks, device=dev)
@@ -126,7 +127,8 @@ def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, seen
         sk[:, j] = torch.where(fill[:, None, None], k[rows, at].to(sk.dtype), sk[:, j])
         sv[:, j] = torch.where(fill[:, None, None], v[rows, at].to(sv.dtype), sv[:, j])
         si[:, j] = torch.where(fill, index[at], si[:, j])
-    sink_ok = (si[:, None, :] >= 0) & (si[:, None, :] <= index[None, :, None] - window) if sinks else None
+    sink_ok = ((si[:, None, :] >= 0) & (si[:, None, :] <= index[None, :, None] - window) & valid[..., None]
+               if sinks else None)
     cat = lambda a, b: torch.cat([a, b.to(a.dtype)], 1)  # noqa: E731
     kk, vv, pos_c = cat(buffers.win_k, k), cat(buffers.win_v, v), cat(buffers.win_pos, pos)
     key_doc = torch.where(pos_c > 0, 0, -1)

@@ -13,8 +13,9 @@ there are no old tokens (``t ≤ W + S``) the share is 1 and the block is softma
 
 :func:`sink_window_softmax` is written for training and decoding alike: its keys come as the ``W``
 keys before the first query followed by one key per query, so a decode step passes the cached window
-and the new token, and a fresh sequence passes ``W`` empty slots. It runs in blocks of ``W`` queries
-against ``2W`` keys (a band), so its cost is linear in ``T``; PyTorch computes and differentiates it.
+and the new token, and a fresh sequence passes ``W`` empty slots. It runs in blocks of ``min(T, W)`` queries
+against the ``W`` keys before each block and the block's own (a band), so its cost is linear in ``T``
+and a decode step scores ``W + 1`` keys; PyTorch computes and differentiates it.
 """
 
 from __future__ import annotations
@@ -55,19 +56,18 @@ def sink_window_softmax(
         raise ValueError(f"keys must be the {W} before the first query and one per query: k {tuple(k.shape)}, "
                          f"key_doc {tuple(key_doc.shape)}, query_doc {tuple(query_doc.shape)} for q {tuple(q.shape)}")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    nb = -(-T // W)  # blocks of W queries; block b sees keys [bW, bW + 2W) of the array
-    pad = nb * W - T
-    qb = F.pad(q.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb, W, H, G, D)
-    kp = F.pad(k.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb + 1, W, H, D)
-    vp = F.pad(v.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb + 1, W, H, D)
-    kb, vb = (torch.cat([x[:, :-1], x[:, 1:]], dim=2) for x in (kp, vp))  # (B, nb, 2W, H, D)
-    kd = F.pad(key_doc, (0, pad), value=-1).view(B, nb + 1, W)
-    kd = torch.cat([kd[:, :-1], kd[:, 1:]], dim=2)  # (B, nb, 2W)
-    qd = F.pad(query_doc, (0, pad), value=-2).view(B, nb, W)
-    i = torch.arange(W, device=q.device)[:, None]
-    r = torch.arange(2 * W, device=q.device)[None]
+    C = min(T, W)  # queries per block: a decode step (T = 1) scores W + 1 keys, not 2W per padded block
+    nb = -(-T // C)  # block b of C queries sees keys [bC, bC + C + W) of the array
+    pad = nb * C - T
+    qb = F.pad(q.to(acc), (0, 0, 0, 0, 0, pad)).view(B, nb, C, H, G, D)
+    blocks = lambda x: x.unfold(1, C + W, C).movedim(-1, 2)  # noqa: E731  (B, nb, C + W, ...): overlapping
+    kb, vb = (blocks(F.pad(x.to(acc), (0, 0, 0, 0, 0, pad))) for x in (k, v))  # (B, nb, C + W, H, D)
+    kd = blocks(F.pad(key_doc, (0, pad), value=-1))  # (B, nb, C + W)
+    qd = F.pad(query_doc, (0, pad), value=-2).view(B, nb, C)
+    i = torch.arange(C, device=q.device)[:, None]
+    r = torch.arange(C + W, device=q.device)[None]
     band = (r > i) & (r <= i + W)  # query i of a block sees its keys r in (i, i + W]
-    seen = band & (kd[:, :, None, :] == qd[:, :, :, None])  # (B, nb, W, 2W)
+    seen = band & (kd[:, :, None, :] == qd[:, :, :, None])  # (B, nb, C, C + W)
     scores = torch.einsum("bnihgd,bnrhd->bnihgr", qb, kb)
     scores = scores.masked_fill(~seen[:, :, :, None, None, :], float("-inf"))
     parts = [scores]
@@ -76,16 +76,16 @@ def sink_window_softmax(
         S = sk.shape[2]
         ss = torch.einsum("bthgd,btshd->bthgs", q.to(acc).view(B, T, H, G, D), sk)
         ss = ss.masked_fill(~sink_ok[:, :, None, None, :], float("-inf"))
-        parts.append(F.pad(ss, (0, 0, 0, 0, 0, 0, 0, pad), value=float("-inf")).view(B, nb, W, H, G, S))
+        parts.append(F.pad(ss, (0, 0, 0, 0, 0, 0, 0, pad), value=float("-inf")).view(B, nb, C, H, G, S))
     logits = torch.cat(parts, dim=-1) if len(parts) > 1 else scores
-    lse = torch.logsumexp(logits, dim=-1)  # (B, nb, W, H, G)
+    lse = torch.logsumexp(logits, dim=-1)  # (B, nb, C, H, G)
     p = torch.exp(logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None])
-    o = torch.einsum("bnihgr,bnrhd->bnihgd", p[..., : 2 * W], vb)
-    o = o.reshape(B, nb * W, Hq, D)[:, :T]
+    o = torch.einsum("bnihgr,bnrhd->bnihgd", p[..., : C + W], vb)
+    o = o.reshape(B, nb * C, Hq, D)[:, :T]
     if sink_k is not None:
-        ps = p[..., 2 * W:].reshape(B, nb * W, H, G, -1)[:, :T]
+        ps = p[..., C + W:].reshape(B, nb * C, H, G, -1)[:, :T]
         o = o + torch.einsum("bthgs,btshd->bthgd", ps, sv).reshape(B, T, Hq, D)
-    return o, lse.reshape(B, nb * W, Hq)[:, :T]
+    return o, lse.reshape(B, nb * C, Hq)[:, :T]
 
 
 def mix_by_mass(

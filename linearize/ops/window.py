@@ -162,8 +162,10 @@ def _block_mask(key_doc, query_doc, pos, window, sinks, compiled):
 
 
 def flex_usable(x: torch.Tensor) -> bool:
-    """Whether the fresh exact part runs through FlexAttention: on CUDA, where it compiles to one kernel."""
-    return x.is_cuda
+    """Whether the fresh exact part runs through FlexAttention: on CUDA, where it compiles to one kernel
+    each way, and when a backward will follow (training). Without gradients (scoring, evaluation) the
+    banded path serves: it is linear in T too, and lengths that vary call by call do not recompile."""
+    return x.is_cuda and torch.is_grad_enabled()
 
 
 def _flex_attention():

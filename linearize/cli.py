@@ -176,8 +176,6 @@ def convert(
         check_target(to)
         check_form(form, "--form")
         checks.positive(beta_max, "--beta-max", finite=True)
-        if not (short_conv == 0 or 2 <= short_conv <= 8):
-            raise UserError(f"--short-conv must be 0 (off) or a kernel size from 2 to 8; got {short_conv}")
         from .layers.options import GDNOptions
 
         try:

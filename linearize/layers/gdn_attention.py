@@ -276,12 +276,13 @@ class GDNAttention(nn.Module):
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q.to(dt) * self.scaling
+        flex = layer is None and flex_usable(q)  # a fresh sequence in training on CUDA: one fused kernel
         if layer is None:
-            inp, buffers = fresh_inputs(k, v, W, S, cu_seqlens, mask), None
+            inp, buffers = fresh_inputs(k, v, W, S, cu_seqlens, mask, gather_sinks=not flex), None
         else:
             past = layer.window_buffers if h0 is not None else WindowBuffers.empty(k, W, S)
             inp, buffers = cached_inputs(k, v, past, layer.seen, W, S, mask)
-        if layer is None and flex_usable(q):  # a fresh sequence on CUDA: one fused kernel
+        if flex:
             o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
         else:
             o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,

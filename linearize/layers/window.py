@@ -74,9 +74,10 @@ def _with_empty_window(k, v, pos, window):
 
 
 def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_seqlens: torch.Tensor | None = None,
-                 mask: torch.Tensor | None = None) -> WindowInputs:
+                 mask: torch.Tensor | None = None, gather_sinks: bool = True) -> WindowInputs:
     """A sequence from its start. k, v ``(B, T, H, D)``; ``cu_seqlens``: packed documents (B = 1);
-    ``mask`` ``(B, T)`` bool: False for padding (not with ``cu_seqlens``)."""
+    ``mask`` ``(B, T)`` bool: False for padding (not with ``cu_seqlens``). ``gather_sinks=False`` leaves the
+    per-query sinks out (None): FlexAttention reads them through its mask from ``pos`` instead."""
     B, T = k.shape[:2]
     dev = k.device
     valid = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask.bool()
@@ -94,7 +95,7 @@ def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_s
     # the token leaving the window at t is written even when t itself is padding, as decoding does
     old_ok = (key_doc[:, :T] == doc) & (pos_c[:, :T] > sinks)
     sink_k = sink_v = sink_ok = None
-    if sinks:
+    if sinks and gather_sinks:
         j = torch.arange(sinks, device=dev)
         if cu_seqlens is not None:  # sink j of a query is its document's token j
             index = (first[..., None] + j).clamp_max(T - 1)  # (B, T, S)

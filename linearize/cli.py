@@ -344,7 +344,7 @@ def distill(
 def eval_(
     model: str | None = typer.Option(None, "--model", "-m", help="Converted model directory, alias, .gguf file or hub id."),
     teacher: str | None = typer.Option(None, "--teacher", help="Measure this model beside it (default: the teacher "
-                                       "in the distill run's recipe.yaml, if the model came from one)."),
+                                       "in the distill run's recipe.yaml, if the model came from one; 'none': the model alone)."),
     tasks: str = typer.Option("piqa,arc_easy,arc_challenge,hellaswag,winogrande,lambada", "--tasks",
                               help="Zero-shot tasks through lm-evaluation-harness (mmlu too), or 'none'."),
     limit: int | None = typer.Option(None, "--limit", help="Score the first N rows of each task (default all)."),

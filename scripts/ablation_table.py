@@ -13,7 +13,9 @@ Each ``NAME=RUN_DIR[:EVAL_JSON]`` is one variant. From the run directory (``outp
 - ``initial_eval.json``, where present: the student at init.
 
 From the eval JSON, where given: the 6-task average and each task's primary metric, per-domain perplexity
-and passkey accuracy, beside the teacher's from the same file. Writes ``--output`` (JSON, with
+and passkey accuracy, beside the teacher's from the same file — or, for evaluations run with
+``--teacher none`` (several models measured at once), from ``--teacher-eval``: the teacher alone on the
+same rows (``linearize eval -m TEACHER`` with the same options). Writes ``--output`` (JSON, with
 ``command``) and the markdown tables beside it (``.md``), and prints the markdown.
 """
 
@@ -210,12 +212,22 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("variants", nargs="+", metavar="NAME=RUN_DIR[:EVAL_JSON]")
     p.add_argument("--output", type=Path, required=True, help="JSON to write; the markdown goes beside it (.md)")
+    p.add_argument("--teacher-eval", type=Path, help="eval JSON of the teacher alone (linearize eval -m TEACHER): the "
+                   "teacher column of variants evaluated with --teacher none, on the same rows")
     args = p.parse_args()
     parsed = [parse_variant(s) for s in args.variants]
     if len({n for n, _, _ in parsed}) != len(parsed):
         raise SystemExit("error: variant names must differ")
     variants = {n: {"run_dir": str(run), "eval_json": str(ev) if ev else None, "training": training(run),
                     "quality": quality(ev) if ev else None} for n, run, ev in parsed}
+    if args.teacher_eval is not None:
+        if not args.teacher_eval.is_file():
+            raise SystemExit(f"error: teacher eval JSON {args.teacher_eval} not found")
+        alone = quality(args.teacher_eval)
+        for v in variants.values():
+            if v["quality"] and not v["quality"].get("teacher"):
+                v["quality"]["teacher"] = alone["model"]
+                v["quality"]["teacher_file"] = alone["file"]
     command = shlex.join(["python", *sys.argv])
     md = markdown(variants, command)
     args.output.parent.mkdir(parents=True, exist_ok=True)

@@ -336,6 +336,18 @@ def test_cli_eval_student_beside_teacher(world, tmp_path):
     assert res["results"]["teacher"]["harness"]["piqa"] == pytest.approx(_limited(world, "piqa", 3))
 
 
+def test_cli_eval_teacher_none_measures_the_model_alone(world, tmp_path):
+    d = world["dirs"]
+    (d / "recipe.yaml").write_text(f"teacher:\n  model: {d / 'teacher'}\n")
+    out = tmp_path / "eval.json"
+    code, text = _run("--model", d / "student", "--teacher", "none", "--tasks", "piqa", "--limit", 2, "--eval-data",
+                      world["data"], "--ppl-tokens", 0, "--device", "cpu", "--output", out)
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    assert set(res["results"]) == {"model"} and "teacher" not in res["models"]
+    assert "from the run's recipe.yaml" not in text
+
+
 def _limited(world, task, n):
     from linearize.quality.harness import run_tasks
 

@@ -172,7 +172,9 @@ def command(opts: dict, command_line: str, echo=print) -> None:
         raise UserError("--model is missing; give the model to evaluate, e.g. linearize eval -m smollm2-135m-gdn")
     checks.positive(opts["passkey_len"], "--passkey-len", 16)
     checks.json_output(output)
-    plan = Plan(model=model, teacher=opts["teacher"] or recipe_teacher(model),
+    teacher = opts["teacher"]
+    teacher = None if teacher == "none" else teacher or recipe_teacher(model)
+    plan = Plan(model=model, teacher=teacher,
                 tasks=[] if opts["tasks"].strip() == "none" else parse_tasks(opts["tasks"]), limit=opts["limit"],
                 eval_data=None if opts["eval_data"] is None else str(opts["eval_data"]), batch_size=opts["batch_size"],
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
@@ -182,7 +184,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
     check_plan(plan)
     for spec in filter(None, (plan.model, plan.teacher)):
         checks.inspect_model(spec)  # a wrong path or remote code: before anything loads
-    if plan.teacher and not opts["teacher"]:
+    if plan.teacher and opts["teacher"] is None:
         echo(f"teacher: {plan.teacher} (from the run's recipe.yaml)")
     result = evaluate(plan, progress=echo)
     print_tables(result)

@@ -1,29 +1,50 @@
 #!/usr/bin/env bash
 # Train one recipe in several variants, one after the other, resumable across calls of a time-limited
 # machine: a finished variant (its model/ saved) is skipped, an interrupted one resumes from its last
-# checkpoint, and no variant starts once DEADLINE seconds have passed since the script began.
+# checkpoint, and no variant starts once DEADLINE seconds have passed since START.
 #   scripts/ablate.sh RECIPE RUNS_DIR NAME="OVERRIDES" ...
 #   DEADLINE=540 scripts/ablate.sh recipes/smollm2-135m-gdn-corpus.yaml /root/w/runs \
 #       gdn="" w64s4="convert.window=64 convert.sinks=4" w64s4g="convert.window=64 convert.sinks=4 convert.output_gate=true"
-# Extra overrides for every variant (the teacher, the data) come from COMMON. Each run's metrics.jsonl,
-# recipe.yaml and initial_eval.json are what scripts/ablation_table.py reads.
+# Environment:
+#   COMMON    overrides for every variant (the teacher, the data)
+#   DEADLINE  seconds (default 540) from START after which nothing starts and a running step is stopped
+#   START     the epoch second DEADLINE counts from (default: now); export it to chain several calls of
+#             this script under one deadline: START=$(date +%s) DEADLINE=540 bash -c 'ablate.sh …; ablate.sh …'
+#   EVAL      if set, `linearize eval` options: each trained variant is then measured (model alone,
+#             --teacher none) into RUNS_DIR/NAME/quality.json, when EVAL_SECONDS (default 300) remain —
+#             on the same machine, so a model that lives only there is measured before it is gone
+# Each run's metrics.jsonl, recipe.yaml and initial_eval.json are what scripts/ablation_table.py reads.
 set -uo pipefail
 [ $# -ge 3 ] || { echo "usage: scripts/ablate.sh RECIPE RUNS_DIR NAME=\"OVERRIDES\" ..." >&2; exit 2; }
 recipe=$1 runs=$2
 shift 2
-start=$(date +%s) deadline=${DEADLINE:-540}
+start=${START:-$(date +%s)} deadline=${DEADLINE:-540}
+left() { echo $(( deadline - ($(date +%s) - start) )); }
 mkdir -p "$runs"
 for spec in "$@"; do
     name=${spec%%=*} overrides=${spec#*=}
     dir=$runs/$name
-    [ -f "$dir/model/config.json" ] && { echo "== $name: done"; continue; }
-    left=$(( deadline - ($(date +%s) - start) ))
-    [ "$left" -gt 30 ] || { echo "== $name: not started (deadline)"; continue; }
-    resume=""
-    [ -d "$dir/checkpoints" ] && resume="--resume"
-    echo "== $name: $overrides $resume (${left}s left)"
-    # shellcheck disable=SC2086  # the overrides are words
-    timeout --signal=INT --kill-after=20 "$left" python3 -m linearize distill "$recipe" output.dir="$dir" \
-        ${COMMON:-} $overrides $resume
-    echo "== $name: exit $? after $(( $(date +%s) - start ))s"
+    if [ ! -f "$dir/model/config.json" ]; then
+        [ "$(left)" -gt 30 ] || { echo "== $name: not started (deadline)"; continue; }
+        resume=""
+        [ -d "$dir/checkpoints" ] && resume="--resume"
+        echo "== $name: $overrides $resume ($(left)s left)"
+        # shellcheck disable=SC2086  # the overrides are words
+        timeout --signal=INT --kill-after=20 "$(left)" python3 -m linearize distill "$recipe" output.dir="$dir" \
+            ${COMMON:-} $overrides $resume
+        echo "== $name: exit $? after $(( $(date +%s) - start ))s"
+    else
+        echo "== $name: trained"
+    fi
+    if [ -n "${EVAL:-}" ] && [ -f "$dir/model/config.json" ] && [ ! -f "$dir/quality.json" ]; then
+        if [ "$(left)" -gt "${EVAL_SECONDS:-300}" ]; then
+            echo "== $name: eval ($(left)s left)"
+            # shellcheck disable=SC2086
+            timeout --signal=INT --kill-after=20 "$(left)" python3 -m linearize eval -m "$dir/model" --teacher none \
+                $EVAL -o "$dir/quality.json"
+            echo "== $name: eval exit $? after $(( $(date +%s) - start ))s"
+        else
+            echo "== $name: eval not started (deadline)"
+        fi
+    fi
 done

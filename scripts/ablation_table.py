@@ -81,7 +81,8 @@ def training(run: Path) -> dict:
     elif len(segs) > len(cfg.stages) or any(s[0]["stage"] != c.name for s, c in zip(segs, cfg.stages)):
         raise SystemExit(f"error: {run}: metrics.jsonl's stages {[s[0]['stage'] for s in segs]} do not match "
                          f"recipe.yaml's {[c.name for c in cfg.stages]}")
-    out = {"stages": []}
+    out = {"stages": [], "curve": []}  # curve: every held-out evaluation against the training tokens before it
+    seen = 0
     for i, seg in enumerate(segs):
         st = cfg.stages[i] if cfg is not None else None
         done = seg[-1]["stage_step"]
@@ -91,6 +92,8 @@ def training(run: Path) -> dict:
             row.update(planned_steps=st.steps, batch_size=st.batch_size, seq_len=cfg.data.seq_len,
                        tokens=done * per_step,
                        step_seconds=sum(per_step / r["tokens_per_s"] for r in seg if r.get("tokens_per_s")))
+            out["curve"] += [{"tokens": seen + r["stage_step"] * per_step, **eval_point(r)} for r in seg if "eval_kl" in r]
+            seen += done * per_step
         out["stages"].append(row)
     aligns = [s for s in segs if s[0]["stage"] == "align"]
     if aligns:
@@ -107,7 +110,33 @@ def training(run: Path) -> dict:
     out["eval_final"] = eval_point(next((r for r in reversed(recs) if "eval_kl" in r), None))
     init = run / "initial_eval.json"
     out["eval_init"] = eval_point(json.loads(init.read_text()), "") if init.is_file() else None
+    if out["eval_init"] is not None and cfg is not None:
+        out["curve"].insert(0, {"tokens": 0, **out["eval_init"]})
     return out
+
+
+def plot(variants: dict, path: Path) -> None:
+    """Held-out perplexity against training tokens, one line per variant, the teacher dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    teacher = None
+    for name, v in variants.items():
+        c = v["training"]["curve"]
+        if c:
+            ax.plot([p["tokens"] / 1e6 for p in c], [p["ppl_student"] for p in c], "o-", ms=3, label=name)
+            teacher = c[-1]["ppl_teacher"]
+    if teacher is not None:
+        ax.axhline(teacher, ls="--", c="k", lw=1, label=f"teacher ({teacher:.2f})")
+    ax.set(xlabel="training tokens (M), align then distill", ylabel="held-out perplexity", yscale="log")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def quality(path: Path) -> dict:
@@ -214,6 +243,7 @@ def main():
     p.add_argument("--output", type=Path, required=True, help="JSON to write; the markdown goes beside it (.md)")
     p.add_argument("--teacher-eval", type=Path, help="eval JSON of the teacher alone (linearize eval -m TEACHER): the "
                    "teacher column of variants evaluated with --teacher none, on the same rows")
+    p.add_argument("--plot", type=Path, help="also draw held-out perplexity against training tokens here (PNG)")
     args = p.parse_args()
     parsed = [parse_variant(s) for s in args.variants]
     if len({n for n, _, _ in parsed}) != len(parsed):
@@ -235,6 +265,8 @@ def main():
             "layers); step_seconds: sum of batch*seq_len/tokens_per_s over logged steps (no eval or checkpoint time)")
     args.output.write_text(json.dumps({"command": command, "note": note, "variants": variants}, indent=1) + "\n")
     args.output.with_suffix(".md").write_text(md + "\n")
+    if args.plot is not None:
+        plot(variants, args.plot)
     print(md)
 
 

@@ -30,6 +30,19 @@ def positive(value, flag: str, least: float = 1, finite: bool = False) -> None:
         raise UserError(f"{flag} must be at least {least}; got {value}")
 
 
+def device_name(device: str | None, flag: str = "--device") -> str:
+    """``cuda`` or ``cpu``: the one asked for (checked), or cuda when there is one."""
+    import torch
+
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device not in ("cuda", "cpu"):
+        raise UserError(f"{flag} must be cuda or cpu; got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"{flag} cuda: no CUDA device is available here; use {flag} cpu")
+    return device
+
+
 def builtin_tokens(tokens: int, flag: str, split: str) -> None:
     """A token covers at least one byte of text: more tokens than bytes can never be served."""
     from .eval import builtin_text

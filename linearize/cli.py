@@ -242,17 +242,25 @@ def convert(
 
 @app.command()
 def generate(
-    prompt: str = typer.Argument(..., help="Text to continue."),
+    prompt: str | None = typer.Argument(None, help="Text to continue (or --batch-file)."),
     model: Path = typer.Option(..., "--model", "-m", help="A converted model directory."),
     max_new_tokens: int = typer.Option(64, "--max-new-tokens", "-n"),
     chat: bool = typer.Option(False, "--chat", help="Wrap the prompt in the tokenizer's chat template."),
+    batch_file: Path | None = typer.Option(None, "--batch-file", help="One prompt per line, decoded as one batch."),
+    temperature: float = typer.Option(0.0, "--temperature", help="0: greedy; otherwise sample at this temperature."),
+    top_k: int = typer.Option(0, "--top-k", help="Sample among the k likeliest tokens (0: all)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Sample among the likeliest tokens of this total mass."),
+    seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
+    device: str | None = typer.Option(None, "--device", help="cuda (bfloat16) or cpu (float32); default cuda if there is one."),
 ):
-    """Generate text with a converted model (constant-size recurrent state, greedy)."""
+    """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 
     def go():
-        if not prompt.strip():
-            raise UserError("the prompt is empty; give text to continue, e.g. linearize generate -m DIR 'Once upon a time'")
+        from .textgen import generate_texts, read_prompts, sampling_of
+
+        prompts = read_prompts(prompt, batch_file)
         checks.positive(max_new_tokens, "--max-new-tokens", 1)
+        sampling = sampling_of(temperature, top_k, top_p)
         if not (model / "config.json").is_file():
             raise UserError(f"{model} is not a converted model directory (no config.json); "
                             "make one with linearize convert")
@@ -262,18 +270,16 @@ def generate(
 
         from .saving import load
 
-        lm = checks.loaded(str(model), debug=DEBUG, fn=lambda: load(model))
+        dev = checks.device_name(device)
+        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+        lm = checks.loaded(str(model), debug=DEBUG, fn=lambda: load(model, dtype=dtype).to(dev))
         tok = checks.loaded(str(model), debug=DEBUG, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
-        if chat:
-            if not getattr(tok, "chat_template", None):
-                raise UserError(f"--chat: the tokenizer in {model} has no chat template; drop --chat")
-            ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                          return_tensors="pt", return_dict=True)["input_ids"]
-        else:
-            ids = tok(prompt, return_tensors="pt").input_ids
-        out = lm.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                          pad_token_id=tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-        typer.echo(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+        out = generate_texts(lm, tok, prompts, max_new_tokens, chat=chat, sampling=sampling, seed=seed)
+        for i, text in enumerate(out.texts):
+            if len(out.texts) > 1:
+                typer.echo(f"--- {i + 1}")
+            typer.echo(text)
+        typer.echo(out.summary(), err=True)
 
     run_guarded(go, lambda: "interrupted")
 

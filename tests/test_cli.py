@@ -41,6 +41,17 @@ def test_cli_convert_and_generate(tiny_dir, tmp_path):
     assert (out / "fidelity.png").stat().st_size > 0 and (out / "config.json").is_file()
     code, text = run("generate", "--model", out, "-n", 5, "Hello")
     assert code == 0, text
+    assert "tokens/s (eager)" in text
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello\n\nThe quick brown fox\nOnce\n")
+    code, text = run("generate", "--model", out, "-n", 4, "--batch-file", prompts, "--temperature", 0.8, "--top-k", 5,
+                     "--seed", 1)
+    assert code == 0, text
+    assert "--- 1" in text and "--- 3" in text and "--- 4" not in text and "3 prompt(s)" in text
+    _, again = run("generate", "--model", out, "-n", 4, "--batch-file", prompts, "--temperature", 0.8, "--top-k", 5,
+                   "--seed", 1)
+    texts = lambda out: out[out.index("--- 1"):].splitlines()[:-1]  # noqa: E731 (the last line: timings)
+    assert texts(again) == texts(text)  # same seed, same text
 
 
 def test_cli_convert_missing_path(tmp_path):

@@ -20,7 +20,7 @@ _STATE, _SUM_K, _SUM_V, _COUNT = range(4)  # recurrent state slots: A, Σk, Σv,
 # too, so the library's reorder, offload and reset treat them like the rest of the state
 _CONV_INPUTS = (4, 5, 6)
 # a sink + sliding-window block's sinks and last tokens (GDNOptions.window; layers/window.py's WindowBuffers)
-_WINDOW = tuple(range(7, 14))
+_WINDOW = tuple(range(7, 15))
 
 
 # Also a CacheLayerMixin: beside A it keeps running sums (3 more slots), and a model whose every layer
@@ -34,7 +34,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
     def __init__(self, **kwargs):
         CacheLayerMixin.__init__(self)
-        LinearAttentionLayer.__init__(self, number_of_states=14)
+        LinearAttentionLayer.__init__(self, number_of_states=15)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
 
     @property

@@ -227,7 +227,9 @@ class GDNAttention(nn.Module):
         h0 = layer.state if initial is not None else None
         conv_past = layer.conv_inputs if initial is not None else None
 
-        mask = token_mask(attention_mask, B, T)
+        # a decode step of linearize.decoding: one new real token per row, whatever mask the model built
+        # (reading it would sync with the host, which a captured CUDA graph cannot)
+        mask = None if kwargs.get("decode_step") and T == 1 else token_mask(attention_mask, B, T)
         if layer is None and mask is None:  # training/scoring: packed documents restart the state
             return self.o_proj(self._fresh_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
         buffers = None
@@ -281,7 +283,7 @@ class GDNAttention(nn.Module):
             inp, buffers = fresh_inputs(k, v, W, S, cu_seqlens, mask, gather_sinks=not flex), None
         else:
             past = layer.window_buffers if h0 is not None else WindowBuffers.empty(k, W, S)
-            inp, buffers = cached_inputs(k, v, past, layer.seen, W, S, mask)
+            inp, buffers = cached_inputs(k, v, past, W, S, mask)
         if flex:
             o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
         else:

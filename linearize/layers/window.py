@@ -54,9 +54,12 @@ class WindowBuffers:
     win_v: torch.Tensor
     win_pos: torch.Tensor  # (B, W) long: the token's position (real tokens from 1); 0 = empty slot
     count: torch.Tensor  # (B,) long: real tokens so far
+    # (B,) long: row positions so far, padding counted (what sink_index counts in). On the device, not the
+    # cache's host counter, so a captured decode step reads the current value on every replay
+    rows: torch.Tensor
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.sink_k, self.sink_v, self.sink_index, self.win_k, self.win_v, self.win_pos, self.count]
+        return [self.sink_k, self.sink_v, self.sink_index, self.win_k, self.win_v, self.win_pos, self.count, self.rows]
 
     @classmethod
     def empty(cls, like: torch.Tensor, window: int, sinks: int) -> WindowBuffers:
@@ -64,7 +67,7 @@ class WindowBuffers:
         z = lambda n: like.new_zeros(B, n, H, D)  # noqa: E731
         long = dict(dtype=torch.long, device=like.device)
         return cls(z(sinks), z(sinks), torch.full((B, sinks), -1, **long), z(window), z(window),
-                   torch.zeros(B, window, **long), torch.zeros(B, **long))
+                   torch.zeros(B, window, **long), torch.zeros(B, **long), torch.zeros(B, **long))
 
 
 def _with_empty_window(k, v, pos, window):
@@ -110,15 +113,16 @@ def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_s
     return WindowInputs(kk, vv, key_doc, query_doc, sink_k, sink_v, sink_ok, old_ok, pos * valid)
 
 
-def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, seen: int, window: int, sinks: int,
+def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, window: int, sinks: int,
                   mask: torch.Tensor | None = None) -> tuple[WindowInputs, WindowBuffers]:
-    """A continuation: ``T`` new tokens after ``seen`` positions (padding included) held in ``buffers``.
-    Returns the inputs and the buffers after these tokens (the caller stores them)."""
+    """A continuation: ``T`` new tokens after the ``buffers.rows`` positions (padding included) held in
+    ``buffers``. Returns the inputs and the buffers after these tokens (the caller stores them). Reads no
+    value on the host, so a decode step through it can be captured in a CUDA graph."""
     B, T = k.shape[:2]
     dev = k.device
     valid = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask.bool()
     pos = (buffers.count[:, None] + valid.long().cumsum(1)) * valid
-    index = seen + torch.arange(T, device=dev)
+    index = buffers.rows[:, None] + torch.arange(T, device=dev)  # (B, T): row positions, padding counted
     sk, sv, si = buffers.sink_k.clone(), buffers.sink_v.clone(), buffers.sink_index.clone()
     rows = torch.arange(B, device=dev)
     for j in range(sinks):  # a new token at position j+1 becomes sink j
@@ -127,8 +131,8 @@ def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, seen
         fill = hit.any(-1) & (si[:, j] < 0)
         sk[:, j] = torch.where(fill[:, None, None], k[rows, at].to(sk.dtype), sk[:, j])
         sv[:, j] = torch.where(fill[:, None, None], v[rows, at].to(sv.dtype), sv[:, j])
-        si[:, j] = torch.where(fill, index[at], si[:, j])
-    sink_ok = ((si[:, None, :] >= 0) & (si[:, None, :] <= index[None, :, None] - window) & valid[..., None]
+        si[:, j] = torch.where(fill, index[rows, at], si[:, j])
+    sink_ok = ((si[:, None, :] >= 0) & (si[:, None, :] <= index[:, :, None] - window) & valid[..., None]
                if sinks else None)
     cat = lambda a, b: torch.cat([a, b.to(a.dtype)], 1)  # noqa: E731
     kk, vv, pos_c = cat(buffers.win_k, k), cat(buffers.win_v, v), cat(buffers.win_pos, pos)
@@ -137,5 +141,5 @@ def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, seen
     inputs = WindowInputs(kk, vv, key_doc, query_doc, sk[:, None] if sinks else None, sv[:, None] if sinks else None,
                           sink_ok, pos_c[:, :T] > sinks)
     after = WindowBuffers(sk, sv, si, kk[:, -window:], vv[:, -window:], pos_c[:, -window:],
-                          buffers.count + valid.long().sum(1))
+                          buffers.count + valid.long().sum(1), buffers.rows + T)
     return inputs, after

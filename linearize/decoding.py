@@ -1,0 +1,205 @@
+"""Decoding a converted model: prefill through the chunkwise kernels, then one step per token, the step
+of the whole model replayed from a CUDA graph when every layer is GDN.
+
+A GDN layer's decoding state has a fixed size (the state, the running sums, the window's ring of keys
+and values: :mod:`linearize.layers.cache`), and transformers' cache layers update it in place, so the
+step of the whole model — embedding, every block, the head — reads and writes the same memory at every
+position. Captured once per batch, it replays with no Python and no kernel-launch cost per layer; the
+host only picks the next token and, every ``check_every`` steps, looks for the end of text. Models that
+keep softmax layers grow a KV cache, whose shapes change every step: they decode eagerly here.
+
+    dec = Decoder(model)                      # graph=None: on CUDA, when every layer is GDN
+    out = dec.generate(ids, attention_mask=mask, max_new_tokens=64, eos_token_id=tok.eos_token_id)
+
+Greedy decoding gives the tokens ``model.generate(do_sample=False)`` gives; sampling applies the
+temperature, then top-k, then top-p, in the order transformers' logits processors do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from .compat import cache_kwargs
+from .layers.cache import GDNStateLayer
+
+
+@dataclass
+class Sampling:
+    """How the next token is chosen: greedy (``do_sample=False``) or sampled."""
+
+    do_sample: bool = False
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0  # 1.0: no nucleus filter
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0; got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0; got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
+
+
+def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``(B,)`` next tokens from the last position's ``(B, vocab)`` logits."""
+    if not sampling.do_sample:
+        return logits.argmax(-1)
+    x = logits.float() / sampling.temperature
+    if sampling.top_k:
+        kth = torch.topk(x, min(sampling.top_k, x.shape[-1]), dim=-1).values[..., -1:]
+        x = x.masked_fill(x < kth, float("-inf"))
+    if sampling.top_p < 1:
+        sorted_x, order = torch.sort(x, descending=False)
+        cum = sorted_x.softmax(-1).cumsum(-1)
+        drop = cum <= 1 - sampling.top_p  # the low tail whose mass stays under 1 - top_p
+        drop[..., -1] = False  # always keep the most likely token
+        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return torch.multinomial(x.softmax(-1), 1, generator=generator)[:, 0]
+
+
+@dataclass
+class Timing:
+    """Of the last ``generate``: seconds of the prefill, of the decode loop (capture included) and of the
+    capture alone, and the decode steps run."""
+
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    capture_s: float = 0.0
+    steps: int = 0
+    graphed: bool = False
+
+
+def all_gdn(model) -> bool:
+    lin = getattr(model.config, "linearize", None) or {}
+    return bool(lin.get("gdn_layers")) and not lin.get("softmax_layers")
+
+
+class Decoder:
+    """Generation for one converted model. A graph is captured for each ``generate`` call, on that call's
+    cache (a few milliseconds: three steps and the recording, in ``timing.capture_s``)."""
+
+    def __init__(self, model, graph: bool | None = None, check_every: int = 8):
+        self.model = model
+        device = next(model.parameters()).device
+        can = device.type == "cuda" and all_gdn(model)
+        if graph and not can:
+            raise ValueError("graph decoding needs a CUDA device and a model whose every layer is GDN "
+                             "(softmax layers grow a KV cache); use graph=None or False")
+        self.graph = can if graph is None else graph
+        self.check_every = max(1, check_every)
+        self.timing = Timing()
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32,
+                 eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
+                 sampling: Sampling | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """``(B, T + n)``: the prompts (left-padded where ``attention_mask`` has zeros) and their continuations.
+        A row that has produced an end-of-text token continues with ``pad_token_id``; both default to the
+        model's ``generation_config``, as in ``model.generate`` (the pad to the first end-of-text token)."""
+        from transformers import DynamicCache
+
+        sampling = sampling or Sampling()
+        model, dev = self.model, input_ids.device
+        B, T = input_ids.shape
+        gc = getattr(model, "generation_config", None)
+        eos_token_id = eos_token_id if eos_token_id is not None else getattr(gc, "eos_token_id", None)
+        pad_token_id = pad_token_id if pad_token_id is not None else getattr(gc, "pad_token_id", None)
+        eos = torch.tensor([eos_token_id] if isinstance(eos_token_id, int) else (eos_token_id or []), device=dev)
+        pad = pad_token_id if pad_token_id is not None else (int(eos[0]) if eos.numel() else 0)
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask.to(input_ids.dtype)
+        pos = (mask.cumsum(-1) - 1).clamp_min(0)
+        t0 = _now(dev)
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True,
+                       logits_to_keep=1).logits[:, -1]
+        self.timing = Timing(prefill_s=_now(dev) - t0, graphed=self.graph)
+        t0 = _now(dev)
+        step = self._graphed_step(cache, B, dev) if self.graph else self._eager_step(cache, mask)
+        self.timing.capture_s = _now(dev) - t0 if self.graph else 0.0
+        ids_buf, pos_buf, logits_buf, run = step
+        pos_buf.copy_(pos[:, -1:] + 1)
+        out = [input_ids]
+        done = torch.zeros(B, dtype=torch.bool, device=dev)
+        for i in range(max_new_tokens):
+            nxt = next_tokens(logits, sampling, generator)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            out.append(nxt[:, None])
+            if eos.numel():
+                done |= torch.isin(nxt, eos)
+                if (i + 1) % self.check_every == 0 and bool(done.all()):
+                    break
+            if i + 1 == max_new_tokens:
+                break
+            ids_buf.copy_(nxt[:, None])
+            run()
+            logits = logits_buf
+            self.timing.steps += 1
+        self.timing.decode_s = _now(dev) - t0
+        return torch.cat(out, 1)
+
+    # the step: reads ids_buf/pos_buf, writes logits_buf, advances pos_buf and the cache ---------------
+    def _body(self, cache, ids_buf, pos_buf, logits_buf, mask=None):
+        logits = self.model(input_ids=ids_buf, position_ids=pos_buf, attention_mask=mask, **cache_kwargs(cache),
+                            use_cache=True, logits_to_keep=1, decode_step=True).logits[:, -1]
+        logits_buf.copy_(logits)
+        pos_buf.add_(1)
+
+    def _buffers(self, B, dev):
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        dtype = self.model.get_output_embeddings().weight.dtype
+        return (torch.zeros(B, 1, dtype=torch.long, device=dev), torch.zeros(B, 1, dtype=torch.long, device=dev),
+                torch.zeros(B, vocab, dtype=dtype, device=dev))
+
+    def _eager_step(self, cache, mask):
+        ids_buf, pos_buf, logits_buf = self._buffers(mask.shape[0], mask.device)
+        state = {"mask": mask}
+        softmax = not all_gdn(self.model)
+
+        def run():  # softmax layers need the padding of the prompt: their mask grows by one column a step
+            if softmax:
+                state["mask"] = torch.cat([state["mask"], state["mask"].new_ones(mask.shape[0], 1)], 1)
+            self._body(cache, ids_buf, pos_buf, logits_buf, state["mask"] if softmax else None)
+
+        return ids_buf, pos_buf, logits_buf, run
+
+    def _graphed_step(self, cache, B, dev):
+        """Capture the step on this cache's tensors. The capture runs the step three times (two warm-ups
+        that also compile any Triton kernel, then the recorded one); the cache is put back afterwards."""
+        ids_buf, pos_buf, logits_buf = self._buffers(B, dev)
+        layers = [layer for layer in cache.layers if isinstance(layer, GDNStateLayer)]
+        saved = [(layer.seen, {i: layer.recurrent_states[i].clone() for i in _slots(layer)}) for layer in layers]
+        pos_buf.zero_()
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body(cache, ids_buf, pos_buf, logits_buf)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self._body(cache, ids_buf, pos_buf, logits_buf)
+        for layer, (seen, tensors) in zip(layers, saved):
+            layer.seen = seen
+            for i, x in tensors.items():
+                layer.recurrent_states[i].copy_(x)
+
+        def run():
+            graph.replay()
+            for layer in layers:  # what get_seq_length reports, for a caller that continues eagerly
+                layer.seen += 1
+
+        return ids_buf, pos_buf, logits_buf, run
+
+
+def _slots(layer: GDNStateLayer) -> list[int]:
+    return [i for i in range(layer.number_of_states) if layer.is_recurrent_states_initialized[i]]
+
+
+def _now(dev: torch.device) -> float:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    return time.perf_counter()

@@ -1,0 +1,124 @@
+"""linearize.decoding against transformers' own generate() on the same converted models (greedy and
+sampled, left-padded batches, end of text), and its graph path against its eager path on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+
+import linearize
+from linearize.decoding import Decoder, Sampling, next_tokens
+from linearize.layers.options import GDNOptions
+
+
+def calib(model, T=48, seed=1):
+    return torch.randint(1, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def converted(family="llama", keep_softmax=None, **options):
+    teacher = tiny_model(family)
+    return linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=keep_softmax,
+                             options=GDNOptions(**options))
+
+
+def left_padded(model, lengths=(11, 7, 3), seed=3):
+    g = torch.Generator().manual_seed(seed)
+    T = max(lengths)
+    x = torch.zeros(len(lengths), T, dtype=torch.long)
+    mask = torch.zeros_like(x)
+    for i, n in enumerate(lengths):
+        x[i, T - n:] = torch.randint(1, model.config.vocab_size, (n,), generator=g)
+        mask[i, T - n:] = 1
+    return x, mask
+
+
+CASES = [
+    dict(family="llama"),  # the pure Taylor-GDN block
+    dict(family="llama", window=4, sinks=2),  # decoding crosses the window and fills the sinks
+    dict(family="qwen3", window=4, sinks=2, short_conv=3, output_gate=True),
+    dict(family="gemma3_text", window=4, sinks=1),  # the model builds sliding-window masks at every step
+    dict(family="llama", window=4, sinks=2, keep_softmax=1),  # hybrid: a KV cache beside the states
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_greedy_equals_transformers_generate(case):
+    model = converted(**case)
+    x, mask = left_padded(model)
+    want = model.generate(x, attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    dec = Decoder(model)
+    got = dec.generate(x, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(got, want)
+    assert dec.timing.steps == 11 and not dec.timing.graphed
+
+
+def test_sampling_equals_transformers_generate():
+    """Same seed, same random draws: temperature, top-k and top-p applied as transformers applies them."""
+    model = converted(window=4, sinks=2)
+    x, mask = left_padded(model)
+    for kw in (dict(temperature=0.7), dict(top_k=5), dict(top_p=0.8), dict(temperature=1.3, top_k=20, top_p=0.9)):
+        torch.manual_seed(0)
+        want = model.generate(x, attention_mask=mask, max_new_tokens=10, do_sample=True, pad_token_id=0,
+                              **{"top_k": 0, **kw})
+        torch.manual_seed(0)
+        got = Decoder(model).generate(x, attention_mask=mask, max_new_tokens=10, sampling=Sampling(do_sample=True, **kw))
+        assert torch.equal(got, want), kw
+
+
+def test_next_tokens_filters_like_the_logits_processors():
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 50, generator=g) * 3
+    for temperature, top_k, top_p in ((1.0, 0, 0.5), (0.5, 7, 1.0), (2.0, 10, 0.7)):
+        ref = TemperatureLogitsWarper(temperature)(None, logits.clone())
+        if top_k:
+            ref = TopKLogitsWarper(top_k)(None, ref)
+        if top_p < 1:
+            ref = TopPLogitsWarper(top_p)(None, ref)
+        allowed = torch.isfinite(ref)
+        s = Sampling(do_sample=True, temperature=temperature, top_k=top_k, top_p=top_p)
+        draws = torch.stack([next_tokens(logits, s, torch.Generator().manual_seed(i)) for i in range(300)], 1)
+        assert allowed.gather(1, draws).all()
+        # every allowed token of decent probability shows up: the filter keeps no less than the reference
+        probs = ref.softmax(-1)
+        for row in range(4):
+            seen = set(draws[row].tolist())
+            assert {i for i in range(50) if probs[row, i] > 0.05} <= seen
+    assert torch.equal(next_tokens(logits, Sampling()), logits.argmax(-1))
+
+
+def test_end_of_text_pads_finished_rows_and_stops():
+    model = converted(window=4, sinks=2)
+    x, mask = left_padded(model)
+    free = Decoder(model).generate(x, attention_mask=mask, max_new_tokens=12)
+    eos = int(free[0, x.shape[1] + 2])  # row 0 says it at its third new token
+    dec = Decoder(model, check_every=1)
+    got = dec.generate(x, attention_mask=mask, max_new_tokens=12, eos_token_id=eos, pad_token_id=0)
+    want = model.generate(x, attention_mask=mask, max_new_tokens=12, do_sample=False, eos_token_id=eos, pad_token_id=0)
+    assert torch.equal(got, want[:, : got.shape[1]])  # generate() stops when every row is done, like this
+    assert (got[0, x.shape[1] + 3:] == 0).all()
+
+
+def test_sampling_options_checked():
+    for bad in (dict(temperature=0), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
+        with pytest.raises(ValueError):
+            Sampling(**bad)
+    with pytest.raises(ValueError, match="graph decoding needs a CUDA device"):
+        Decoder(converted(), graph=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_graph_path_equals_eager_path_on_gpu(case):
+    model = converted(**case).cuda()
+    x, mask = left_padded(model, lengths=tuple(range(3, 23)))  # 20 prompts
+    x, mask = x.cuda(), mask.cuda()
+    eager = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=24)
+    dec = Decoder(model, graph=True)
+    graphed = dec.generate(x, attention_mask=mask, max_new_tokens=24)
+    assert dec.timing.graphed and torch.equal(graphed, eager)
+    again = dec.generate(x, attention_mask=mask, max_new_tokens=24)  # a second call captures afresh
+    assert torch.equal(again, eager)

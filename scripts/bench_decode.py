@@ -1,15 +1,23 @@
-"""Decode speed and memory: converted GDN model (constant-size state) vs the teacher (KV cache).
+"""Decode speed and memory of a converted model against its teacher, each the way users run it.
 
-    python scripts/bench_decode.py --contexts 2048 8192 32768 --batches 1 16 --output results/bench_decode.json
+    python scripts/bench_decode.py --model smollm2.gguf --contexts 2048 8192 32768 65536 --batches 1 16 64 \\
+        --output results/bench_decode.json --plot results/bench_decode.png
 
-Same harness for both models: prefill ``context`` tokens (logits of the last position only), then
-time ``--steps`` single-token decode steps with CUDA events (median over steps after a warm-up).
-Reported per (context, batch): decode tokens/s, the decoding cache's size, and peak memory during
-decoding (weights + cache + work), for teacher and converted, and the converted/teacher ratios.
+Per (context, batch), on the same random prompts:
 
-The default model is SmolLM2-135M's architecture (config as shipped in the GGUF) with random
-weights — decode speed and memory do not depend on the weight values; ``--model`` loads a real
-checkpoint instead. Needs a CUDA device.
+- ``teacher``: ``teacher.generate()`` with transformers' default cache (what users run);
+- ``teacher_static``: ``generate(cache_implementation="static")``, which transformers compiles with
+  ``torch.compile`` (its fastest path; compiled on a first, untimed call);
+- ``converted``: :class:`linearize.decoding.Decoder` (the step of the whole model as one CUDA graph);
+- ``converted_eager``: the same decoder stepping eagerly (``graph=False``), and ``converted_generate``:
+  ``model.generate()`` on the converted model, with ``--eager``.
+
+Each path generates ``--steps`` tokens and, separately, one token; the decode cost per token is
+``(t_steps − t_1) / (steps − 1)`` and the time to first token ``t_1`` (prefill included). Also reported: the
+decoding cache's bytes and peak memory. Every run forces ``--steps`` new tokens (no end of text).
+``--check-prompts N`` also checks that the graph path's greedy continuations equal the eager path's on
+N prompts, token for token. Without ``--model``: SmolLM2-135M's architecture with random weights (speed
+does not depend on the weights). Needs a CUDA device.
 """
 
 from __future__ import annotations
@@ -18,14 +26,16 @@ import argparse
 import copy
 import gc
 import json
-import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import linearize  # noqa: E402
+from linearize.decoding import Decoder  # noqa: E402
+from linearize.layers.options import GDNOptions  # noqa: E402
 
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=65536, rope_theta=100000.0,
@@ -45,40 +55,90 @@ def build_teacher(model: str | None, dtype):
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
-def cache_bytes(cache) -> int:
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def cache_bytes(model, ids) -> int:
+    """Bytes of the decoding cache after a prefill of ``ids`` (KV cache or GDN states)."""
+    from transformers import DynamicCache
+
+    from linearize.compat import cache_kwargs
+
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     total = 0
     for layer in cache.layers:
         if hasattr(layer, "nbytes"):
             total += layer.nbytes()
         elif getattr(layer, "keys", None) is not None:
             total += layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+    del cache
     return total
 
 
-@torch.no_grad()
-def decode(model, batch: int, context: int, steps: int, vocab: int) -> dict:
-    from transformers import DynamicCache
-
-    dev = "cuda"
-    gen = torch.Generator(device=dev).manual_seed(0)
-    ids = torch.randint(0, vocab, (batch, context), device=dev, generator=gen)
-    cache = DynamicCache(config=model.config)
-    model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    torch.cuda.synchronize()
+def measure(run, steps: int) -> dict:
+    """``run(n)`` generates n tokens. Times ``run(1)`` and ``run(steps)`` after one untimed warm-up of each."""
+    run(1), run(steps)
     torch.cuda.reset_peak_memory_stats()
-    nxt = torch.randint(0, vocab, (batch, 1), device=dev, generator=gen)
-    times = []
-    for i in range(steps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        model(input_ids=nxt, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        end.record()
-        end.synchronize()
-        if i >= 3:  # warm-up steps
-            times.append(start.elapsed_time(end) / 1e3)
-    med = statistics.median(times)
-    return {"step_ms": med * 1e3, "tokens_per_s": batch / med, "cache_bytes": cache_bytes(cache),
-            "peak_bytes": torch.cuda.max_memory_allocated()}
+    t1, tn = timed(lambda: run(1)), timed(lambda: run(steps))
+    per = (tn - t1) / (steps - 1)
+    return {"ttft_s": t1, "ms_per_token": per * 1e3, "peak_bytes": torch.cuda.max_memory_allocated(), "total_s": tn}
+
+
+def paths(teacher, converted, ids, eager: bool):
+    no_eos = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+
+    def hf(model, **kw):
+        return lambda n: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                        **no_eos, **kw)
+
+    def dec(graph):
+        d = Decoder(converted, graph=graph)
+        return lambda n: d.generate(ids, max_new_tokens=n, eos_token_id=[])
+
+    out = {"teacher": hf(teacher), "teacher_static": hf(teacher, cache_implementation="static"), "converted": dec(True)}
+    if eager:
+        out.update(converted_eager=dec(False), converted_generate=hf(converted))
+    return out
+
+
+def check_prompts(converted, n: int, vocab: int, new: int = 32) -> dict:
+    """Greedy continuations of the graph path against the eager path, one batch of n random prompts."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lengths = torch.randint(16, 256, (n,), generator=g, device="cuda")
+    T = int(lengths.max())
+    ids = torch.randint(1, vocab, (n, T), generator=g, device="cuda")
+    mask = (torch.arange(T, device="cuda")[None] >= T - lengths[:, None]).long()
+    ids = ids * mask
+    eager = Decoder(converted, graph=False).generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[])
+    graph = Decoder(converted, graph=True).generate(ids, attention_mask=mask, max_new_tokens=new, eos_token_id=[])
+    same = (graph[:, T:] == eager[:, T:]).all(1)
+    return {"prompts": n, "new_tokens": new, "equal_rows": int(same.sum())}
+
+
+def plot(rows: list[dict], batch: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for name in ("teacher", "teacher_static", "converted"):
+        pts = [(r["context"], r[name]["tokens_per_s"]) for r in rows if r["batch"] == batch and "tokens_per_s" in r.get(name, {})]
+        if pts:
+            ax.plot(*zip(*pts), "o-", label=name)
+    ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title=f"batch {batch}")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main():
@@ -86,54 +146,65 @@ def main():
     p.add_argument("--model", default=None, help="a real checkpoint (default: SmolLM2-135M architecture, random weights)")
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
-    p.add_argument("--steps", type=int, default=32)
+    p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
+    p.add_argument("--check-prompts", type=int, default=0, help="check graph == eager greedy tokens on N prompts")
     p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--plot", type=Path, default=None, help="tokens/s against context, one PNG per batch size")
     args = p.parse_args()
     if not torch.cuda.is_available():
         p.exit(2, "error: bench_decode.py needs a CUDA device; run it on a GPU machine\n")
 
-    dtype = torch.bfloat16
-    teacher = build_teacher(args.model, dtype).cuda()
+    teacher = build_teacher(args.model, torch.bfloat16).cuda()
     vocab = teacher.config.vocab_size
     calib = torch.randint(0, vocab, (1, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib).eval()
-
+    options = GDNOptions(window=args.window, sinks=args.sinks)
+    converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
+    meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "dtype": "bfloat16 weights, fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
+            "block": options.to_dict(), "steps": args.steps}
+    if args.check_prompts:
+        meta["graph_equals_eager"] = check_prompts(converted, args.check_prompts, vocab)
+        print(json.dumps(meta["graph_equals_eager"]), flush=True)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
+            ids = torch.randint(1, vocab, (batch, context), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
             row = {"context": context, "batch": batch}
-            for name, model in (("teacher", teacher), ("converted", converted)):
+            for name, run in paths(teacher, converted, ids, args.eager).items():
                 gc.collect()
                 torch.cuda.empty_cache()
                 try:
-                    row[name] = decode(model, batch, context, args.steps, vocab)
+                    with torch.no_grad():
+                        r = measure(run, args.steps)
+                    r["tokens_per_s"] = batch / (r["ms_per_token"] / 1e3)
+                    row[name] = r
                 except torch.OutOfMemoryError:
                     row[name] = {"error": "out of memory"}
-            t, c = row["teacher"], row["converted"]
-            if "error" not in t and "error" not in c:
-                row["speed_ratio"] = c["tokens_per_s"] / t["tokens_per_s"]
-                row["peak_memory_ratio"] = t["peak_bytes"] / c["peak_bytes"]
-                row["cache_ratio"] = t["cache_bytes"] / max(c["cache_bytes"], 1)
+                except Exception as e:  # one path failing must not hide the others' numbers
+                    row[name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+            for name in ("teacher", "converted"):
+                with torch.no_grad():
+                    try:
+                        row.setdefault(name, {})["cache_bytes"] = cache_bytes(teacher if name == "teacher" else converted, ids)
+                    except torch.OutOfMemoryError:
+                        pass
+            c = row["converted"].get("tokens_per_s")
+            for anchor in ("teacher", "teacher_static"):
+                t = row[anchor].get("tokens_per_s")
+                if c and t:
+                    row[f"converted_vs_{anchor}"] = c / t
             rows.append(row)
             print(json.dumps(row), flush=True)
-
-    print(f"\n{'ctx':>6} {'B':>3} | {'teacher tok/s':>13} {'GDN tok/s':>10} {'speed x':>8} | "
-          f"{'teacher peak':>12} {'GDN peak':>9} {'mem x':>6} | {'KV cache':>9} {'GDN state':>9}")
-    for r in rows:
-        t, c = r["teacher"], r["converted"]
-        if "speed_ratio" not in r:
-            print(f"{r['context']:>6} {r['batch']:>3} | teacher {t} converted {c}")
-            continue
-        print(f"{r['context']:>6} {r['batch']:>3} | {t['tokens_per_s']:>13.0f} {c['tokens_per_s']:>10.0f} "
-              f"{r['speed_ratio']:>8.2f} | {t['peak_bytes'] / 2**30:>10.2f}GB {c['peak_bytes'] / 2**30:>7.2f}GB "
-              f"{r['peak_memory_ratio']:>6.2f} | {t['cache_bytes'] / 2**20:>7.0f}MB {c['cache_bytes'] / 2**20:>7.2f}MB")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
-        meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
-                "torch": torch.__version__, "dtype": "bfloat16 weights, fp32 GDN state",
-                "model": args.model or "SmolLM2-135M architecture, random weights", "steps": args.steps}
         args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
         print(f"wrote {args.output}")
+    if args.plot:
+        for batch in args.batches:
+            plot(rows, batch, args.plot.with_name(f"{args.plot.stem}_batch{batch}{args.plot.suffix}"))
 
 
 if __name__ == "__main__":

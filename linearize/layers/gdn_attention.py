@@ -28,6 +28,7 @@ from ..compat import attention_cache
 from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
+from ..ops.decode import taylor_gdn_step_
 from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
 from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
 from .cache import gdn_cache_layer
@@ -312,6 +313,8 @@ class GDNAttention(nn.Module):
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
                 cu_seqlens=None, conv_past=None):
         B, T, _ = hidden_states.shape
+        if T == 1 and h0 is not None and self.options.form == "stable":
+            return self._step(hidden_states, position_embeddings, mask, initial, h0, conv_past)
         fused = fused_path(self.options, hidden_states, mask, initial, output_final_state)
         q, scale, front, tails = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused,
                                                  conv_past)
@@ -331,6 +334,19 @@ class GDNAttention(nn.Module):
                 backend=self.options.backend, v_offset=front.v_mean,
             )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
+
+
+    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None):
+        """One decode step of the pure block through :func:`linearize.ops.decode.taylor_gdn_step_` (one fused
+        kernel on CUDA): the cache's state and running sums are updated in place."""
+        B = hidden_states.shape[0]
+        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past)
+        dt = h0.dtype
+        beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
+        o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0],
+                             gate_factor[:, 0], self.options.beta_max, self.scaling,
+                             mask=None if mask is None else mask[:, 0])
+        return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails
 
 
 def _head_counts(teacher: nn.Module) -> tuple[int, int]:

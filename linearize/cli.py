@@ -147,7 +147,7 @@ def fidelity(
 @app.command()
 def convert(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
-    to: str = typer.Option("gdn", "--to", help="Target block (only 'gdn')."),
+    to: str = typer.Option("gdn", "--to", help="Target block: gdn, or deltanet (no decay; the same at init)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-gdn)."),
     layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all)."),
     keep_softmax: str | None = typer.Option(
@@ -179,7 +179,7 @@ def convert(
         from .layers.options import GDNOptions
 
         try:
-            options = GDNOptions(form=form, beta_max=beta_max, short_conv=short_conv, window=window,
+            options = GDNOptions(form=form, target=to, beta_max=beta_max, short_conv=short_conv, window=window,
                                  sinks=(4 if window else 0) if sinks is None else sinks,
                                  output_gate=output_gate, calibrate_mix=calibrate_mix)
         except ValueError as e:
@@ -192,7 +192,7 @@ def convert(
         from .saving import check_output_dir
 
         src, info = checks.inspect_model(model, needs_teacher="convert")
-        out = output or Path(f"{src.name.replace('/', '_')}-gdn")
+        out = output or Path(f"{src.name.replace('/', '_')}-{to}")
         check_output_dir(out, force)  # before the slow part: refuse early
         if info.num_layers is not None:
             check_conversion(layers, keep_softmax, info.num_layers)  # ranges, from config.json / GGUF metadata

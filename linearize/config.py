@@ -23,6 +23,7 @@ class TeacherConfig:
 
 @dataclass
 class ConvertConfig:
+    to: str = "gdn"  # the target block: gdn, or deltanet (the delta rule without a decay)
     layers: str | None = None  # e.g. "0-11,14"; default all
     keep_softmax: str | None = None  # "3,7" (indices) or "2" (count of worst layers)
     form: str = "stable"
@@ -234,11 +235,12 @@ def _need(ok: bool, key: str, rule: str, value) -> None:
 
 def validate(cfg: RecipeConfig) -> None:
     """Every field that can be checked without the model; called before anything is loaded."""
-    from .layers.options import FORMS
+    from .layers.options import FORMS, TARGETS
 
     _need(isinstance(cfg.teacher.model, str) and cfg.teacher.model.strip() != "", "teacher.model",
           "an alias, .gguf file, model directory or hub id", cfg.teacher.model)
     c = cfg.convert
+    _need(c.to in TARGETS, "convert.to", " or ".join(repr(t) for t in TARGETS), c.to)
     _need(c.form in FORMS, "convert.form", " or ".join(repr(f) for f in FORMS), c.form)
     _need(_finite(c.beta_max) and c.beta_max > 0, "convert.beta_max", "a finite number > 0", c.beta_max)
     _need(c.short_conv == 0 or 2 <= c.short_conv <= 8, "convert.short_conv", "0 (off) or a kernel size 2 to 8", c.short_conv)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -118,7 +119,9 @@ def convert(
     """Convert ``model`` in place to GDN attention and return it.
 
     Args:
-        to: the target block; only ``"gdn"``.
+        to: the target block: ``"gdn"`` (the gated delta rule) or ``"deltanet"`` (the delta rule without a
+            decay; at initialization the same outputs, see :func:`linearize.ops.taylor.fold_decay`). It sets
+            ``options.target``.
         layers: which layers may be converted (indices/ranges; default all).
         keep_softmax: layers to keep as softmax: a list of indices, or a count N — keep the N
             layers whose stable-form error on calibration text is worst.
@@ -129,6 +132,9 @@ def convert(
     from .eval import capture_attention, relative_error, text_ids
 
     check_target(to)
+    if options is not None and options.target not in ("gdn", to):
+        raise ValueError(f"options.target={options.target!r} but to={to!r}: give the target once, as to=")
+    options = replace(options or GDNOptions(), target=to)
     family = family_of(model.config)
     n = len(decoder_layers(model))
     candidates = parse_layers(layers, n) if layers is not None else list(range(n))

@@ -22,7 +22,7 @@ def read_prompts(prompt: str | None, batch_file: Path | None) -> list[str]:
         try:
             lines = batch_file.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError:
-            raise UserError(f"--batch-file {batch_file} is not UTF-8 text; give a text file with one prompt per line")
+            raise UserError(f"--batch-file {batch_file} is not UTF-8 text; give a text file with one prompt per line") from None
         prompts = [line for line in lines if line.strip()]
         if not prompts:
             raise UserError(f"--batch-file {batch_file} has no prompt; write one prompt per line")

@@ -54,6 +54,18 @@ def test_cli_convert_and_generate(tiny_dir, tmp_path):
     assert texts(again) == texts(text)  # same seed, same text
 
 
+def test_cli_convert_to_deltanet_and_generate(tiny_dir, tmp_path):
+    out = tmp_path / "delta"
+    code, text = run("convert", "--model", tiny_dir, "--output", out, "--to", "deltanet", "--tokens", 64,
+                     "--calibration-tokens", 64)
+    assert code == 0, text
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["linearize"]["options"]["target"] == "deltanet"
+    assert json.loads((out / "fidelity.json").read_text())["options"]["target"] == "deltanet"
+    code, text = run("generate", "--model", out, "-n", 4, "Hello")
+    assert code == 0, text
+
+
 def test_cli_convert_missing_path(tmp_path):
     assert_one_line_error(*run("convert", "--model", tmp_path / "nope", "-o", tmp_path / "o"), "not found")
 

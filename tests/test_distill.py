@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 import subprocess
@@ -621,6 +622,17 @@ def test_distill_local_jsonl_data(tiny_dir, tmp_path):
                                                                   "stages.0.steps": 2}))
     run_recipe(cfg)
     assert len(losses(tmp_path / "o")) == 2
+
+
+def test_distill_deltanet_target_trains_and_saves(tiny_dir, tmp_path):
+    """A recipe names the target: it trains (finite losses) and saves the deltanet block."""
+    cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "o", **{"convert.to": "deltanet", "convert.window": 8,
+                                                                  "convert.sinks": 2, "stages.0.steps": 4}))
+    run_recipe(cfg)
+    ls = losses(tmp_path / "o")
+    assert len(ls) == 4 and all(math.isfinite(x) for x in ls)
+    saved = json.loads((tmp_path / "o" / "model" / "config.json").read_text())
+    assert saved["linearize"]["options"]["target"] == "deltanet"
 
 
 def test_distill_two_gloo_processes_match_one_process(tiny_dir, tmp_path):

@@ -7,7 +7,8 @@ computes that form exactly; training moves away from it through new parameters t
 identity:
 
 - ``rho``: per-KV-head query-norm scale of the bounded ``c_t = ρ k̂_t`` (calibrated at convert);
-- ``gate_proj``: a data-dependent exponent on the decay, ``α_t ← α_t^{exp(w·x_t + b)}`` (zero init);
+- ``gate_proj``: a data-dependent exponent on the decay, ``α_t ← α_t^{exp(w·x_t + b)}`` (zero init; not in
+  the ``deltanet`` target, which has no decay: its state is ``t×`` the GDN one, see ``ops.taylor.fold_decay``);
 - ``beta_proj``: a bounded factor on β, ``2σ(w·x_t + b)`` ∈ (0, 2) (zero init → 1);
 - ``q_conv/k_conv/v_conv`` (with ``GDNOptions.short_conv``): a short causal depthwise convolution on the
   projections' outputs (:mod:`linearize.layers.short_conv`; identity init);
@@ -29,7 +30,7 @@ from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
 from ..ops.decode import taylor_gdn_step_
-from ..ops.taylor import calibrate_rho, taylor_back, taylor_front
+from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
 from .cache import gdn_cache_layer
 from .options import GDNOptions
@@ -47,7 +48,7 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
     (the layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one
     place that decides it."""
     want = options.fused_front
-    plain = not (options.short_conv or options.window or options.output_gate)
+    plain = not (options.short_conv or options.window or options.output_gate) and options.target == "gdn"
     return (options.form == "stable" and plain and mask is None and initial is None and not output_final_state
             and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
 
@@ -136,9 +137,11 @@ class GDNAttention(nn.Module):
         hidden = self.q_proj.in_features
         p = self.q_proj.weight
         self.rho = nn.Parameter(torch.ones(self.num_kv_heads, dtype=torch.float32, device=p.device))
-        self.gate_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
+        self.decays = self.options.target == "gdn"  # deltanet: α ≡ 1, no gate
         self.beta_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
-        for lin in (self.gate_proj, self.beta_proj):
+        if self.decays:
+            self.gate_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
+        for lin in (self.beta_proj, *([self.gate_proj] if self.decays else [])):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
         if self.options.short_conv:  # [H·D, K] depthwise taps each, on q_proj/k_proj/v_proj's outputs
@@ -192,7 +195,7 @@ class GDNAttention(nn.Module):
         softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
+        beta_factor, gate_factor = correction_factors(*self._logits(hidden_states), dt)
         if fused:
             from ..ops.taylor import TaylorInputs
             from ..ops.triton.front import taylor_front_triton
@@ -209,6 +212,8 @@ class GDNAttention(nn.Module):
             )
             scale = 1.0
         front.g = front.g * gate_factor
+        if not self.decays:
+            q, front = fold_decay(q, front)
         return q, scale, front, tails
 
     def forward(
@@ -263,6 +268,11 @@ class GDNAttention(nn.Module):
             o = attend(flat, pe, None, cu_seqlens=cu)[0].view(B, T, -1)
         return self._gated(o, hidden_states)
 
+    def _logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)`` (the gate's 0 without a decay)."""
+        beta = self.beta_proj(hidden_states)
+        return beta, self.gate_proj(hidden_states) if self.decays else torch.zeros_like(beta)
+
     def _gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.out_gate(o, hidden_states) if self.options.output_gate else o
 
@@ -290,21 +300,23 @@ class GDNAttention(nn.Module):
         else:
             o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
                                                inp.sink_ok)
-        beta_logit, gate_logit = self.beta_proj(hidden_states), self.gate_proj(hidden_states)
+        beta_logit, gate_logit = self._logits(hidden_states)
         if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1
             beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * mask[..., None]
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
         front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form=self.options.form, rho=self.rho.to(dt),
                              beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,
                              initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens)
-        g = front.g * gate_factor
+        front.g = front.g * gate_factor
+        q_old, front = (q, front) if self.decays else fold_decay(q, front)  # the mix below reads q itself
+        g = front.g
         if T == 1 and h0 is not None:
-            o_old, state = gated_delta_rule_step(q[:, 0], front.k[:, 0], front.v[:, 0], g[:, 0], front.beta[:, 0], h0)
+            o_old, state = gated_delta_rule_step(q_old[:, 0], front.k[:, 0], front.v[:, 0], g[:, 0], front.beta[:, 0], h0)
             o_old = taylor_back(o_old[:, None], front.v_mean)
         else:
             cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else dt
             o_old, state = gated_delta_rule(
-                q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=g, beta=front.beta, initial_state=h0,
+                q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=g, beta=front.beta, initial_state=h0,
                 output_final_state=layer is not None, cu_seqlens=cu_seqlens, backend=self.options.backend,
                 v_offset=front.v_mean)
         o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, self.mix_bias)
@@ -313,7 +325,7 @@ class GDNAttention(nn.Module):
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
                 cu_seqlens=None, conv_past=None):
         B, T, _ = hidden_states.shape
-        if T == 1 and h0 is not None and self.options.form == "stable":
+        if T == 1 and h0 is not None and self.options.form == "stable" and self.decays:
             return self._step(hidden_states, position_embeddings, mask, initial, h0, conv_past)
         fused = fused_path(self.options, hidden_states, mask, initial, output_final_state)
         q, scale, front, tails = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused,
@@ -342,7 +354,7 @@ class GDNAttention(nn.Module):
         B = hidden_states.shape[0]
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past)
         dt = h0.dtype
-        beta_factor, gate_factor = correction_factors(self.beta_proj(hidden_states), self.gate_proj(hidden_states), dt)
+        beta_factor, gate_factor = correction_factors(*self._logits(hidden_states), dt)
         o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0],
                              gate_factor[:, 0], self.options.beta_max, self.scaling,
                              mask=None if mask is None else mask[:, 0])

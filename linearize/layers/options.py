@@ -9,7 +9,9 @@ from dataclasses import asdict, dataclass
 # the Taylor forms of SPEC §2: "stable" (bounded c_t = ρ k̂_t, the default) and "seed" (the literal
 # form of seed 000, c_t = k̃_t, which diverges on real checkpoints: kept for study)
 FORMS = ("stable", "seed")
-TARGETS = ("gdn",)  # what `convert --to` builds
+# what `convert --to` builds: the gated delta rule, or the delta rule without a decay (the same Taylor
+# initialization, exactly: linearize.ops.taylor.fold_decay)
+TARGETS = ("gdn", "deltanet")
 BACKENDS = ("auto", "torch", "triton", "reference")
 DEFAULT_BETA_MAX = 1.0
 
@@ -31,6 +33,7 @@ class GDNOptions:
     """How a converted block computes; saved in config.json under ``linearize``."""
 
     form: str = "stable"  # one of FORMS
+    target: str = "gdn"  # one of TARGETS
     beta_max: float = DEFAULT_BETA_MAX
     backend: str = "auto"  # one of BACKENDS
     # the Taylor front as one Triton kernel each way (ops/triton/front.py) instead of ~30 PyTorch ops:
@@ -52,6 +55,7 @@ class GDNOptions:
 
     def __post_init__(self):
         check_form(self.form)
+        check_target(self.target, "target")
         if self.backend not in BACKENDS:
             raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if not (self.beta_max > 0 and self.beta_max < float("inf")):

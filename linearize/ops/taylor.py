@@ -194,6 +194,22 @@ def taylor_front(
     return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=sums, k_mean=k_mean, count=t[..., 0])
 
 
+def fold_decay(q: torch.Tensor, front: TaylorInputs) -> tuple[torch.Tensor, TaylorInputs]:
+    """The Taylor front as DeltaNet inputs (no decay, ``α ≡ 1``): ``(q/t, front)`` with ``g = 0`` and ``u ← t·u``.
+
+    The GDN state of the Taylor form decays by ``α_t = 1 − 1/t`` (1 at a document's first token and at
+    padding, where t does not move). Its scaled copy ``h'_t = t·h_t`` then follows the delta rule without
+    a decay, ``h'_t = (I − β k̂k̂ᵀ) h'_{t−1} + β k̂ (t·u_t)ᵀ`` (since ``t·α_t = t − 1``), and the read is
+    ``h_tᵀ q = h'_tᵀ (q/t)``: fixing α at 1 gives up nothing at initialization, and β needs no change. What
+    is given up is the learnable decay on top (the GDN block's ``gate_proj``). ``front.count`` (the
+    PyTorch front's t) is required; q ``(B, T, G·H, K)``."""
+    if front.count is None:
+        raise ValueError("fold_decay needs the token counts of the PyTorch Taylor front (front.count)")
+    t = front.count.clamp_min(1).to(front.v.dtype)[..., None, None]  # (B, T, 1, 1)
+    front.v, front.g = front.v * t, torch.zeros_like(front.g)
+    return q / t.to(q.dtype), front
+
+
 def taylor_back(o: torch.Tensor, v_mean: torch.Tensor) -> torch.Tensor:
     """``o_t + v̄_t``, with the KV head's mean shared by its G query heads. o: (B, T, G·H, V)."""
     B, T, Hq, V = o.shape

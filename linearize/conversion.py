@@ -204,7 +204,17 @@ def linearized_classes(f: Family) -> tuple[type, type]:
         spec = getattr(config, "linearize", None) or {}
         swap_attention(self, spec.get("gdn_layers", []), spec.get("options", {}))
 
-    lm_cls = type(f"Linearized{base_lm.__name__}", (base_lm,), {"config_class": cfg_cls, "__init__": __init__})
+    def generate(self, inputs=None, **kwargs):
+        """transformers' ``generate()``; on CUDA, for a model whose every layer is GDN and a plain call
+        (greedy or sampled, ``max_new_tokens`` given), the same tokens through the CUDA-graph decoder of
+        :mod:`linearize.decoding`."""
+        from .decoding import graph_generate
+
+        out = graph_generate(self, inputs, kwargs)
+        return out if out is not None else base_lm.generate(self, inputs, **kwargs)
+
+    lm_cls = type(f"Linearized{base_lm.__name__}", (base_lm,),
+                  {"config_class": cfg_cls, "__init__": __init__, "generate": generate})
     AutoConfig.register(model_type, cfg_cls, exist_ok=True)
     AutoModelForCausalLM.register(cfg_cls, lm_cls, exist_ok=True)
     _LINEARIZED[f.model_type] = (cfg_cls, lm_cls)

@@ -18,6 +18,7 @@ temperature, then top-k, then top-p, in the order transformers' logits processor
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -71,6 +72,64 @@ class Timing:
     capture_s: float = 0.0
     steps: int = 0
     graphed: bool = False
+
+
+# model.generate() keywords the decoder handles; any other keyword keeps transformers' own generate()
+PLAIN_KWARGS = {"attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
+                "pad_token_id"}
+# generation-config fields that make transformers add a logits processor or change the search; set to
+# anything but these values, generate() stays transformers' own
+_UNHANDLED = {"num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
+              "no_repeat_ngram_size": (None, 0), "min_length": (None, 0), "min_new_tokens": (None, 0),
+              "bad_words_ids": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
+              "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
+              "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
+              "encoder_repetition_penalty": (None, 1.0), "exponential_decay_length_penalty": (None,),
+              "guidance_scale": (None, 1.0), "renormalize_logits": (None, False), "stop_strings": (None,),
+              "max_time": (None,), "watermarking_config": (None,), "penalty_alpha": (None,)}
+# transformers' values for what a generation config leaves None
+_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
+
+
+def plain_generate_kwargs(model, kwargs: dict) -> dict | None:
+    """The :meth:`Decoder.generate` keywords for a ``model.generate(ids, **kwargs)`` call the decoder
+    computes as transformers would (greedy or sampled, end of text, ``max_new_tokens`` given), else None."""
+    if set(kwargs) - PLAIN_KWARGS or kwargs.get("max_new_tokens") is None:
+        return None
+    gc = getattr(model, "generation_config", None)
+    for name, fine in _UNHANDLED.items():
+        if getattr(gc, name, None) not in fine:
+            return None
+    value = lambda k: kwargs[k] if kwargs.get(k) is not None else (getattr(gc, k, None) if getattr(gc, k, None)  # noqa: E731
+                                                                     is not None else _DEFAULTS[k])
+    sampling = Sampling(do_sample=bool(value("do_sample")), temperature=float(value("temperature")),
+                        top_k=int(value("top_k") or 0), top_p=float(value("top_p")))
+    if not sampling.do_sample:
+        sampling = Sampling()
+    return {"attention_mask": kwargs.get("attention_mask"), "max_new_tokens": int(kwargs["max_new_tokens"]),
+            "eos_token_id": kwargs.get("eos_token_id"), "pad_token_id": kwargs.get("pad_token_id"), "sampling": sampling}
+
+
+def graph_generate(model, inputs: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
+    """What a converted model's ``generate()`` returns through the CUDA-graph decoder — on CUDA, when every
+    layer is GDN and the call is plain (:func:`plain_generate_kwargs`) — or None: then transformers' own."""
+    ids = inputs if inputs is not None else kwargs.get("input_ids")
+    rest = {k: v for k, v in kwargs.items() if k != "input_ids"}
+    if not (torch.is_tensor(ids) and ids.dim() == 2 and ids.is_cuda and all_gdn(model)):
+        return None
+    plan = plain_generate_kwargs(model, rest)
+    if plan is None or _GRAPH_FAILED:
+        return None
+    try:
+        return Decoder(model, graph=True).generate(ids, **plan)
+    except RuntimeError as e:  # a capture this torch/transformers cannot do: say so once, then decode eagerly
+        _GRAPH_FAILED.append(repr(e))
+        warnings.warn(f"linearize: CUDA-graph decoding failed ({str(e)[:200]}); generate() uses transformers' "
+                      "own decoding from now on", RuntimeWarning, stacklevel=3)
+        return None
+
+
+_GRAPH_FAILED: list[str] = []
 
 
 def all_gdn(model) -> bool:

@@ -8,7 +8,7 @@ import torch
 from conftest import tiny_model
 
 import linearize
-from linearize.decoding import Decoder, Sampling, next_tokens
+from linearize.decoding import Decoder, Sampling, next_tokens, plain_generate_kwargs
 from linearize.layers.options import GDNOptions
 
 
@@ -101,6 +101,29 @@ def test_end_of_text_pads_finished_rows_and_stops():
     assert (got[0, x.shape[1] + 3:] == 0).all()
 
 
+@pytest.mark.parametrize("kw", [dict(do_sample=False), dict(do_sample=True, temperature=0.8),
+                                dict(do_sample=True, top_p=0.7, top_k=0), dict(do_sample=True, top_k=7)])
+def test_plain_generate_calls_resolve_as_transformers_does(kw):
+    """What model.generate() hands the decoder on a GPU, checked here against transformers' own generate()
+    (defaults included: sampling without top_k takes transformers' top-k of 50)."""
+    model = converted(window=4, sinks=2)
+    x, mask = left_padded(model)
+    kw = dict(attention_mask=mask, max_new_tokens=10, pad_token_id=0, **kw)
+    plan = plain_generate_kwargs(model, kw)
+    torch.manual_seed(0)
+    want = model.generate(x, **kw)  # on the CPU: transformers' own generate()
+    torch.manual_seed(0)
+    assert torch.equal(Decoder(model, graph=False).generate(x, **plan), want)
+
+
+def test_other_generate_calls_stay_with_transformers():
+    model = converted()
+    assert plain_generate_kwargs(model, dict(max_new_tokens=4, num_beams=2)) is None
+    assert plain_generate_kwargs(model, dict(do_sample=False)) is None  # no max_new_tokens: max_length rules
+    model.generation_config.repetition_penalty = 1.3
+    assert plain_generate_kwargs(model, dict(max_new_tokens=4)) is None
+
+
 def test_sampling_options_checked():
     for bad in (dict(temperature=0), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
         with pytest.raises(ValueError):
@@ -122,3 +145,14 @@ def test_graph_path_equals_eager_path_on_gpu(case):
     assert dec.timing.graphed and torch.equal(graphed, eager)
     again = dec.generate(x, attention_mask=mask, max_new_tokens=24)  # a second call captures afresh
     assert torch.equal(again, eager)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_model_generate_on_gpu_takes_the_graph_and_equals_transformers():
+    model = converted(window=4, sinks=2).cuda()
+    x, mask = left_padded(model, lengths=tuple(range(3, 23)))
+    x, mask = x.cuda(), mask.cuda()
+    kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
+    base = type(model).__mro__[1]  # the teacher's class: transformers' own generate()
+    assert torch.equal(model.generate(x, **kw), base.generate(model, x, **kw))

@@ -56,7 +56,10 @@ class StageConfig:
     name: str = "align"  # "align" (attention transfer) or "distill" (logit KL)
     steps: int = 50
     lr: float = 1e-3
-    batch_size: int = 4
+    batch_size: int = 4  # rows of seq_len tokens a step
+    # tokens per row in this stage; 0: data.seq_len. A shorter length must divide data.seq_len: the stage
+    # cuts the data's rows into pieces of it (positions restart at each piece)
+    seq_len: int = 0
     trainable: str = "rho,gate_proj,beta_proj"  # comma-separated name substrings; "all" = every parameter
     loss: str = "nmse"  # align: "mse" or "nmse"; distill: ignored
     layer_weights: dict[int, float] = field(default_factory=dict)  # align: {layer index: weight}, others 1.0
@@ -65,6 +68,11 @@ class StageConfig:
     kl_chunk: int = 1024  # distill: tokens per chunk of the vocabulary-sized KL
     lora_rank: int = 0  # > 0: LoRA adapters (peft) on lora_targets; train them with trainable: lora_
     lora_targets: str = "q_proj,k_proj,v_proj,o_proj"
+
+
+def stage_seq_len(cfg: RecipeConfig, stage: StageConfig) -> int:
+    """Tokens per row in ``stage``."""
+    return stage.seq_len or cfg.data.seq_len
 
 
 @dataclass
@@ -269,6 +277,9 @@ def validate(cfg: RecipeConfig) -> None:
         _need(st.name in ("align", "distill"), k + "name", "'align' or 'distill'", st.name)
         _need(st.steps >= 1, k + "steps", "at least 1", st.steps)
         _need(st.batch_size >= 1, k + "batch_size", "at least 1", st.batch_size)
+        _need(st.seq_len == 0 or (st.seq_len >= 2 and cfg.data.seq_len % st.seq_len == 0), k + "seq_len",
+              f"0 (data.seq_len) or a length >= 2 that divides data.seq_len={cfg.data.seq_len} (for a longer "
+              "stage, raise data.seq_len to it)", st.seq_len)
         _need(_finite(st.lr) and st.lr > 0, k + "lr", "a finite number > 0", st.lr)
         _need(st.trainable.strip() != "", k + "trainable", "parameter name parts (e.g. self_attn) or 'all'", st.trainable)
         _need(st.loss in ("mse", "nmse"), k + "loss", "'mse' or 'nmse'", st.loss)

@@ -88,8 +88,9 @@ def training(run: Path) -> dict:
         done = seg[-1]["stage_step"]
         row = {"name": seg[0]["stage"], "steps": done, "logged_steps": len(seg)}
         if st is not None:
-            per_step = st.batch_size * cfg.data.seq_len
-            row.update(planned_steps=st.steps, batch_size=st.batch_size, seq_len=cfg.data.seq_len,
+            seq_len = getattr(st, "seq_len", 0) or cfg.data.seq_len
+            per_step = st.batch_size * seq_len
+            row.update(planned_steps=st.steps, batch_size=st.batch_size, seq_len=seq_len,
                        tokens=done * per_step,
                        step_seconds=sum(per_step / r["tokens_per_s"] for r in seg if r.get("tokens_per_s")))
             out["curve"] += [{"tokens": seen + r["stage_step"] * per_step, **eval_point(r)} for r in seg if "eval_kl" in r]

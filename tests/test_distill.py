@@ -75,6 +75,39 @@ def test_pack_restarts_positions_at_documents_and_rows():
     assert labels.tolist() == [[2, 3, -100, -100], [6, 7, 8, -100]]  # no target across a document start
 
 
+def test_rows_of_length_cut_rows_and_restart_positions():
+    from linearize.distill.batches import rows_of_length
+
+    ids, pos = pack([[1, 2], [3, 4, 5, 6, 7, 8]], 8)  # one row: positions [0 1 0 1 2 3 4 5]
+    cut_ids, cut_pos = rows_of_length(ids, pos, 4)
+    assert cut_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
+    assert cut_pos.tolist() == [[0, 1, 0, 1], [0, 1, 2, 3]]  # the cut document goes on as a new one
+    same = rows_of_length(ids, pos, 8)
+    assert same[0] is ids and same[1] is pos
+    with pytest.raises(ValueError, match="must divide"):
+        rows_of_length(ids, pos, 3)
+
+
+def test_stage_seq_len_trains_on_shorter_rows_and_counts_their_tokens(tiny_dir, tmp_path):
+    cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "o", **{"stages.0.steps": 2, "stages.0.seq_len": 16,
+                                                                  "stages.0.batch_size": 4}))
+    from linearize.distill import budget
+
+    assert budget(cfg)["stages"][0] == {"name": "align", "steps": 2, "seq_len": 16, "tokens": 2 * 4 * 16}
+    seen = []
+    import linearize.distill.stages as stages
+
+    orig = stages.batch_positions
+    stages.batch_positions = lambda pos, device: (seen.append(tuple(pos.shape)), orig(pos, device))[1]
+    try:
+        run_recipe(cfg)
+    finally:
+        stages.batch_positions = orig
+    assert seen and all(shape == (4, 16) for shape in seen)
+    with pytest.raises(RecipeError, match=r"stages\.0\.seq_len .*divides data\.seq_len=64"):
+        load_recipe(None, overrides(tiny_dir, tmp_path / "p", **{"stages.0.seq_len": 48}))
+
+
 def test_chunked_kl_equals_full_kl():
     torch.manual_seed(0)
     head_s, head_t = torch.nn.Linear(8, 50), torch.nn.Linear(8, 50)

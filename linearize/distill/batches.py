@@ -24,3 +24,17 @@ def batch_positions(pos: torch.Tensor, device: torch.device) -> torch.Tensor | N
     if pos.device.type == "cpu" and torch.equal(pos, torch.arange(pos.shape[1]).expand_as(pos)):
         return None
     return pos.to(device)
+
+
+def rows_of_length(ids: torch.Tensor, pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data's ``(n, L)`` rows cut into ``(n·L/length, length)`` pieces, positions restarting at each
+    piece (a document cut by a piece boundary goes on as a new one, as at row boundaries); ``length`` must
+    divide ``L``."""
+    n, L = ids.shape
+    if length == L:
+        return ids, pos
+    if L % length:
+        raise ValueError(f"a stage's seq_len {length} must divide the data's rows of {L} tokens")
+    from .data import restart_rows
+
+    return ids.reshape(-1, length), restart_rows(pos.reshape(-1, length))

@@ -19,10 +19,12 @@ from .stages import train
 
 def budget(cfg: RecipeConfig) -> dict:
     """Steps and tokens of each stage and in all."""
-    rows = [s.steps * s.batch_size for s in cfg.stages]
-    return {"stages": [{"name": s.name, "steps": s.steps, "tokens": r * cfg.data.seq_len}
-                       for s, r in zip(cfg.stages, rows)],
-            "total_steps": sum(s.steps for s in cfg.stages), "total_tokens": sum(rows) * cfg.data.seq_len}
+    from ..config import stage_seq_len
+
+    tokens = [s.steps * s.batch_size * stage_seq_len(cfg, s) for s in cfg.stages]
+    return {"stages": [{"name": s.name, "steps": s.steps, "seq_len": stage_seq_len(cfg, s), "tokens": t}
+                       for s, t in zip(cfg.stages, tokens)],
+            "total_steps": sum(s.steps for s in cfg.stages), "total_tokens": sum(tokens)}
 
 
 def initial_evaluation(run, resume: bool) -> dict | None:

@@ -17,9 +17,9 @@ from __future__ import annotations
 import math
 import time
 
-from ..config import RecipeError
+from ..config import RecipeError, stage_seq_len
 from . import checkpoint
-from .batches import batch_positions, batch_rows
+from .batches import batch_positions, batch_rows, rows_of_length
 from .evaluation import evaluate
 from .losses import objective_for, per_layer_values
 from .metrics import MetricLogger, truncate_metrics
@@ -75,11 +75,12 @@ def train(run, resume: bool, progress=None) -> dict:
             objective = data_parallel(objective_for(st, run.student, run.teacher, run.fsdp), run.device, run.fsdp)
             params = [p for g in opt.param_groups for p in g["params"]]
             run.student.train()
+            train_ids, train_pos = rows_of_length(run.data.train_ids, run.data.train_pos, stage_seq_len(cfg, st))
             for s in range(first, st.steps):
                 t0 = time.perf_counter()
-                rows = batch_rows(run.data.train_ids.shape[0], st.batch_size, step, cfg.seed)[rank::size]
-                ids = run.data.train_ids[rows].to(run.device)
-                pos = batch_positions(run.data.train_pos[rows], run.device)
+                rows = batch_rows(train_ids.shape[0], st.batch_size, step, cfg.seed)[rank::size]
+                ids = train_ids[rows].to(run.device)
+                pos = batch_positions(train_pos[rows], run.device)
                 loss, per_layer = objective(ids, pos)
                 run.student.zero_grad(set_to_none=True)
                 loss.backward()

@@ -53,6 +53,27 @@ def test_greedy_equals_transformers_generate(case):
     assert dec.timing.steps == 11 and not dec.timing.graphed
 
 
+@pytest.mark.parametrize("case", [dict(), dict(window=4, sinks=2), dict(window=3, sinks=1, short_conv=2),
+                                  dict(window=4, sinks=2, to="deltanet")], ids=["pure", "window", "window-conv", "deltanet"])
+def test_fused_decode_steps_equal_the_composed_ops(case):
+    """The fused steps (ops.decode, ops.window_step; their PyTorch bodies here) against the composed ops of
+    the layer, step by step over a left-padded batch, in float64."""
+    from test_convert import incremental_logits
+
+    case = dict(case)
+    to = case.pop("to", "gdn")
+    teacher = tiny_model("llama").double()
+    model = linearize.convert(teacher, to=to, calibration_ids=calib(teacher), options=GDNOptions(**case))
+    x, mask = left_padded(model, lengths=(14, 9))
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    fused, _ = incremental_logits(model, x, mask, pos, prefill=3)
+    for layer in model.model.layers:
+        layer.self_attn.fused_step = False
+    composed, _ = incremental_logits(model, x, mask, pos, prefill=3)
+    keep = mask.bool()
+    assert torch.allclose(fused[keep], composed[keep], rtol=1e-10, atol=1e-10)
+
+
 def test_sampling_equals_transformers_generate():
     """Same seed, same random draws: temperature, top-k and top-p applied as transformers applies them."""
     model = converted(window=4, sinks=2)

@@ -100,6 +100,8 @@ def decode_against_model(dtype, window, sinks, prefill, steps, pads, backends, t
         mask[b, :p] = 0
     pos = (mask.cumsum(1) - 1).clamp_min(0)
     gdn = model.model.layers[1].self_attn
+    for layer in model.model.layers:  # the model decodes through the composed ops: the reference
+        layer.self_attn.fused_step = False
     seen = {}
     hooks = [gdn.register_forward_pre_hook(lambda m, a, kw: seen.update(h=kw["hidden_states"],
                                                                          pe=kw["position_embeddings"]),

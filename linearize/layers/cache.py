@@ -71,7 +71,8 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         slots += list(zip(_CONV_INPUTS, conv_inputs or []))
         slots += list(zip(_WINDOW, window.tensors() if window is not None else []))
         for i, x in slots:
-            self.update_recurrent_state(x, state_idx=i)
+            if not (self.is_recurrent_states_initialized[i] and self.recurrent_states[i] is x):  # updated in place
+                self.update_recurrent_state(x, state_idx=i)
             self.has_previous_state[i] = True
         self.seen += new_tokens
         self.is_initialized = True

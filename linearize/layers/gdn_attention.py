@@ -32,6 +32,7 @@ from ..ops.common import LastTensorMemo
 from ..ops.decode import taylor_gdn_step_
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
+from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer
 from .options import GDNOptions
 from .output_gate import OutputGate
@@ -119,6 +120,8 @@ _LAST_PACKING = LastTensorMemo()  # every layer of one forward passes the same p
 
 class GDNAttention(nn.Module):
     """Gated DeltaNet attention initialized from a softmax attention module's weights."""
+
+    fused_step = True  # False: decode steps through the composed ops, the reference the fused step is tested on
 
     def __init__(self, teacher: nn.Module, options: GDNOptions | None = None):
         super().__init__()
@@ -286,6 +289,8 @@ class GDNAttention(nn.Module):
         W, S = self.options.window, self.options.sinks
         h0 = layer.state if layer is not None else None
         conv_past = layer.conv_inputs if h0 is not None else None
+        if T == 1 and h0 is not None and mask is None and self.options.form == "stable" and self.fused_step:
+            return self._step(hidden_states, position_embeddings, None, layer.sums, h0, conv_past, layer.window_buffers)
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q.to(dt) * self.scaling
@@ -325,7 +330,7 @@ class GDNAttention(nn.Module):
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
                 cu_seqlens=None, conv_past=None):
         B, T, _ = hidden_states.shape
-        if T == 1 and h0 is not None and self.options.form == "stable" and self.decays:
+        if T == 1 and h0 is not None and self.options.form == "stable" and self.decays and self.fused_step:
             return self._step(hidden_states, position_embeddings, mask, initial, h0, conv_past)
         fused = fused_path(self.options, hidden_states, mask, initial, output_final_state)
         q, scale, front, tails = self.gdn_inputs(hidden_states, position_embeddings, mask, initial, cu_seqlens, fused,
@@ -348,16 +353,22 @@ class GDNAttention(nn.Module):
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
 
 
-    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None):
-        """One decode step of the pure block through :func:`linearize.ops.decode.taylor_gdn_step_` (one fused
-        kernel on CUDA): the cache's state and running sums are updated in place."""
+    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None):
+        """One decode step through a fused step that updates the cache's state, sums (and, with ``buffers``,
+        the window's) in place — one kernel on CUDA: :func:`linearize.ops.decode.taylor_gdn_step_` for the
+        pure block, :func:`linearize.ops.window_step.sink_window_gdn_step_` for the window block."""
         B = hidden_states.shape[0]
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past)
-        dt = h0.dtype
+        dt, backend = h0.dtype, {"reference": "torch"}.get(self.options.backend, self.options.backend)
         beta_factor, gate_factor = correction_factors(*self._logits(hidden_states), dt)
-        o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0],
-                             gate_factor[:, 0], self.options.beta_max, self.scaling,
-                             mask=None if mask is None else mask[:, 0])
+        common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
+        if buffers is not None:
+            o = sink_window_gdn_step_(q[:, 0].to(dt) * self.scaling, k[:, 0], v[:, 0], buffers, *common, self.mix_bias,
+                                      self.options.beta_max, self.options.window, self.options.sinks,
+                                      decays=self.decays, backend=backend)
+            return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails, buffers
+        o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], *common, self.options.beta_max, self.scaling,
+                             mask=None if mask is None else mask[:, 0], backend=backend)
         return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails
 
 

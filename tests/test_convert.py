@@ -548,3 +548,16 @@ def test_gdn_options_short_conv_checked_and_off_the_fused_path():
     h = torch.zeros(1, 4, 8)
     assert fused_path(GDNOptions(fused_front=True), h) or not linearize.ops._triton_usable(h)
     assert not fused_path(GDNOptions(fused_front=True, short_conv=4), h)
+
+
+def test_token_mask_reads_padding_and_additive_masks():
+    from linearize.layers.gdn_attention import token_mask
+
+    pad = torch.tensor([[0, 1, 1], [1, 1, 1]])  # a user's padding mask: 1 = token
+    want = pad.bool()
+    assert torch.equal(token_mask(pad, 2, 3), want)
+    assert torch.equal(token_mask(pad.bool(), 2, 3), want)
+    additive = torch.zeros(2, 1, 3, 3)  # 0 = attend; the diagonal says whether a token sees itself
+    additive[0, 0, 0, 0] = float("-inf")
+    assert torch.equal(token_mask(additive, 2, 3), want)
+    assert token_mask(torch.ones(2, 3, dtype=torch.long), 2, 3) is None  # no padding: no mask

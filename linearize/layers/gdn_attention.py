@@ -86,11 +86,12 @@ def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Ten
         S = m.shape[-1]
         rows = torch.arange(m.shape[-2] - T, m.shape[-2], device=m.device)
         m = m[:, 0, rows, S - T + torch.arange(T, device=m.device)]
+        m = m if m.dtype == torch.bool else m == 0  # additive: 0 = attend
     elif m.dim() == 2:
         m = m[:, -T:]
+        m = m if m.dtype == torch.bool else m != 0  # the user's padding mask: 1 = a token
     else:
         return None
-    m = m if m.dtype == torch.bool else m == 0
     if m.shape != (B, T) or bool(m.all()):
         return None
     return m

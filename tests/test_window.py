@@ -271,8 +271,8 @@ def flex_against_banded(device, dtype, mask_rows, grads):
     """``[(o, lse, grads)]`` of the banded softmax and of FlexAttention's path on the same real queries."""
     import warnings
 
-    from linearize.layers.window import fresh_inputs
     from linearize.ops.window import sink_window_flex
+    from linearize.ops.window_inputs import fresh_inputs
 
     g = torch.Generator().manual_seed(0)
     B, T = (2, 150) if mask_rows else (1, 300)

@@ -28,7 +28,7 @@ import linearize
 from linearize.compat import cache_kwargs
 from linearize.layers import GDNAttention, GDNOptions
 from linearize.layers.gdn_attention import correction_factors
-from linearize.layers.window import WindowBuffers
+from linearize.ops.window_inputs import WindowBuffers
 from linearize.ops.window_step import sink_window_gdn_step_
 
 f64 = torch.float64

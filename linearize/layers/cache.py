@@ -19,7 +19,7 @@ _STATE, _SUM_K, _SUM_V, _COUNT = range(4)  # recurrent state slots: A, Σk, Σv,
 # the short convolution's last K-1 inputs of q, k, v (GDNOptions.short_conv), kept as recurrent slots
 # too, so the library's reorder, offload and reset treat them like the rest of the state
 _CONV_INPUTS = (4, 5, 6)
-# a sink + sliding-window block's sinks and last tokens (GDNOptions.window; layers/window.py's WindowBuffers)
+# a sink + sliding-window block's sinks and last tokens (GDNOptions.window; ops/window_inputs.py's WindowBuffers)
 _WINDOW = tuple(range(7, 15))
 
 
@@ -60,7 +60,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         """The sinks and window of a sink + sliding-window block (a ``WindowBuffers``); None without one."""
         if not (self.has_previous_state[_STATE] and self.has_previous_state[_WINDOW[0]]):
             return None
-        from .window import WindowBuffers
+        from ..ops.window_inputs import WindowBuffers
 
         return WindowBuffers(*(self.recurrent_states[i] for i in _WINDOW))
 

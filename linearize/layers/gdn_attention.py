@@ -32,12 +32,12 @@ from ..ops.common import LastTensorMemo
 from ..ops.decode import taylor_gdn_step_
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
+from ..ops.window_inputs import WindowBuffers, cached_inputs, fresh_inputs
 from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer
 from .options import GDNOptions
 from .output_gate import OutputGate
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
-from .window import WindowBuffers, cached_inputs, fresh_inputs
 
 
 def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,

@@ -1,7 +1,7 @@
 """One decode step of a sink + sliding-window Taylor-GDN layer (``GDNOptions.window``), in place, as one call.
 
 Per sequence, with ``c`` its real tokens so far, ``r`` its row positions so far (padding counted) and the
-new token at position ``p = c + 1`` (row position ``r``), in the layout of :mod:`linearize.layers.window`:
+new token at position ``p = c + 1`` (row position ``r``), in the layout of :mod:`linearize.ops.window_inputs`:
 
 - sinks: the new token becomes sink ``c`` when ``c < S`` (and that slot is empty); sink ``j`` is a key of
   this query when it exists and lies outside the window, ``0 ≤ sink_index_j ≤ r − W``;
@@ -32,8 +32,6 @@ place and read nothing back to the host, so a CUDA graph can capture the step.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .common import TRITON_MAX_K
@@ -41,9 +39,7 @@ from .decode import STEP_BACKENDS
 from .reference import gated_delta_rule_step
 from .taylor import RunningSums, fold_decay, taylor_back, taylor_front
 from .window import mix_by_mass, sink_window_softmax
-
-if TYPE_CHECKING:
-    from ..layers.window import WindowBuffers
+from .window_inputs import WindowBuffers, cached_inputs
 
 
 def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, sum_v, count, rho, beta_factor,
@@ -52,8 +48,6 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     """The step as ``_attend_window`` composes it (``cached_inputs``, ``sink_window_softmax``, ``taylor_front``,
     ``gated_delta_rule_step``, ``taylor_back``, ``mix_by_mass``), the results copied into the arguments;
     same contract as :func:`sink_window_gdn_step_`."""
-    from ..layers.window import cached_inputs  # layers import ops: not at module level
-
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     q = q.to(dt)[:, None]  # (N, 1, G·H, D)
     inp, after = cached_inputs(k[:, None], v[:, None], buffers, window, sinks)
@@ -100,7 +94,7 @@ def sink_window_gdn_step_(
     Args:
         q: ``[N, G·H, D]``, the softmax scale folded in (float32; float64 with ``backend="torch"``).
         k, v: ``[N, H, D]``: the new token's key (after RoPE/norms) and value, one real token per row.
-        buffers: the layer's :class:`~linearize.layers.window.WindowBuffers` (sinks ``[N, S, H, D]``,
+        buffers: the layer's :class:`~linearize.ops.window_inputs.WindowBuffers` (sinks ``[N, S, H, D]``,
             ``sink_index [N, S]``, window ``[N, W, H, D]``, ``win_pos [N, W]``, ``count``/``rows [N]``).
         state: ``[N, H, D, D]``; sum_k, sum_v ``[N, H, D]``, count ``[N]``: the old stream's Taylor-GDN state
             and running sums (the cache layer's ``state`` and ``sums``), float32 (float64 with torch).
@@ -113,7 +107,7 @@ def sink_window_gdn_step_(
         ``o [N, G·H, D]``: the mixed output, float32 (float64 for a float64 q on the torch path).
 
     Example:
-        >>> from linearize.layers.window import WindowBuffers
+        >>> from linearize.ops.window_inputs import WindowBuffers
         >>> N, H, G, D, W, S = 2, 1, 2, 8, 4, 2
         >>> buf = WindowBuffers.empty(torch.zeros(N, 1, H, D), W, S)
         >>> state, sk, sv, n = torch.zeros(N, H, D, D), torch.zeros(N, H, D), torch.zeros(N, H, D), torch.zeros(N)

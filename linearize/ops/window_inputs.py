@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops.taylor import _documents
+from .taylor import _documents
 
 
 @dataclass

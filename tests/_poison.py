@@ -51,3 +51,4 @@ def poisoned_outputs():
     finally:
         for m in modules:
             m.torch = torch
+

@@ -111,3 +111,15 @@ def run_and_kill_when(code: str, marker: Path, timeout_s: float = 120.0) -> None
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+@pytest.fixture
+def compiled():
+    """For the GPU tests of the kernels: fails under TRITON_INTERPRET=1 (that would interpret them), and
+    NaN-poisons the kernels' outputs (tests/_poison.py)."""
+    from _poison import poisoned_outputs
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
+    with poisoned_outputs():
+        yield

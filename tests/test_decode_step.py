@@ -7,8 +7,6 @@ run the compiled kernel in bf16 and fp32 (and under a CUDA graph) on a GPU."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 from _poison import poisoned_outputs
@@ -213,14 +211,6 @@ GPU_CASES = [  # many programs at once, so the last-arriver update of Σk and co
 ]
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-@pytest.fixture
-def compiled():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
-    with poisoned_outputs():
-        yield
 
 
 def gpu_inputs(case, seed):

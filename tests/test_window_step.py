@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 
 import pytest
 import torch
@@ -331,14 +330,6 @@ GPU_CASES = [  # many programs at once, so the last-arriver update of each seque
     (16, 2, 2, 256, 32, 0),
     (32, 4, 2, 64, 8, 8),
 ]
-
-
-@pytest.fixture
-def compiled():
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
-    with poisoned_outputs():
-        yield
 
 
 def gpu_inputs(case, seed):

@@ -132,10 +132,17 @@ def _check(q, k, v, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, m
             "beta_factor": (beta_factor, (N, H)), "gate_factor": (gate_factor, (N, H))}
     if mask is not None:
         want["mask"] = (mask, (N,))
+    check_shapes(want, {"state": state, "sum_k": sum_k, "sum_v": sum_v, "count": count})
+
+
+def check_shapes(want: dict, in_place_fp32: dict) -> None:
+    """Each ``name: (tensor, shape)`` of ``want`` has its shape; each tensor of ``in_place_fp32`` (the state and
+    its sums, which a step kernel updates in place) is contiguous float32. Raises ValueError naming the first
+    that is not."""
     for name, (x, shape) in want.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)}; got {tuple(x.shape)}")
-    for name, x in (("state", state), ("sum_k", sum_k), ("sum_v", sum_v), ("count", count)):
+    for name, x in in_place_fp32.items():
         if x.dtype != torch.float32 or not x.is_contiguous():
             raise ValueError(f"{name} is updated in place by the kernel: it must be contiguous float32")
 

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..common import next_pow2
-from .decode import _tickets
+from .decode import _tickets, check_shapes
 
 
 @triton.jit
@@ -211,12 +211,7 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
             "sink_v": (b.sink_v, (N, S, H, D)), "sink_index": (b.sink_index, (N, S)),
             "win_k": (b.win_k, (N, W, H, D)), "win_v": (b.win_v, (N, W, H, D)), "win_pos": (b.win_pos, (N, W)),
             "buffers.count": (b.count, (N,)), "rows": (b.rows, (N,))}
-    for name, (x, shape) in want.items():
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must be {list(shape)}; got {tuple(x.shape)}")
-    for name, x in (("state", state), ("sum_k", sum_k), ("sum_v", sum_v), ("count", count)):
-        if x.dtype != torch.float32 or not x.is_contiguous():
-            raise ValueError(f"{name} is updated in place by the kernel: it must be contiguous float32")
+    check_shapes(want, {"state": state, "sum_k": sum_k, "sum_v": sum_v, "count": count})
     for name, x in (("sink_index", b.sink_index), ("win_pos", b.win_pos), ("buffers.count", b.count),
                     ("rows", b.rows)):
         if x.dtype != torch.long or not x.is_contiguous():

@@ -162,6 +162,7 @@ def convert(
     calibrate_mix: bool = typer.Option(False, "--calibrate-mix", help="With --window: fit the mix's per-head bias on the calibration text."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
+    calibrate_steps: int = typer.Option(0, "--calibrate-steps", help="Adam steps per layer fitting the block's own parameters on it."),
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
 ):
     """Convert a model's softmax attention to Taylor-initialized GDN; report fidelity; save."""
@@ -186,6 +187,7 @@ def convert(
             raise UserError(f"--{str(e).replace('_', '-')}") from None
         checks.positive(tokens, "--tokens", 2)
         checks.positive(calibration_tokens, "--calibration-tokens", 1)
+        checks.positive(calibrate_steps, "--calibrate-steps", 0)
         checks.builtin_tokens(tokens, "--tokens", "heldout")
         checks.builtin_tokens(calibration_tokens, "--calibration-tokens", "train")
         check_conversion(layers, keep_softmax)  # syntax
@@ -212,14 +214,14 @@ def convert(
         teacher_ppl = perplexity(lm, heldout)
         caps = capture_attention(lm, heldout)
         convert_model(lm, to=to, layers=layers, keep_softmax=keep_softmax, tokenizer=tok,
-                      calibration_tokens=calibration_tokens, options=options)
+                      calibration_tokens=calibration_tokens, options=options, calibration_steps=calibrate_steps)
         t_convert = time.perf_counter()
         report = conversion_report(caps, lm, heldout, teacher_ppl)
         t_report = time.perf_counter()
-        report.update(model=model, output=str(out), options=options.to_dict())
+        report.update(model=model, output=str(out), options=options.to_dict(), calibration_steps=calibrate_steps)
         rows = report["layers"]
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens",
-                       ("uniform", "vala", "seed", "stable") + (("converted",) if window else ()))
+                       ("uniform", "vala", "seed", "stable") + (("converted",) if window or calibrate_steps else ()))
         ppl = report["perplexity"]
         gdn = sum(r["block"] == "gdn" for r in rows)
         typer.echo(f"converted {gdn} of {len(rows)} layers to GDN; softmax kept: "

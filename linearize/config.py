@@ -34,6 +34,7 @@ class ConvertConfig:
     output_gate: bool = False  # a gate and mixed RMSNorm before o_proj (identity at init)
     calibrate_mix: bool = False  # with a window: fit the mix's per-head bias on the calibration text
     calibration_tokens: int = 512
+    calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
 
 
 @dataclass
@@ -259,6 +260,7 @@ def validate(cfg: RecipeConfig) -> None:
     _need(isinstance(c.output_gate, bool), "convert.output_gate", "true or false", c.output_gate)
     _need(isinstance(c.calibrate_mix, bool), "convert.calibrate_mix", "true or false", c.calibrate_mix)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
+    _need(c.calibration_steps >= 0, "convert.calibration_steps", ">= 0", c.calibration_steps)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))
     d = cfg.data
     for key in ("source", "split", "text_field"):

@@ -17,6 +17,7 @@ from dataclasses import replace
 
 import torch
 
+from .calibration import NEW_PARAMETERS, fit_block
 from .layers.gdn_attention import GDNAttention
 from .layers.options import GDNOptions, check_target
 from .models.adapters import decoder_layers
@@ -81,8 +82,6 @@ def linearize_layer(
     return gdn
 
 
-NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias", "q_conv", "k_conv", "v_conv",
-                  "mix_bias", "out_gate.norm_weight", "out_gate.norm_mix")
 
 
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:
@@ -115,6 +114,7 @@ def convert(
     calibration_ids: torch.Tensor | None = None,
     calibration_tokens: int = 512,
     options: GDNOptions | None = None,
+    calibration_steps: int = 0,
 ) -> torch.nn.Module:
     """Convert ``model`` in place to GDN attention and return it.
 
@@ -128,6 +128,8 @@ def convert(
         tokenizer / calibration_ids: calibration text (default: ``calibration_tokens`` tokens of
             the built-in train split) used to set ρ per head and to rank layers for ``keep_softmax``.
         options: :class:`GDNOptions` (form, β bound, operator backend).
+        calibration_steps: Adam steps per layer fitting the block's own parameters to the teacher's
+            attention output on the calibration text (:mod:`linearize.calibration`; 0: none).
     """
     from .eval import capture_attention, relative_error, text_ids
 
@@ -155,6 +157,10 @@ def convert(
     caps = capture_attention(model, calibration_ids, candidates)
     gdn = {i: linearize_layer(decoder_layers(model)[i].self_attn, options, caps[i].hidden_states, caps[i].position_embeddings)
            for i in candidates}
+    if calibration_steps < 0:
+        raise ValueError(f"calibration_steps must be >= 0; got {calibration_steps}")
+    for i in candidates if calibration_steps else []:
+        fit_block(gdn[i], caps[i].hidden_states, caps[i].position_embeddings, caps[i].output, calibration_steps)
     if isinstance(keep_softmax, int) and keep_softmax > 0:
         err = {i: relative_error(gdn[i].attention_output(caps[i].hidden_states, caps[i].position_embeddings), caps[i].output)
                for i in candidates}

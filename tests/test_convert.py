@@ -561,3 +561,38 @@ def test_token_mask_reads_padding_and_additive_masks():
     additive[0, 0, 0, 0] = float("-inf")
     assert torch.equal(token_mask(additive, 2, 3), want)
     assert token_mask(torch.ones(2, 3, dtype=torch.long), 2, 3) is None  # no padding: no mask
+
+
+@pytest.mark.parametrize("options", [dict(), dict(window=4, sinks=2, output_gate=True)], ids=["pure", "window-gate"])
+def test_calibration_steps_fit_the_new_parameters_and_leave_the_teachers(options):
+    """convert(calibration_steps=N) lowers each block's error against the teacher on the calibration rows,
+    trains only the block's own parameters, and leaves every teacher weight bit for bit."""
+    from linearize.calibration import NEW_PARAMETERS, fit_block
+    from linearize.eval import relative_error
+    from linearize.layers.options import GDNOptions
+
+    teacher = tiny_model("llama")
+    with torch.no_grad():  # sharper attention than random weights give: something for the fit to fix
+        for layer in teacher.model.layers:
+            layer.self_attn.q_proj.weight.mul_(6)
+    weights = {n: p.detach().clone() for n, p in teacher.named_parameters()}
+    c = calib(teacher, T=64)
+    caps = capture_attention(teacher, c)
+    base = linearize.convert(copy.deepcopy(teacher), calibration_ids=c, options=GDNOptions(**options))
+    fitted = linearize.convert(copy.deepcopy(teacher), calibration_ids=c, options=GDNOptions(**options),
+                               calibration_steps=30)
+    errs = [[relative_error(m.model.layers[i].self_attn.attention_output(cap.hidden_states, cap.position_embeddings),
+                            cap.output) for m in (base, fitted)] for i, cap in caps.items()]
+    assert all(after <= before for before, after in errs), errs  # never worse on these rows
+    assert sum(a for _, a in errs) < 0.9 * sum(b for b, _ in errs), errs  # and better overall
+    for n, p in fitted.named_parameters():
+        if n in weights:
+            assert torch.equal(p, weights[n]), n
+        else:
+            assert n.endswith(NEW_PARAMETERS), n
+    block = copy.deepcopy(base.model.layers[0].self_attn)
+    cap = caps[0]
+    got = fit_block(block, cap.hidden_states, cap.position_embeddings, cap.output, steps=0)
+    assert got["before"] == got["after"]
+    with pytest.raises(ValueError, match="calibration_steps must be >= 0"):
+        linearize.convert(copy.deepcopy(teacher), calibration_ids=c, calibration_steps=-1)

@@ -89,7 +89,7 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     data = build_data(cfg.data, tok, getattr(teacher.config, "max_position_embeddings", None))
     student = copy.deepcopy(teacher)
     convert(student, to=cfg.convert.to, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
-            calibration_tokens=cfg.convert.calibration_tokens,
+            calibration_tokens=cfg.convert.calibration_tokens, calibration_steps=cfg.convert.calibration_steps,
             options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv,
                                window=cfg.convert.window, sinks=cfg.convert.sinks, output_gate=cfg.convert.output_gate,
                                calibrate_mix=cfg.convert.calibrate_mix))

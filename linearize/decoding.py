@@ -102,10 +102,10 @@ def plain_generate_kwargs(model, kwargs: dict) -> dict | None:
             return None
     value = lambda k: kwargs[k] if kwargs.get(k) is not None else (getattr(gc, k, None) if getattr(gc, k, None)  # noqa: E731
                                                                      is not None else _DEFAULTS[k])
-    sampling = Sampling(do_sample=bool(value("do_sample")), temperature=float(value("temperature")),
-                        top_k=int(value("top_k") or 0), top_p=float(value("top_p")))
-    if not sampling.do_sample:
-        sampling = Sampling()
+    sampling = Sampling()  # greedy: temperature and the filters do not apply
+    if value("do_sample"):
+        sampling = Sampling(do_sample=True, temperature=float(value("temperature")), top_k=int(value("top_k") or 0),
+                            top_p=float(value("top_p")))
     return {"attention_mask": kwargs.get("attention_mask"), "max_new_tokens": int(kwargs["max_new_tokens"]),
             "eos_token_id": kwargs.get("eos_token_id"), "pad_token_id": kwargs.get("pad_token_id"), "sampling": sampling}
 

@@ -141,6 +141,8 @@ def test_other_generate_calls_stay_with_transformers():
     model = converted()
     assert plain_generate_kwargs(model, dict(max_new_tokens=4, num_beams=2)) is None
     assert plain_generate_kwargs(model, dict(do_sample=False)) is None  # no max_new_tokens: max_length rules
+    greedy = plain_generate_kwargs(model, dict(max_new_tokens=4, do_sample=False, temperature=0.0))
+    assert greedy["sampling"] == Sampling()  # greedy ignores the temperature, as transformers does
     model.generation_config.repetition_penalty = 1.3
     assert plain_generate_kwargs(model, dict(max_new_tokens=4)) is None
 

@@ -17,7 +17,8 @@ Each path generates ``--steps`` tokens and, separately, one token; the decode co
 decoding cache's bytes and peak memory. Every run forces ``--steps`` new tokens (no end of text).
 ``--check-prompts N`` also checks that the graph path's greedy continuations equal the eager path's on
 N prompts, token for token. Without ``--model``: SmolLM2-135M's architecture with random weights (speed
-does not depend on the weights). Needs a CUDA device.
+does not depend on the weights). ``--device cpu``: float32, the teacher's default path against the
+converted model's (no compile, no graph, no peak memory).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import copy
 import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -55,11 +57,16 @@ def build_teacher(model: str | None, dtype):
     return LlamaForCausalLM(cfg).to(dtype).eval()
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn) -> float:
-    torch.cuda.synchronize()
+    sync()
     t0 = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - t0
 
 
@@ -82,16 +89,21 @@ def cache_bytes(model, ids) -> int:
     return total
 
 
-def measure(run, steps: int) -> dict:
-    """``run(n)`` generates n tokens. Times ``run(1)`` and ``run(steps)`` after one untimed warm-up of each."""
+def measure(run, steps: int, repeats: int) -> dict:
+    """``run(n)`` generates n tokens. Times ``run(1)`` and ``run(steps)`` ``repeats`` times each after one
+    untimed warm-up of each; the decode cost per token is the difference of their medians over steps − 1."""
+    cuda = torch.cuda.is_available()
     run(1), run(steps)
-    torch.cuda.reset_peak_memory_stats()
-    t1, tn = timed(lambda: run(1)), timed(lambda: run(steps))
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    pairs = [(timed(lambda: run(1)), timed(lambda: run(steps))) for _ in range(repeats)]
+    t1, tn = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
     per = (tn - t1) / (steps - 1)
-    return {"ttft_s": t1, "ms_per_token": per * 1e3, "peak_bytes": torch.cuda.max_memory_allocated(), "total_s": tn}
+    return {"ttft_s": t1, "ms_per_token": per * 1e3, "total_s": tn,
+            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
-def paths(teacher, converted, ids, eager: bool):
+def paths(teacher, converted, ids, eager: bool, cpu: bool = False):
     no_eos = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def hf(model, **kw):
@@ -102,6 +114,8 @@ def paths(teacher, converted, ids, eager: bool):
         d = Decoder(converted, graph=graph)
         return lambda n: d.generate(ids, max_new_tokens=n, eos_token_id=[])
 
+    if cpu:  # what runs on a CPU: the teacher's default path and the converted model's (eager) decoder
+        return {"teacher": hf(teacher), "converted": dec(False)}
     out = {"teacher": hf(teacher), "teacher_static": hf(teacher, cache_implementation="static"), "converted": dec(True)}
     if eager:
         out.update(converted_eager=dec(False), converted_generate=hf(converted))
@@ -147,38 +161,43 @@ def main():
     p.add_argument("--contexts", type=int, nargs="+", default=[2048, 8192, 32768])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
     p.add_argument("--steps", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=3, help="timed pairs of runs per path (their medians)")
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
     p.add_argument("--check-prompts", type=int, default=0, help="check graph == eager greedy tokens on N prompts")
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="tokens/s against context, one PNG per batch size")
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = p.parse_args()
-    if not torch.cuda.is_available():
-        p.exit(2, "error: bench_decode.py needs a CUDA device; run it on a GPU machine\n")
+    cpu = args.device == "cpu"
+    if not cpu and not torch.cuda.is_available():
+        p.exit(2, "error: no CUDA device here; run on a GPU machine, or with --device cpu\n")
+    dev = args.device
 
-    teacher = build_teacher(args.model, torch.bfloat16).cuda()
+    teacher = build_teacher(args.model, torch.float32 if cpu else torch.bfloat16).to(dev)
     vocab = teacher.config.vocab_size
-    calib = torch.randint(0, vocab, (1, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    calib = torch.randint(0, vocab, (1, 512), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
     options = GDNOptions(window=args.window, sinks=args.sinks)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
-    meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "dtype": "bfloat16 weights, fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
-            "block": options.to_dict(), "steps": args.steps}
-    if args.check_prompts:
+    meta = {"command": " ".join(["python", *sys.argv]), "device": "cpu" if cpu else torch.cuda.get_device_name(),
+            "torch": torch.__version__, "dtype": ("float32" if cpu else "bfloat16 weights") + ", fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
+            "block": options.to_dict(), "steps": args.steps, "repeats": args.repeats}
+    if args.check_prompts and not cpu:
         meta["graph_equals_eager"] = check_prompts(converted, args.check_prompts, vocab)
         print(json.dumps(meta["graph_equals_eager"]), flush=True)
     rows = []
     for context in args.contexts:
         for batch in args.batches:
-            ids = torch.randint(1, vocab, (batch, context), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+            ids = torch.randint(1, vocab, (batch, context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
             row = {"context": context, "batch": batch}
-            for name, run in paths(teacher, converted, ids, args.eager).items():
+            for name, run in paths(teacher, converted, ids, args.eager, cpu).items():
                 gc.collect()
-                torch.cuda.empty_cache()
+                if not cpu:
+                    torch.cuda.empty_cache()
                 try:
                     with torch.no_grad():
-                        r = measure(run, args.steps)
+                        r = measure(run, args.steps, args.repeats)
                     r["tokens_per_s"] = batch / (r["ms_per_token"] / 1e3)
                     row[name] = r
                 except torch.OutOfMemoryError:
@@ -193,7 +212,7 @@ def main():
                         pass
             c = row["converted"].get("tokens_per_s")
             for anchor in ("teacher", "teacher_static"):
-                t = row[anchor].get("tokens_per_s")
+                t = row.get(anchor, {}).get("tokens_per_s")
                 if c and t:
                     row[f"converted_vs_{anchor}"] = c / t
             rows.append(row)

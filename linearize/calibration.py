@@ -39,23 +39,24 @@ def fit_block(block: torch.nn.Module, hidden_states: torch.Tensor, position_embe
     opt = torch.optim.Adam(new, lr=lr)
     try:
         with torch.enable_grad():
-            before = best = float(error().detach())
-            kept = [p.detach().clone() for p in new]
-            for _ in range(steps):
-                opt.zero_grad(set_to_none=True)
+            for i in range(steps + 1):  # the error at the start of each step, and after the last one
                 loss = error()
-                if loss.item() < best:  # the error of the parameters this step starts from
+                if i == 0:
+                    before = best = loss.item()
+                    kept = [p.detach().clone() for p in new]
+                elif loss.item() < best:
                     best, kept = loss.item(), [p.detach().clone() for p in new]
+                if i == steps:
+                    break
+                opt.zero_grad(set_to_none=True)
                 loss.backward()
                 opt.step()
-        with torch.no_grad():
-            if float(error()) > best:  # keep the best point seen: never worse than the initialization here
-                for p, k in zip(new, kept):
-                    p.copy_(k)
-            after = float(error())
+        with torch.no_grad():  # keep the best point seen: never worse than the initialization here
+            for p, k in zip(new, kept):
+                p.copy_(k)
     finally:
         for n, flag in frozen.items():
             named[n].requires_grad_(flag)
         for p in new:
             p.grad = None
-    return {"before": before, "after": after}
+    return {"before": before, "after": best}

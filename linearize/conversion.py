@@ -82,8 +82,6 @@ def linearize_layer(
     return gdn
 
 
-
-
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:
     return {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
 
@@ -134,6 +132,8 @@ def convert(
     from .eval import capture_attention, relative_error, text_ids
 
     check_target(to)
+    if calibration_steps < 0:
+        raise ValueError(f"calibration_steps must be >= 0; got {calibration_steps}")
     if options is not None and options.target not in ("gdn", to):
         raise ValueError(f"options.target={options.target!r} but to={to!r}: give the target once, as to=")
     options = replace(options or GDNOptions(), target=to)
@@ -157,8 +157,6 @@ def convert(
     caps = capture_attention(model, calibration_ids, candidates)
     gdn = {i: linearize_layer(decoder_layers(model)[i].self_attn, options, caps[i].hidden_states, caps[i].position_embeddings)
            for i in candidates}
-    if calibration_steps < 0:
-        raise ValueError(f"calibration_steps must be >= 0; got {calibration_steps}")
     for i in candidates if calibration_steps else []:
         fit_block(gdn[i], caps[i].hidden_states, caps[i].position_embeddings, caps[i].output, calibration_steps)
     if isinstance(keep_softmax, int) and keep_softmax > 0:

@@ -88,7 +88,9 @@ def training(run: Path) -> dict:
         done = seg[-1]["stage_step"]
         row = {"name": seg[0]["stage"], "steps": done, "logged_steps": len(seg)}
         if st is not None:
-            seq_len = getattr(st, "seq_len", 0) or cfg.data.seq_len
+            from linearize.config import stage_seq_len
+
+            seq_len = stage_seq_len(cfg, st)
             per_step = st.batch_size * seq_len
             row.update(planned_steps=st.steps, batch_size=st.batch_size, seq_len=seq_len,
                        tokens=done * per_step,

@@ -17,6 +17,7 @@ temperature, then top-k, then top-p, in the order transformers' logits processor
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from dataclasses import dataclass
@@ -121,7 +122,7 @@ def graph_generate(model, inputs: torch.Tensor | None, kwargs: dict) -> torch.Te
     if plan is None or _GRAPH_FAILED:
         return None
     try:
-        return Decoder(model, graph=True).generate(ids, **plan)
+        return model_decoder(model).generate(ids, **plan)
     except RuntimeError as e:  # a capture this torch/transformers cannot do: say so once, then decode eagerly
         _GRAPH_FAILED.append(repr(e))
         warnings.warn(f"linearize: CUDA-graph decoding failed ({str(e)[:200]}); generate() uses transformers' "
@@ -132,16 +133,29 @@ def graph_generate(model, inputs: torch.Tensor | None, kwargs: dict) -> torch.Te
 _GRAPH_FAILED: list[str] = []
 
 
+def model_decoder(model) -> Decoder:
+    """The graph decoder kept on ``model``, so that repeated ``generate()`` calls replay the graphs it has
+    captured (one per batch size) instead of capturing again."""
+    dec = model.__dict__.get("_linearize_decoder")
+    if dec is None:
+        dec = Decoder(model, graph=True)
+        model.__dict__["_linearize_decoder"] = dec  # a plain attribute: not a submodule, not saved
+    return dec
+
+
 def all_gdn(model) -> bool:
     lin = getattr(model.config, "linearize", None) or {}
     return bool(lin.get("gdn_layers")) and not lin.get("softmax_layers")
 
 
 class Decoder:
-    """Generation for one converted model. A graph is captured for each ``generate`` call, on that call's
-    cache (a few milliseconds: three steps and the recording, in ``timing.capture_s``)."""
+    """Generation for one converted model. With ``graph``, the step is captured once per batch size (three
+    steps and the recording, in ``timing.capture_s``) on a cache the decoder then keeps: a later call of the
+    same batch size prefills into a fresh cache, copies its fixed-size states into the kept one and replays
+    the same graph. The model's weights must stay where they were captured: a decoder that finds them
+    moved (``.to()``, a reload) captures again."""
 
-    def __init__(self, model, graph: bool | None = None, check_every: int = 8):
+    def __init__(self, model, graph: bool | None = None, check_every: int = 8, compile: bool = False):
         self.model = model
         device = next(model.parameters()).device
         can = device.type == "cuda" and all_gdn(model)
@@ -150,7 +164,9 @@ class Decoder:
                              "(softmax layers grow a KV cache); use graph=None or False")
         self.graph = can if graph is None else graph
         self.check_every = max(1, check_every)
+        self.compile = compile  # the graph records each block's norms and MLP compiled (fewer kernels a step)
         self.timing = Timing()
+        self._graphs: dict[int, tuple] = {}  # batch size -> (weights' addresses, cache, ids, pos, logits, run)
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32,
@@ -177,9 +193,10 @@ class Decoder:
                        logits_to_keep=1).logits[:, -1]
         self.timing = Timing(prefill_s=_now(dev) - t0, graphed=self.graph)
         t0 = _now(dev)
-        step = self._graphed_step(cache, B, dev) if self.graph else self._eager_step(cache, mask)
-        self.timing.capture_s = _now(dev) - t0 if self.graph else 0.0
-        ids_buf, pos_buf, logits_buf, run = step
+        if self.graph:
+            ids_buf, pos_buf, logits_buf, run = self._graph_for(cache, B, dev)
+        else:
+            ids_buf, pos_buf, logits_buf, run = self._eager_step(cache, mask)
         pos_buf.copy_(pos[:, -1:] + 1)
         out = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=dev)
@@ -225,6 +242,19 @@ class Decoder:
 
         return ids_buf, pos_buf, logits_buf, run
 
+    def _graph_for(self, cache, B, dev):
+        """The captured step for batch ``B``, continuing from the prefilled ``cache``: the kept graph, its
+        cache loaded with ``cache``'s states, or a new capture on ``cache`` (which the decoder then keeps)."""
+        weights = tuple(p.data_ptr() for p in self.model.parameters())
+        kept = self._graphs.get(B)
+        t0 = _now(dev)
+        if kept is not None and kept[0] == weights and _load_states(kept[1], cache):
+            return kept[2:]
+        step = self._graphed_step(cache, B, dev)
+        self._graphs[B] = (weights, cache, *step)
+        self.timing.capture_s = _now(dev) - t0
+        return step
+
     def _graphed_step(self, cache, B, dev):
         """Capture the step on this cache's tensors. The capture runs the step three times (two warm-ups
         that also compile any Triton kernel, then the recorded one); the cache is put back afterwards."""
@@ -234,13 +264,14 @@ class Decoder:
         pos_buf.zero_()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body(cache, ids_buf, pos_buf, logits_buf)
-        torch.cuda.current_stream(dev).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._body(cache, ids_buf, pos_buf, logits_buf)
+        with compiled_blocks(self.model, self.compile):  # compiled in the warm-ups, recorded, then put back
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._body(cache, ids_buf, pos_buf, logits_buf)
+            torch.cuda.current_stream(dev).wait_stream(stream)
+            with torch.cuda.graph(graph):
+                self._body(cache, ids_buf, pos_buf, logits_buf)
         for layer, (seen, tensors) in zip(layers, saved):
             layer.seen = seen
             for i, x in tensors.items():
@@ -252,6 +283,49 @@ class Decoder:
                 layer.seen += 1
 
         return ids_buf, pos_buf, logits_buf, run
+
+
+@contextlib.contextmanager
+def compiled_blocks(model, enabled: bool = True):
+    """Within: every decoder block's norms and MLP run through ``torch.compile`` (their element-wise
+    work fused into a few kernels); afterwards the model is as it was. The attention blocks stay as they
+    are (their cache updates and kernels are not what a compiler fuses). A graph recorded within keeps the
+    compiled kernels."""
+    from .models.adapters import decoder_layers
+
+    patched = []
+    if enabled:
+        for block in decoder_layers(model):
+            for name, child in block.named_children():
+                if name == "mlp" or name.endswith("norm"):
+                    patched.append((child, child.__dict__.get("forward")))
+                    child.forward = torch.compile(child.forward, fullgraph=True, dynamic=False)
+    try:
+        yield
+    finally:
+        for child, forward in patched:
+            if forward is None:
+                del child.forward
+            else:
+                child.forward = forward
+
+
+def _load_states(kept, cache) -> bool:
+    """Copy ``cache``'s GDN states into ``kept``'s tensors (which a captured graph reads); False, copying
+    nothing, where the two do not hold the same slots of the same shapes."""
+    if len(kept.layers) != len(cache.layers):
+        return False
+    pairs = list(zip(kept.layers, cache.layers))
+    for a, b in pairs:
+        if not (isinstance(a, GDNStateLayer) and isinstance(b, GDNStateLayer) and _slots(a) == _slots(b)):
+            return False
+        if any(a.recurrent_states[i].shape != b.recurrent_states[i].shape for i in _slots(b)):
+            return False
+    for a, b in pairs:
+        for i in _slots(b):
+            a.recurrent_states[i].copy_(b.recurrent_states[i])
+        a.seen = b.seen
+    return True
 
 
 def _slots(layer: GDNStateLayer) -> list[int]:

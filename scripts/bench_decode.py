@@ -103,20 +103,22 @@ def measure(run, steps: int, repeats: int) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
-def paths(teacher, converted, ids, eager: bool, cpu: bool = False):
+def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False):
     no_eos = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def hf(model, **kw):
         return lambda n: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                                         **no_eos, **kw)
 
-    def dec(graph):
-        d = Decoder(converted, graph=graph)
+    def dec(graph, compile=False):
+        d = Decoder(converted, graph=graph, compile=compile)
         return lambda n: d.generate(ids, max_new_tokens=n, eos_token_id=[])
 
     if cpu:  # what runs on a CPU: the teacher's default path and the converted model's (eager) decoder
         return {"teacher": hf(teacher), "converted": dec(False)}
     out = {"teacher": hf(teacher), "teacher_static": hf(teacher, cache_implementation="static"), "converted": dec(True)}
+    if compiled:
+        out["converted_compiled"] = dec(True, compile=True)
     if eager:
         out.update(converted_eager=dec(False), converted_generate=hf(converted))
     return out
@@ -143,7 +145,7 @@ def plot(rows: list[dict], batch: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for name in ("teacher", "teacher_static", "converted"):
+    for name in ("teacher", "teacher_static", "converted", "converted_compiled"):
         pts = [(r["context"], r[name]["tokens_per_s"]) for r in rows if r["batch"] == batch and "tokens_per_s" in r.get(name, {})]
         if pts:
             ax.plot(*zip(*pts), "o-", label=name)
@@ -165,6 +167,8 @@ def main():
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
+    p.add_argument("--compile", action="store_true",
+                   help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled)")
     p.add_argument("--check-prompts", type=int, default=0, help="check graph == eager greedy tokens on N prompts")
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="tokens/s against context, one PNG per batch size")
@@ -191,7 +195,7 @@ def main():
         for batch in args.batches:
             ids = torch.randint(1, vocab, (batch, context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
             row = {"context": context, "batch": batch}
-            for name, run in paths(teacher, converted, ids, args.eager, cpu).items():
+            for name, run in paths(teacher, converted, ids, args.eager, cpu, args.compile).items():
                 gc.collect()
                 if not cpu:
                     torch.cuda.empty_cache()
@@ -210,16 +214,18 @@ def main():
                         row.setdefault(name, {})["cache_bytes"] = cache_bytes(teacher if name == "teacher" else converted, ids)
                     except torch.OutOfMemoryError:
                         pass
-            c = row["converted"].get("tokens_per_s")
-            for anchor in ("teacher", "teacher_static"):
-                t = row.get(anchor, {}).get("tokens_per_s")
-                if c and t:
-                    row[f"converted_vs_{anchor}"] = c / t
+            for mine in ("converted", "converted_compiled"):
+                c = row.get(mine, {}).get("tokens_per_s")
+                for anchor in ("teacher", "teacher_static"):
+                    t = row.get(anchor, {}).get("tokens_per_s")
+                    if c and t:
+                        row[f"{mine}_vs_{anchor}"] = c / t
             rows.append(row)
             print(json.dumps(row), flush=True)
+            if args.output:  # after every row, so that a run stopped by a time limit keeps what it measured
+                args.output.parent.mkdir(parents=True, exist_ok=True)
+                args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({**meta, "rows": rows}, indent=1))
         print(f"wrote {args.output}")
     if args.plot:
         for batch in args.batches:

@@ -147,6 +147,68 @@ def test_other_generate_calls_stay_with_transformers():
     assert plain_generate_kwargs(model, dict(max_new_tokens=4)) is None
 
 
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_kept_cache_loaded_from_a_new_prefill_continues_it(case):
+    """What a replayed graph relies on: the states of one prefill, copied into another cache's tensors,
+    continue as the prefill itself would (steps compared, eagerly, in float64)."""
+    from transformers import DynamicCache
+
+    from linearize.compat import cache_kwargs
+    from linearize.decoding import _load_states
+
+    model = converted(**case).double().eval()
+    x, mask = left_padded(model)
+    y, ymask = left_padded(model, lengths=(5, 12, 9), seed=8)
+
+    def prefill(ids, m):
+        cache = DynamicCache(config=model.config)
+        model(ids, attention_mask=m, position_ids=(m.cumsum(-1) - 1).clamp_min(0), **cache_kwargs(cache),
+              use_cache=True)
+        return cache
+
+    def steps(cache, m, n=6):
+        pos = (m.cumsum(-1) - 1).clamp_min(0)[:, -1:]
+        tok, out = torch.full((3, 1), 5), []
+        with torch.no_grad():
+            for i in range(n):
+                logits = model(input_ids=tok, position_ids=pos + 1 + i, **cache_kwargs(cache), use_cache=True,
+                               decode_step=True).logits[:, -1]
+                tok = logits.argmax(-1, keepdim=True)
+                out.append(logits)
+        return torch.stack(out)
+
+    with torch.no_grad():
+        kept, fresh = prefill(x, mask), prefill(y, ymask)
+        tensors = [t.data_ptr() for layer in kept.layers for t in layer.recurrent_states if torch.is_tensor(t)]
+        assert _load_states(kept, fresh)
+    assert [t.data_ptr() for layer in kept.layers for t in layer.recurrent_states if torch.is_tensor(t)] == tensors
+    want = steps(prefill(y, ymask), ymask)
+    assert torch.equal(steps(kept, ymask), want)
+    assert not _load_states(kept, DynamicCache(config=model.config))  # nothing prefilled: refused
+
+
+def test_compiled_blocks_compute_the_same_and_put_the_model_back():
+    """The norms and MLPs compiled for a captured step give the eager model's tokens and logits (to float32
+    rounding: the compiler reorders sums), and leave the model's own modules afterwards."""
+    from linearize.decoding import compiled_blocks
+
+    model = converted(family="llama", window=4, sinks=2).eval()
+    x, mask = left_padded(model)
+    block = model.model.layers[0]
+    forwards = (block.mlp.forward.__func__, block.input_layernorm.forward.__func__)
+    want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
+    with torch.no_grad():
+        logits = model(x, attention_mask=mask).logits
+        with compiled_blocks(model):
+            assert "forward" in block.mlp.__dict__  # the compiled forward, on the instance
+            got = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
+            compiled_logits = model(x, attention_mask=mask).logits
+    assert torch.equal(got, want)
+    assert (compiled_logits - logits).abs().max() < 1e-5 * logits.abs().max()
+    assert (block.mlp.forward.__func__, block.input_layernorm.forward.__func__) == forwards
+    assert "forward" not in block.mlp.__dict__
+
+
 def test_sampling_options_checked():
     for bad in (dict(temperature=0), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
         with pytest.raises(ValueError):
@@ -166,8 +228,24 @@ def test_graph_path_equals_eager_path_on_gpu(case):
     dec = Decoder(model, graph=True)
     graphed = dec.generate(x, attention_mask=mask, max_new_tokens=24)
     assert dec.timing.graphed and torch.equal(graphed, eager)
-    again = dec.generate(x, attention_mask=mask, max_new_tokens=24)  # a second call captures afresh
-    assert torch.equal(again, eager)
+    assert dec.timing.capture_s > 0
+    y, ymask = left_padded(model, lengths=tuple(range(30, 10, -1)), seed=7)  # same batch, other prompts
+    y, ymask = y.cuda(), ymask.cuda()
+    again = dec.generate(y, attention_mask=ymask, max_new_tokens=24)  # replays the kept graph
+    assert dec.timing.capture_s == 0
+    assert torch.equal(again, Decoder(model, graph=False).generate(y, attention_mask=ymask, max_new_tokens=24))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_compiled_graph_path_equals_eager_path_on_gpu():
+    model = converted(window=4, sinks=2).cuda()
+    x, mask = left_padded(model, lengths=tuple(range(3, 23)))
+    x, mask = x.cuda(), mask.cuda()
+    eager = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=24)
+    dec = Decoder(model, graph=True, compile=True)
+    assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=24), eager)
+    assert "forward" not in model.model.layers[0].mlp.__dict__  # the model is put back after the capture
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""The gated delta rule (GDN) operator and the Taylor front/back that feed it softmax attention's q, k, v.
+"""The gated delta rule (GDN) operator and the Taylor front/back that feed it softmax attention's q, k, v;
+beside it the decayed linear attention of the ``linear`` (VaLA) target (:mod:`linearize.ops.linear`).
 
 Public entry point: :func:`gated_delta_rule` with ``backend="auto" | "torch" | "reference"``
 or ``"triton"``. See SPEC §3 for the contract.
@@ -10,6 +11,7 @@ import torch
 
 from .chunk import gated_delta_rule_chunk
 from .common import TRITON_MAX_K, check_inputs
+from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
 from .taylor import (
     TaylorInputs,
@@ -114,6 +116,10 @@ __all__ = [
     "gated_delta_rule_chunk",
     "gated_delta_rule_reference",
     "gated_delta_rule_step",
+    "linear_attention",
+    "linear_attention_chunk",
+    "linear_attention_reference",
+    "linear_attention_step",
     "prefix_mean",
     "softmax_attention",
     "taylor_attention",

@@ -22,8 +22,10 @@ def check_inputs(
     beta: torch.Tensor,
     initial_state: torch.Tensor | None,
     cu_seqlens: torch.Tensor | None,
+    names: tuple[str, str] = ("g", "beta"),
 ) -> tuple[int, int]:
-    """Validate shapes; return ``(num_sequences, group_size)``. Raises ``ValueError``."""
+    """Validate shapes; return ``(num_sequences, group_size)``. Raises ``ValueError``. ``names``: what the
+    two per-head scalars are called in the messages (the linear attention's are ``g`` and ``w``)."""
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError(
             f"q, k, v must be [B, T, H, D]; got q{tuple(q.shape)} k{tuple(k.shape)} v{tuple(v.shape)}"
@@ -36,7 +38,7 @@ def check_inputs(
         raise ValueError(f"v must be [B, T, H_kv, V] = [{B}, {T}, {Hkv}, V]; got {tuple(v.shape)}")
     if Hq % Hkv != 0:
         raise ValueError(f"q heads ({Hq}) must be a multiple of k/v heads ({Hkv}) for grouped-query attention")
-    for name, x in (("g", g), ("beta", beta)):
+    for name, x in zip(names, (g, beta)):
         if x.shape != (B, T, Hkv):
             raise ValueError(f"{name} must be [B, T, H_kv] = [{B}, {T}, {Hkv}]; got {tuple(x.shape)}")
     N = B

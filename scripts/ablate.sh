@@ -13,7 +13,15 @@
 #   EVAL      if set, `linearize eval` options: each trained variant is then measured (model alone,
 #             --teacher none) into RUNS_DIR/NAME/quality.json, when EVAL_SECONDS (default 300) remain —
 #             on the same machine, so a model that lives only there is measured before it is gone
+#   EXPORT    if set, a folder (the device's $OUT) that receives, when the script ends or is stopped, one
+#             archive records_NAMES.tgz of every variant's records (metrics.jsonl, recipe.yaml,
+#             initial_eval.json, quality.json/.md): a machine released after the call keeps nothing else
 # Each run's metrics.jsonl, recipe.yaml and initial_eval.json are what scripts/ablation_table.py reads.
+# Two recipes at once on one GPU, under one deadline — wait on the scripts' own PIDs (a `pgrep -f` on a
+# run's path also matches the shell that runs the whole command line, and never returns):
+#   export START=$(date +%s) DEADLINE=540 EXPORT=$OUT
+#   bash scripts/ablate.sh recipes/a.yaml RUNS A= & a=$!; bash scripts/ablate.sh recipes/b.yaml RUNS B= & b=$!
+#   wait $a $b
 set -uo pipefail
 [ $# -ge 3 ] || { echo "usage: scripts/ablate.sh RECIPE RUNS_DIR NAME=\"OVERRIDES\" ..." >&2; exit 2; }
 recipe=$1 runs=$2
@@ -21,6 +29,21 @@ shift 2
 start=${START:-$(date +%s)} deadline=${DEADLINE:-540}
 left() { echo $(( deadline - ($(date +%s) - start) )); }
 mkdir -p "$runs"
+names=()
+for spec in "$@"; do names+=("${spec%%=*}"); done
+export_records() {
+    [ -n "${EXPORT:-}" ] || return 0
+    local files=() n f
+    for n in "${names[@]}"; do
+        for f in metrics.jsonl recipe.yaml initial_eval.json quality.json quality.md; do
+            [ -f "$runs/$n/$f" ] && files+=("$n/$f")
+        done
+    done
+    [ ${#files[@]} -gt 0 ] || return 0
+    mkdir -p "$EXPORT" && tar czf "$EXPORT/records_$(IFS=_; echo "${names[*]}").tgz" -C "$runs" "${files[@]}" \
+        && echo "== records of ${names[*]} in $EXPORT"
+}
+trap export_records EXIT
 for spec in "$@"; do
     name=${spec%%=*} overrides=${spec#*=}
     dir=$runs/$name

@@ -18,6 +18,7 @@ temperature, then top-k, then top-p, in the order transformers' logits processor
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 import warnings
 from dataclasses import dataclass
@@ -167,6 +168,11 @@ class Decoder:
         self.compile = compile  # the graph records each block's norms and MLP compiled (fewer kernels a step)
         self.timing = Timing()
         self._graphs: dict[int, tuple] = {}  # batch size -> (weights' addresses, cache, ids, pos, logits, run)
+
+    def __deepcopy__(self, memo):  # a copied model (copy.deepcopy) gets a decoder of its own, no graphs
+        new = copy.copy(self)
+        new.model, new.timing, new._graphs = copy.deepcopy(self.model, memo), Timing(), {}
+        return new
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32,

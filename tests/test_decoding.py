@@ -209,6 +209,20 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     assert "forward" not in block.mlp.__dict__
 
 
+def test_a_copied_model_gets_its_own_kept_decoder():
+    import copy
+
+    model = converted(window=4, sinks=2)
+    model.__dict__["_linearize_decoder"] = dec = Decoder(model, graph=False)
+    dec._graphs[3] = ("captured",)
+    twin = copy.deepcopy(model)
+    kept = twin.__dict__["_linearize_decoder"]
+    assert kept is not dec and kept.model is twin and kept._graphs == {} and dec._graphs
+    x, mask = left_padded(twin)
+    assert torch.equal(kept.generate(x, attention_mask=mask, max_new_tokens=4),
+                       dec.generate(x, attention_mask=mask, max_new_tokens=4))
+
+
 def test_sampling_options_checked():
     for bad in (dict(temperature=0), dict(top_k=-1), dict(top_p=0), dict(top_p=1.5)):
         with pytest.raises(ValueError):

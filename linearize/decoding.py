@@ -1,14 +1,16 @@
 """Decoding a converted model: prefill through the chunkwise kernels, then one step per token, the step
-of the whole model replayed from a CUDA graph when every layer is GDN.
+of the whole model replayed from a CUDA graph.
 
 A GDN layer's decoding state has a fixed size (the state, the running sums, the window's ring of keys
 and values: :mod:`linearize.layers.cache`), and transformers' cache layers update it in place, so the
 step of the whole model — embedding, every block, the head — reads and writes the same memory at every
 position. Captured once per batch, it replays with no Python and no kernel-launch cost per layer; the
-host only picks the next token and, every ``check_every`` steps, looks for the end of text. Models that
-keep softmax layers grow a KV cache, whose shapes change every step: they decode eagerly here.
+host only picks the next token and, every ``check_every`` steps, looks for the end of text. The softmax
+layers a hybrid keeps decode from fixed-size key/value buffers (a bucket of slots past the prompt) under
+a 4-D mask of the slots written so far, so their step is recorded in the same graph; softmax layers of
+sliding-window attention, or attention kernels that take no 4-D mask, decode eagerly.
 
-    dec = Decoder(model)                      # graph=None: on CUDA, when every layer is GDN
+    dec = Decoder(model)                      # graph=None: on CUDA, when the step has fixed shapes
     out = dec.generate(ids, attention_mask=mask, max_new_tokens=64, eos_token_id=tok.eos_token_id)
 
 Greedy decoding gives the tokens ``model.generate(do_sample=False)`` gives; sampling applies the
@@ -26,42 +28,8 @@ from dataclasses import dataclass
 import torch
 
 from .compat import cache_kwargs
-from .layers.cache import GDNStateLayer
-
-
-@dataclass
-class Sampling:
-    """How the next token is chosen: greedy (``do_sample=False``) or sampled."""
-
-    do_sample: bool = False
-    temperature: float = 1.0
-    top_k: int = 0  # 0: no top-k filter
-    top_p: float = 1.0  # 1.0: no nucleus filter
-
-    def __post_init__(self):
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0; got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0; got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1]; got {self.top_p}")
-
-
-def next_tokens(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None = None) -> torch.Tensor:
-    """``(B,)`` next tokens from the last position's ``(B, vocab)`` logits."""
-    if not sampling.do_sample:
-        return logits.argmax(-1)
-    x = logits.float() / sampling.temperature
-    if sampling.top_k:
-        kth = torch.topk(x, min(sampling.top_k, x.shape[-1]), dim=-1).values[..., -1:]
-        x = x.masked_fill(x < kth, float("-inf"))
-    if sampling.top_p < 1:
-        sorted_x, order = torch.sort(x, descending=False)
-        cum = sorted_x.softmax(-1).cumsum(-1)
-        drop = cum <= 1 - sampling.top_p  # the low tail whose mass stays under 1 - top_p
-        drop[..., -1] = False  # always keep the most likely token
-        x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(x.softmax(-1), 1, generator=generator)[:, 0]
+from .generation import Sampling, next_tokens, plain_generate_kwargs
+from .layers.cache import GDNStateLayer, StaticKVLayer
 
 
 @dataclass
@@ -76,48 +44,13 @@ class Timing:
     graphed: bool = False
 
 
-# model.generate() keywords the decoder handles; any other keyword keeps transformers' own generate()
-PLAIN_KWARGS = {"attention_mask", "max_new_tokens", "do_sample", "temperature", "top_k", "top_p", "eos_token_id",
-                "pad_token_id"}
-# generation-config fields that make transformers add a logits processor or change the search; set to
-# anything but these values, generate() stays transformers' own
-_UNHANDLED = {"num_beams": (None, 1), "num_return_sequences": (None, 1), "repetition_penalty": (None, 1.0),
-              "no_repeat_ngram_size": (None, 0), "min_length": (None, 0), "min_new_tokens": (None, 0),
-              "bad_words_ids": (None,), "forced_bos_token_id": (None,), "forced_eos_token_id": (None,),
-              "suppress_tokens": (None,), "begin_suppress_tokens": (None,), "sequence_bias": (None,),
-              "min_p": (None,), "typical_p": (None, 1.0), "epsilon_cutoff": (None, 0.0), "eta_cutoff": (None, 0.0),
-              "encoder_repetition_penalty": (None, 1.0), "exponential_decay_length_penalty": (None,),
-              "guidance_scale": (None, 1.0), "renormalize_logits": (None, False), "stop_strings": (None,),
-              "max_time": (None,), "watermarking_config": (None,), "penalty_alpha": (None,)}
-# transformers' values for what a generation config leaves None
-_DEFAULTS = {"do_sample": False, "temperature": 1.0, "top_k": 50, "top_p": 1.0}
-
-
-def plain_generate_kwargs(model, kwargs: dict) -> dict | None:
-    """The :meth:`Decoder.generate` keywords for a ``model.generate(ids, **kwargs)`` call the decoder
-    computes as transformers would (greedy or sampled, end of text, ``max_new_tokens`` given), else None."""
-    if set(kwargs) - PLAIN_KWARGS or kwargs.get("max_new_tokens") is None:
-        return None
-    gc = getattr(model, "generation_config", None)
-    for name, fine in _UNHANDLED.items():
-        if getattr(gc, name, None) not in fine:
-            return None
-    value = lambda k: kwargs[k] if kwargs.get(k) is not None else (getattr(gc, k, None) if getattr(gc, k, None)  # noqa: E731
-                                                                     is not None else _DEFAULTS[k])
-    sampling = Sampling()  # greedy: temperature and the filters do not apply
-    if value("do_sample"):
-        sampling = Sampling(do_sample=True, temperature=float(value("temperature")), top_k=int(value("top_k") or 0),
-                            top_p=float(value("top_p")))
-    return {"attention_mask": kwargs.get("attention_mask"), "max_new_tokens": int(kwargs["max_new_tokens"]),
-            "eos_token_id": kwargs.get("eos_token_id"), "pad_token_id": kwargs.get("pad_token_id"), "sampling": sampling}
-
-
 def graph_generate(model, inputs: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
-    """What a converted model's ``generate()`` returns through the CUDA-graph decoder — on CUDA, when every
-    layer is GDN and the call is plain (:func:`plain_generate_kwargs`) — or None: then transformers' own."""
+    """What a converted model's ``generate()`` returns through the CUDA-graph decoder — on CUDA, when the
+    step has fixed shapes (:func:`graphable`) and the call is plain (:func:`plain_generate_kwargs`) — or
+    None: then transformers' own."""
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     rest = {k: v for k, v in kwargs.items() if k != "input_ids"}
-    if not (torch.is_tensor(ids) and ids.dim() == 2 and ids.is_cuda and all_gdn(model)):
+    if not (torch.is_tensor(ids) and ids.dim() == 2 and ids.is_cuda and graphable(model)):
         return None
     plan = plain_generate_kwargs(model, rest)
     if plan is None or _GRAPH_FAILED:
@@ -149,25 +82,51 @@ def all_gdn(model) -> bool:
     return bool(lin.get("gdn_layers")) and not lin.get("softmax_layers")
 
 
+def graphable(model) -> bool:
+    """Whether the decode step of ``model`` has fixed shapes (what a CUDA graph records): every layer GDN, or
+    softmax layers of full (not sliding-window) attention through SDPA or eager attention, whose keys and
+    values then sit in fixed-size buffers (:class:`~linearize.layers.cache.StaticKVLayer`)."""
+    if all_gdn(model):
+        return True
+    cfg = model.config
+    softmax = (getattr(cfg, "linearize", None) or {}).get("softmax_layers") or []
+    types = getattr(cfg, "layer_types", None)
+    if types is not None:
+        sliding = any(types[i] != "full_attention" for i in softmax)
+    else:
+        sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+    return bool(softmax) and not sliding and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager")
+
+
 class Decoder:
     """Generation for one converted model. With ``graph``, the step is captured once per batch size (three
     steps and the recording, in ``timing.capture_s``) on a cache the decoder then keeps: a later call of the
     same batch size prefills into a fresh cache, copies its fixed-size states into the kept one and replays
-    the same graph. The model's weights must stay where they were captured: a decoder that finds them
-    moved (``.to()``, a reload) captures again."""
+    the same graph. The softmax layers of a hybrid model decode from fixed-size key/value buffers of the
+    prompt's length plus ``max_new_tokens``, rounded up to ``kv_bucket`` (one graph per batch size and
+    bucket), through a 4-D mask of the slots written so far. The model's weights must stay where they
+    were captured: a decoder that finds them moved (``.to()``, a reload) captures again. ``static`` (default:
+    as ``graph``) decodes on those fixed-size buffers without a graph: the recorded step, run eagerly."""
 
-    def __init__(self, model, graph: bool | None = None, check_every: int = 8, compile: bool = False):
+    def __init__(self, model, graph: bool | None = None, check_every: int = 8, compile: bool = False,
+                 static: bool | None = None, kv_bucket: int = 256):
         self.model = model
         device = next(model.parameters()).device
-        can = device.type == "cuda" and all_gdn(model)
-        if graph and not can:
-            raise ValueError("graph decoding needs a CUDA device and a model whose every layer is GDN "
-                             "(softmax layers grow a KV cache); use graph=None or False")
-        self.graph = can if graph is None else graph
+        fixed = graphable(model)
+        if graph and not (device.type == "cuda" and fixed):
+            raise ValueError("graph decoding needs a CUDA device and a model whose decode step has fixed shapes "
+                             "(GDN layers, softmax layers of full attention through SDPA or eager attention); "
+                             "use graph=None or False")
+        self.graph = device.type == "cuda" and fixed if graph is None else graph
+        self.static = self.graph if static is None else static
+        if self.static and not fixed:
+            raise ValueError("static decoding needs GDN layers and softmax layers of full attention through SDPA "
+                             "or eager attention; use static=None or False")
         self.check_every = max(1, check_every)
         self.compile = compile  # the graph records each block's norms and MLP compiled (fewer kernels a step)
+        self.kv_bucket = max(1, kv_bucket)
         self.timing = Timing()
-        self._graphs: dict[int, tuple] = {}  # batch size -> (weights' addresses, cache, ids, pos, logits, run)
+        self._graphs: dict[tuple, tuple] = {}  # (batch, KV slots) -> (weights, cache, mask, ids, pos, logits, run)
 
     def __deepcopy__(self, memo):  # a copied model (copy.deepcopy) gets a decoder of its own, no graphs
         new = copy.copy(self)
@@ -199,8 +158,8 @@ class Decoder:
                        logits_to_keep=1).logits[:, -1]
         self.timing = Timing(prefill_s=_now(dev) - t0, graphed=self.graph)
         t0 = _now(dev)
-        if self.graph:
-            ids_buf, pos_buf, logits_buf, run = self._graph_for(cache, B, dev)
+        if self.static:
+            ids_buf, pos_buf, logits_buf, run = self._static_step(cache, mask, max_new_tokens)
         else:
             ids_buf, pos_buf, logits_buf, run = self._eager_step(cache, mask)
         pos_buf.copy_(pos[:, -1:] + 1)
@@ -224,11 +183,16 @@ class Decoder:
         return torch.cat(out, 1)
 
     # the step: reads ids_buf/pos_buf, writes logits_buf, advances pos_buf and the cache ---------------
-    def _body(self, cache, ids_buf, pos_buf, logits_buf, mask=None):
+    def _body(self, cache, ids_buf, pos_buf, logits_buf, mask=None, kv: StaticMask | None = None):
+        if kv is not None:  # the new token's slot joins the keys attended to (its key is written there)
+            kv.open_slot()
+            mask = kv.mask
         logits = self.model(input_ids=ids_buf, position_ids=pos_buf, attention_mask=mask, **cache_kwargs(cache),
                             use_cache=True, logits_to_keep=1, decode_step=True).logits[:, -1]
         logits_buf.copy_(logits)
         pos_buf.add_(1)
+        if kv is not None:
+            kv.position.add_(1)
 
     def _buffers(self, B, dev):
         vocab = self.model.get_output_embeddings().weight.shape[0]
@@ -248,20 +212,40 @@ class Decoder:
 
         return ids_buf, pos_buf, logits_buf, run
 
-    def _graph_for(self, cache, B, dev):
-        """The captured step for batch ``B``, continuing from the prefilled ``cache``: the kept graph, its
-        cache loaded with ``cache``'s states, or a new capture on ``cache`` (which the decoder then keeps)."""
+    def _static_step(self, cache, mask, max_new_tokens):
+        """The step for this batch on fixed-size buffers, continuing from the prefilled ``cache``: a kept one,
+        loaded with ``cache``'s states, or a new one built on ``cache`` (and, with ``graph``, recorded)."""
+        B, T = mask.shape
+        slots = 0 if all_gdn(self.model) else -(-(T + max_new_tokens) // self.kv_bucket) * self.kv_bucket
         weights = tuple(p.data_ptr() for p in self.model.parameters())
-        kept = self._graphs.get(B)
-        t0 = _now(dev)
+        kept = self._graphs.get((B, slots))
+        t0 = _now(mask.device)
         if kept is not None and kept[0] == weights and _load_states(kept[1], cache):
-            return kept[2:]
-        step = self._graphed_step(cache, B, dev)
-        self._graphs[B] = (weights, cache, *step)
-        self.timing.capture_s = _now(dev) - t0
+            if kept[2] is not None:
+                kept[2].reset(mask)
+            return kept[3:]
+        kv = None
+        if slots:
+            kv = StaticMask.for_model(self.model, B, slots, mask.device)
+            kv.reset(mask)
+            cache.layers = [layer if isinstance(layer, GDNStateLayer) else StaticKVLayer.from_dynamic(layer, slots, kv.position)
+                            for layer in cache.layers]
+        step = self._recorded_step(cache, B, mask.device, kv) if self.graph else self._plain_static_step(cache, B, mask.device, kv)
+        if kv is not None:  # the warm-ups opened slots and moved the position on
+            kv.reset(mask)
+        self._graphs[(B, slots)] = (weights, cache, kv, *step)
+        self.timing.capture_s = _now(mask.device) - t0 if self.graph else 0.0
         return step
 
-    def _graphed_step(self, cache, B, dev):
+    def _plain_static_step(self, cache, B, dev, kv):
+        ids_buf, pos_buf, logits_buf = self._buffers(B, dev)
+
+        def run():
+            self._body(cache, ids_buf, pos_buf, logits_buf, kv=kv)
+
+        return ids_buf, pos_buf, logits_buf, run
+
+    def _recorded_step(self, cache, B, dev, kv):
         """Capture the step on this cache's tensors. The capture runs the step three times (two warm-ups
         that also compile any Triton kernel, then the recorded one); the cache is put back afterwards."""
         ids_buf, pos_buf, logits_buf = self._buffers(B, dev)
@@ -274,21 +258,53 @@ class Decoder:
         with compiled_blocks(self.model, self.compile):  # compiled in the warm-ups, recorded, then put back
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self._body(cache, ids_buf, pos_buf, logits_buf)
+                    self._body(cache, ids_buf, pos_buf, logits_buf, kv=kv)
             torch.cuda.current_stream(dev).wait_stream(stream)
             with torch.cuda.graph(graph):
-                self._body(cache, ids_buf, pos_buf, logits_buf)
+                self._body(cache, ids_buf, pos_buf, logits_buf, kv=kv)
         for layer, (seen, tensors) in zip(layers, saved):
             layer.seen = seen
             for i, x in tensors.items():
                 layer.recurrent_states[i].copy_(x)
+        counted = [layer for layer in cache.layers if isinstance(layer, (GDNStateLayer, StaticKVLayer))]
 
         def run():
             graph.replay()
-            for layer in layers:  # what get_seq_length reports, for a caller that continues eagerly
+            for layer in counted:  # what get_seq_length reports, for a caller that continues eagerly
                 layer.seen += 1
 
         return ids_buf, pos_buf, logits_buf, run
+
+
+@dataclass
+class StaticMask:
+    """The 4-D attention mask ``[B, 1, 1, L]`` over a hybrid's fixed-size key/value slots (bool for SDPA,
+    additive for eager attention) and the slot ``position [1]`` the next token is written to."""
+
+    mask: torch.Tensor
+    position: torch.Tensor
+    keep: bool | float
+    drop: bool | float
+
+    @classmethod
+    def for_model(cls, model, B: int, slots: int, dev) -> StaticMask:
+        if model.config._attn_implementation == "sdpa":
+            keep, drop, dtype = True, False, torch.bool
+        else:
+            dtype = next(model.parameters()).dtype
+            keep, drop = 0.0, torch.finfo(dtype).min
+        return cls(torch.full((B, 1, 1, slots), drop, dtype=dtype, device=dev),
+                   torch.zeros(1, dtype=torch.long, device=dev), keep, drop)
+
+    def reset(self, prompt_mask: torch.Tensor) -> None:
+        """The prompt's real tokens attended to, nothing after them; the next token at the prompt's end."""
+        T = prompt_mask.shape[1]
+        self.mask.fill_(self.drop)
+        self.mask[:, 0, 0, :T].masked_fill_(prompt_mask.bool(), self.keep)
+        self.position.fill_(T)
+
+    def open_slot(self) -> None:
+        self.mask.index_fill_(3, self.position, self.keep)
 
 
 @contextlib.contextmanager
@@ -317,17 +333,26 @@ def compiled_blocks(model, enabled: bool = True):
 
 
 def _load_states(kept, cache) -> bool:
-    """Copy ``cache``'s GDN states into ``kept``'s tensors (which a captured graph reads); False, copying
-    nothing, where the two do not hold the same slots of the same shapes."""
+    """Copy ``cache``'s states into ``kept``'s tensors (which a captured graph reads): GDN states slot by
+    slot, a softmax layer's keys and values into the first slots of its fixed-size buffers. False, having
+    copied nothing, where the two do not match (other slots or shapes, a prompt too long for the buffers)."""
     if len(kept.layers) != len(cache.layers):
         return False
     pairs = list(zip(kept.layers, cache.layers))
     for a, b in pairs:
-        if not (isinstance(a, GDNStateLayer) and isinstance(b, GDNStateLayer) and _slots(a) == _slots(b)):
+        if isinstance(a, StaticKVLayer):
+            k = getattr(b, "keys", None)
+            if isinstance(b, GDNStateLayer) or k is None or k.shape[:2] != a.keys.shape[:2] or \
+                    k.shape[2] > a.keys.shape[2]:
+                return False
+        elif not (isinstance(a, GDNStateLayer) and isinstance(b, GDNStateLayer) and _slots(a) == _slots(b)):
             return False
-        if any(a.recurrent_states[i].shape != b.recurrent_states[i].shape for i in _slots(b)):
+        elif any(a.recurrent_states[i].shape != b.recurrent_states[i].shape for i in _slots(b)):
             return False
     for a, b in pairs:
+        if isinstance(a, StaticKVLayer):
+            a.load(b)
+            continue
         for i in _slots(b):
             a.recurrent_states[i].copy_(b.recurrent_states[i])
         a.seen = b.seen

@@ -166,6 +166,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed pairs of runs per path (their medians)")
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--keep-softmax", type=int, default=None,
+                   help="a hybrid: this many softmax layers kept (those the fidelity report ranks worst)")
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
     p.add_argument("--compile", action="store_true",
                    help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled)")
@@ -183,10 +185,11 @@ def main():
     vocab = teacher.config.vocab_size
     calib = torch.randint(0, vocab, (1, 512), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
     options = GDNOptions(window=args.window, sinks=args.sinks)
-    converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
+    converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options,
+                                  keep_softmax=args.keep_softmax).eval()
     meta = {"command": " ".join(["python", *sys.argv]), "device": "cpu" if cpu else torch.cuda.get_device_name(),
             "torch": torch.__version__, "dtype": ("float32" if cpu else "bfloat16 weights") + ", fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
-            "block": options.to_dict(), "steps": args.steps, "repeats": args.repeats}
+            "block": options.to_dict(), "keep_softmax": args.keep_softmax, "steps": args.steps, "repeats": args.repeats}
     if args.check_prompts and not cpu:
         meta["graph_equals_eager"] = check_prompts(converted, args.check_prompts, vocab)
         print(json.dumps(meta["graph_equals_eager"]), flush=True)

@@ -187,6 +187,52 @@ def test_kept_cache_loaded_from_a_new_prefill_continues_it(case):
     assert not _load_states(kept, DynamicCache(config=model.config))  # nothing prefilled: refused
 
 
+@pytest.mark.parametrize("case", CASES + [dict(family="qwen3", window=4, sinks=2, keep_softmax=2)],
+                         ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_static_step_equals_the_eager_step(case):
+    """The step a graph records — GDN states in place, a hybrid's softmax keys and values in fixed-size
+    buffers under a 4-D mask — run without a graph: the tokens of the growing-cache path, on a second call
+    too (the kept buffers loaded with other prompts)."""
+    from linearize.decoding import graphable
+
+    model = converted(**case)
+    assert graphable(model)
+    dec = Decoder(model, graph=False, static=True, kv_bucket=8)
+    for lengths, seed in (((11, 7, 3), 3), ((4, 12, 9), 5)):
+        x, mask = left_padded(model, lengths=lengths, seed=seed)
+        want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=12)
+        assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=12), want)
+    assert len(dec._graphs) == 1  # one set of buffers: same batch, same bucket of 8 slots (24)
+    x, mask = left_padded(model, lengths=(20, 2, 5), seed=6)  # 20 + 12 slots: another bucket
+    want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=12)
+    assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=12), want)
+    assert len(dec._graphs) == (1 if "keep_softmax" not in case else 2)
+
+
+def test_static_step_with_eager_attention_equals_the_eager_step():
+    """The additive 4-D mask of eager attention (SDPA's is boolean)."""
+    model = converted(window=4, sinks=2, keep_softmax=1)
+    model.set_attn_implementation("eager")
+    assert model.config._attn_implementation == "eager"
+    x, mask = left_padded(model)
+    want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=12)
+    dec = Decoder(model, graph=False, static=True, kv_bucket=8)
+    assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=12), want)
+    assert dec._graphs[(3, 24)][2].mask.dtype == model.dtype
+
+
+def test_sliding_softmax_layers_are_not_recorded():
+    from linearize.decoding import graphable
+
+    model = converted(family="gemma3_text", window=4, sinks=1, keep_softmax=2)
+    kept = model.config.linearize["softmax_layers"]
+    if all(model.config.layer_types[i] == "full_attention" for i in kept):
+        pytest.skip("the kept layers are all of full attention")
+    assert not graphable(model)
+    with pytest.raises(ValueError, match="static decoding needs"):
+        Decoder(model, static=True)
+
+
 def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     """The norms and MLPs compiled for a captured step give the eager model's tokens and logits (to float32
     rounding: the compiler reorders sums), and leave the model's own modules afterwards."""
@@ -233,7 +279,7 @@ def test_sampling_options_checked():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 def test_graph_path_equals_eager_path_on_gpu(case):
     model = converted(**case).cuda()
     x, mask = left_padded(model, lengths=tuple(range(3, 23)))  # 20 prompts
@@ -264,10 +310,12 @@ def test_compiled_graph_path_equals_eager_path_on_gpu():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_model_generate_on_gpu_takes_the_graph_and_equals_transformers():
-    model = converted(window=4, sinks=2).cuda()
+@pytest.mark.parametrize("keep", [None, 1], ids=["gdn", "hybrid"])
+def test_model_generate_on_gpu_takes_the_graph_and_equals_transformers(keep):
+    model = converted(window=4, sinks=2, keep_softmax=keep).cuda()
     x, mask = left_padded(model, lengths=tuple(range(3, 23)))
     x, mask = x.cuda(), mask.cuda()
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     base = type(model).__mro__[1]  # the teacher's class: transformers' own generate()
     assert torch.equal(model.generate(x, **kw), base.generate(model, x, **kw))
+    assert model.__dict__["_linearize_decoder"].timing.graphed

@@ -112,3 +112,70 @@ def gdn_cache_layer(cache, layer_idx: int) -> GDNStateLayer:
     if not isinstance(layers[layer_idx], GDNStateLayer):
         layers[layer_idx] = GDNStateLayer()
     return layers[layer_idx]
+
+
+class StaticKVLayer(CacheLayerMixin):
+    """The keys and values of one softmax layer in fixed-size buffers ``[B, H, L, D]``, for a decode step
+    recorded once and replayed (:mod:`linearize.decoding`): each step writes its token at ``position``, a
+    one-element tensor the decoder advances on the device, and attends over all ``L`` slots through a 4-D
+    mask the decoder keeps (slots not yet written are masked there). ``seen`` counts positions, as the GDN
+    layers' does."""
+
+    is_sliding = False
+    is_compileable = True
+    supports_early_init = False
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, position: torch.Tensor, seen: int):
+        CacheLayerMixin.__init__(self)
+        self.keys, self.values, self.position, self.seen = keys, values, position, seen
+        self.device, self.dtype = keys.device, keys.dtype
+        self.is_initialized = True
+
+    @classmethod
+    def from_dynamic(cls, layer, length: int, position: torch.Tensor) -> StaticKVLayer:
+        """A layer of ``length`` slots holding what the growing ``layer`` (transformers' DynamicLayer) holds."""
+        B, H, T, D = layer.keys.shape
+        keys = layer.keys.new_zeros(B, H, length, D)
+        values = layer.values.new_zeros(B, H, length, layer.values.shape[-1])
+        new = cls(keys, values, position, 0)
+        new.load(layer)
+        return new
+
+    def load(self, layer) -> bool:
+        """Take ``layer``'s keys and values into the first slots; False (nothing copied) where they do not fit."""
+        k, v = layer.keys, layer.values
+        if k is None or k.shape[:2] != self.keys.shape[:2] or k.shape[2] > self.keys.shape[2] or \
+                k.shape[3] != self.keys.shape[3] or v.shape[3] != self.values.shape[3]:
+            return False
+        T = k.shape[2]
+        self.keys[:, :, :T].copy_(k)
+        self.values[:, :, :T].copy_(v)
+        self.seen = T
+        return True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        self.keys.index_copy_(2, self.position, key_states)
+        self.values.index_copy_(2, self.position, value_states)
+        return self.keys, self.values
+
+    def lazy_initialization(self, *args, **kwargs) -> None:  # the buffers exist from the start
+        return None
+
+    def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        return self.keys.shape[2], 0
+
+    def get_seq_length(self, *args, **kwargs) -> int:
+        return self.seen
+
+    def get_max_cache_shape(self) -> int:
+        return self.keys.shape[2]
+
+    get_max_length = get_max_cache_shape  # the name of transformers' newer releases
+
+    def reset(self) -> None:
+        self.keys.zero_()
+        self.values.zero_()
+        self.seen = 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise RuntimeError("a decoder's static KV buffers are not cropped; decode again from the prompt")

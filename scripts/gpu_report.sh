@@ -6,18 +6,21 @@
 #   profile  GPU time per kernel, ours and fla (profile_kernels.json)
 #   ncu      Nsight Compute on each forward kernel at 2x8192 (ncu_forward_2x8192.json)
 #   distill  align/distill throughput against the teacher, rows and packed, both fronts (bench_distill_variants.json)
+#   decode   decoding against the teacher's generate() and static + compile paths, the graph decoder plain,
+#            compiled, and a hybrid of 8 softmax layers; SmolLM2 architecture, random weights unless
+#            DECODE_MODEL names a checkpoint (bench_decode.json, bench_decode_compiled.json, bench_decode_hybrid.json)
 #   quality  with TEACHER and DATA: the GPU recipe end to end, then its quality table (quality/run, quality_gpu.json)
 # e.g. scripts/gpu_report.sh out smollm2-135m data/python-docs.jsonl
 #      scripts/gpu_report.sh --only quality out smollm2-135m data/python-docs.jsonl stages.0.steps=20
 set -uo pipefail
 usage="usage: scripts/gpu_report.sh [-h] [--only STEP,...] [--recipe RECIPE.yaml] OUT_DIR [TEACHER DATA.jsonl [key=value ...]]"
-all="tests,kernels,profile,ncu,distill,quality"
+all="tests,kernels,profile,ncu,distill,decode,quality"
 only=$all
 recipe=recipes/smollm2-135m-gdn-gpu.yaml
 die() { echo "error: $1 (scripts/gpu_report.sh -h: usage)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case $1 in
-        -h|--help) echo "$usage"; sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) echo "$usage"; sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --only) [ $# -ge 2 ] || die "--only needs a list of steps ($all)"; only=$2; shift 2 ;;
         --recipe) [ $# -ge 2 ] || die "--recipe needs a recipe file"; recipe=$2; shift 2 ;;
         -*) die "unknown option $1" ;;
@@ -44,6 +47,16 @@ wanted kernels && step 540 python scripts/bench_kernels.py --output "$out/bench_
 wanted profile && step 240 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
 wanted ncu && step 200 python scripts/profile_ncu.py --output "$out/ncu_forward_2x8192.json"
 wanted distill && step 240 python scripts/bench_distill.py --variants --output "$out/bench_distill_variants.json"
+if wanted decode; then
+    dm=()
+    [ -n "${DECODE_MODEL:-}" ] && dm=(--model "$DECODE_MODEL")
+    step 300 python scripts/bench_decode.py "${dm[@]}" --contexts 32768 2048 8192 65536 --batches 16 1 64 \
+        --check-prompts 20 --output "$out/bench_decode.json" --plot "$out/bench_decode.png"
+    step 200 python scripts/bench_decode.py "${dm[@]}" --contexts 32768 2048 --batches 16 1 --compile \
+        --output "$out/bench_decode_compiled.json"
+    step 150 python scripts/bench_decode.py "${dm[@]}" --contexts 32768 2048 --batches 16 1 --keep-softmax 8 \
+        --check-prompts 20 --output "$out/bench_decode_hybrid.json"
+fi
 if wanted quality; then
     if [ -z "$teacher" ]; then
         echo "== quality skipped: give TEACHER and DATA.jsonl"

@@ -309,27 +309,30 @@ class StaticMask:
 
 @contextlib.contextmanager
 def compiled_blocks(model, enabled: bool = True):
-    """Within: every decoder block's norms and MLP run through ``torch.compile`` (their element-wise
-    work fused into a few kernels); afterwards the model is as it was. The attention blocks stay as they
-    are (their cache updates and kernels are not what a compiler fuses). A graph recorded within keeps the
-    compiled kernels."""
+    """Within: every decoder block's norms and MLP, and a GDN block's projections (q/k/v, their norms,
+    RoPE), run through ``torch.compile``, their element-wise work fused into a few kernels; afterwards the
+    model is as it was. The GDN step and the cache updates stay as they are. A graph recorded within keeps
+    the compiled kernels."""
+    from .layers.gdn_attention import GDNAttention
     from .models.adapters import decoder_layers
 
     patched = []
     if enabled:
         for block in decoder_layers(model):
             for name, child in block.named_children():
-                if name == "mlp" or name.endswith("norm"):
-                    patched.append((child, child.__dict__.get("forward")))
-                    child.forward = torch.compile(child.forward, fullgraph=True, dynamic=False)
+                method = "forward" if name == "mlp" or name.endswith("norm") else \
+                    "project" if isinstance(child, GDNAttention) else None
+                if method:
+                    patched.append((child, method, child.__dict__.get(method)))
+                    setattr(child, method, torch.compile(getattr(child, method), dynamic=False))
     try:
         yield
     finally:
-        for child, forward in patched:
-            if forward is None:
-                del child.forward
+        for child, method, before in patched:
+            if before is None:
+                delattr(child, method)
             else:
-                child.forward = forward
+                setattr(child, method, before)
 
 
 def _load_states(kept, cache) -> bool:

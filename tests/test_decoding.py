@@ -246,13 +246,13 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     with torch.no_grad():
         logits = model(x, attention_mask=mask).logits
         with compiled_blocks(model):
-            assert "forward" in block.mlp.__dict__  # the compiled forward, on the instance
+            assert "forward" in block.mlp.__dict__ and "project" in block.self_attn.__dict__  # compiled, on the instance
             got = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
             compiled_logits = model(x, attention_mask=mask).logits
     assert torch.equal(got, want)
     assert (compiled_logits - logits).abs().max() < 1e-5 * logits.abs().max()
     assert (block.mlp.forward.__func__, block.input_layernorm.forward.__func__) == forwards
-    assert "forward" not in block.mlp.__dict__
+    assert "forward" not in block.mlp.__dict__ and "project" not in block.self_attn.__dict__
 
 
 def test_a_copied_model_gets_its_own_kept_decoder():

@@ -147,7 +147,7 @@ def fidelity(
 @app.command()
 def convert(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
-    to: str = typer.Option("gdn", "--to", help="Target block: gdn, or deltanet (no decay; the same at init)."),
+    to: str = typer.Option("gdn", "--to", help="Target block: gdn, deltanet (no decay; the same at init), or linear (VaLA)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-gdn)."),
     layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all)."),
     keep_softmax: str | None = typer.Option(
@@ -156,7 +156,7 @@ def convert(
     form: str = typer.Option("stable", "--form", help="Taylor form: 'stable', or 'seed' (the literal seed form; diverges; for study)."),
     beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
     short_conv: int = typer.Option(0, "--short-conv", help="Kernel size (2-8) of a learnable causal conv on q, k, v; 0 = off."),
-    window: int = typer.Option(64, "--window", help="Exact softmax over each query's last N tokens, the GDN over older ones; 0 = the pure GDN block."),
+    window: int | None = typer.Option(None, "--window", help="Exact softmax over each query's last N tokens, the GDN over older ones; 0 = the pure GDN block (default 64; 0 with --to linear)."),
     sinks: int | None = typer.Option(None, "--sinks", help="With --window: also exact over each document's first N tokens (default 4; 0 without a window)."),
     output_gate: bool = typer.Option(False, "--output-gate", help="A gate and mixed RMSNorm before o_proj (identity at init)."),
     calibrate_mix: bool = typer.Option(False, "--calibrate-mix", help="With --window: fit the mix's per-head bias on the calibration text."),
@@ -166,7 +166,7 @@ def convert(
     force: bool = typer.Option(False, "--force", help="Replace the output directory if it exists."),
 ):
     """Convert a model's softmax attention to Taylor-initialized GDN; report fidelity; save."""
-    out = output
+    out, window = output, ((0 if to == "linear" else 64) if window is None else window)
 
     def go():
         nonlocal out
@@ -221,7 +221,7 @@ def convert(
         report.update(model=model, output=str(out), options=options.to_dict(), calibration_steps=calibrate_steps)
         rows = report["layers"]
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens",
-                       ("uniform", "vala", "seed", "stable") + (("converted",) if window or calibrate_steps else ()))
+                       ("uniform", "vala", "seed", "stable") + (("converted",) if window or calibrate_steps or to == "linear" else ()))
         ppl = report["perplexity"]
         gdn = sum(r["block"] == "gdn" for r in rows)
         typer.echo(f"converted {gdn} of {len(rows)} layers to GDN; softmax kept: "

@@ -23,7 +23,7 @@ class TeacherConfig:
 
 @dataclass
 class ConvertConfig:
-    to: str = "gdn"  # the target block: gdn, or deltanet (the delta rule without a decay)
+    to: str = "gdn"  # the target block: gdn, deltanet (the delta rule without a decay) or linear (VaLA; no window)
     layers: str | None = None  # e.g. "0-11,14"; default all
     keep_softmax: str | None = None  # "3,7" (indices) or "2" (count of worst layers)
     form: str = "stable"
@@ -257,6 +257,8 @@ def validate(cfg: RecipeConfig) -> None:
           "0 (off) or a number of tokens up to 65536", c.window)
     _need(isinstance(c.sinks, int) and not isinstance(c.sinks, bool) and 0 <= c.sinks <= 65536 and (c.window or not c.sinks),
           "convert.sinks", "0, or a number of tokens with a convert.window", c.sinks)
+    _need(c.to != "linear" or not (c.window or c.sinks), "convert.window",
+          "0 with convert.to: linear (the linear target has no sink/window form; set convert.sinks: 0 too)", c.window)
     _need(isinstance(c.output_gate, bool), "convert.output_gate", "true or false", c.output_gate)
     _need(isinstance(c.calibrate_mix, bool), "convert.calibrate_mix", "true or false", c.calibrate_mix)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)

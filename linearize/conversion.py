@@ -53,13 +53,23 @@ def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = 
     return idx
 
 
+def attention_block(teacher: torch.nn.Module, options: GDNOptions | None = None) -> GDNAttention:
+    """The converted block of ``options.target`` for one softmax attention module: a :class:`GDNAttention`
+    (``gdn``, ``deltanet``) or its VaLA subclass (``linear``: :mod:`linearize.layers.vala_attention`)."""
+    if options is not None and options.target == "linear":
+        from .layers.vala_attention import VaLAAttention
+
+        return VaLAAttention(teacher, options)
+    return GDNAttention(teacher, options)
+
+
 def swap_attention(model, gdn_layers: Sequence[int], options: GDNOptions | dict | None = None) -> None:
-    """Replace ``self_attn`` of the listed decoder layers by :class:`GDNAttention` (no calibration)."""
+    """Replace ``self_attn`` of the listed decoder layers by the converted block (no calibration)."""
     opts = options if isinstance(options, GDNOptions) else GDNOptions(**(options or {}))
     layers = decoder_layers(model)
     for i in gdn_layers:
         if not isinstance(layers[i].self_attn, GDNAttention):
-            layers[i].self_attn = GDNAttention(layers[i].self_attn, opts)
+            layers[i].self_attn = attention_block(layers[i].self_attn, opts)
 
 
 def linearize_layer(
@@ -76,7 +86,7 @@ def linearize_layer(
     family_of(attention.config)
     if isinstance(attention, GDNAttention):
         raise ValueError("this attention module is already a GDN block; pass a softmax attention module")
-    gdn = GDNAttention(attention, options)
+    gdn = attention_block(attention, options)
     if hidden_states is not None:
         gdn.calibrate(hidden_states, position_embeddings)
     return gdn
@@ -117,9 +127,10 @@ def convert(
     """Convert ``model`` in place to GDN attention and return it.
 
     Args:
-        to: the target block: ``"gdn"`` (the gated delta rule) or ``"deltanet"`` (the delta rule without a
-            decay; at initialization the same outputs, see :func:`linearize.ops.taylor.fold_decay`). It sets
-            ``options.target``.
+        to: the target block: ``"gdn"`` (the gated delta rule), ``"deltanet"`` (the delta rule without a
+            decay; at initialization the same outputs, see :func:`linearize.ops.taylor.fold_decay`) or
+            ``"linear"`` (VaLA, seed 000 eq. va-la, with a learnable decay correction:
+            :mod:`linearize.layers.vala_attention`). It sets ``options.target``.
         layers: which layers may be converted (indices/ranges; default all).
         keep_softmax: layers to keep as softmax: a list of indices, or a count N — keep the N
             layers whose stable-form error on calibration text is worst.

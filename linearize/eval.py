@@ -181,7 +181,7 @@ def conversion_report(teacher_caps: dict[int, AttentionCapture], model, input_id
     for i, cap in sorted(teacher_caps.items()):
         attn = attention_modules(model)[i]
         gdn = isinstance(attn, GDNAttention)
-        errs = init_errors(attn, cap, rho=attn.rho if gdn else None, beta_max=attn.options.beta_max if gdn else None)
+        errs = init_errors(attn, cap, rho=getattr(attn, "rho", None), beta_max=attn.options.beta_max if gdn else None)
         # the block as converted (with its window, sinks, gate: what the model runs); a kept softmax layer is the teacher
         with torch.no_grad():
             converted = relative_error(attn.attention_output(cap.hidden_states, cap.position_embeddings), cap.output) if gdn else 0.0

@@ -1,4 +1,5 @@
-"""The GDN attention module (a drop-in for a transformers attention module) and its cache state.
+"""The GDN attention module (a drop-in for a transformers attention module), its VaLA subclass (the
+``linear`` target) and their cache state.
 
 ``linearize.layers.options`` (and the names it defines, re-exported here) is torch-free; the module
 and its cache layer load on first access, so the CLI can check options without importing torch.
@@ -6,7 +7,8 @@ and its cache layer load on first access, so the CLI can check options without i
 
 from .options import BACKENDS, DEFAULT_BETA_MAX, FORMS, TARGETS, GDNOptions, check_form, check_target
 
-_LAZY = {"GDNAttention": ".gdn_attention", "fused_path": ".gdn_attention", "GDNStateLayer": ".cache"}
+_LAZY = {"GDNAttention": ".gdn_attention", "fused_path": ".gdn_attention", "GDNStateLayer": ".cache",
+         "VaLAAttention": ".vala_attention"}
 
 
 def __getattr__(name):
@@ -20,4 +22,4 @@ def __getattr__(name):
 
 
 __all__ = ["BACKENDS", "DEFAULT_BETA_MAX", "FORMS", "TARGETS", "GDNAttention", "GDNOptions", "GDNStateLayer",
-           "check_form", "check_target", "fused_path"]
+           "VaLAAttention", "check_form", "check_target", "fused_path"]

@@ -140,14 +140,8 @@ class GDNAttention(nn.Module):
         # new parameters, identity at init
         hidden = self.q_proj.in_features
         p = self.q_proj.weight
-        self.rho = nn.Parameter(torch.ones(self.num_kv_heads, dtype=torch.float32, device=p.device))
-        self.decays = self.options.target == "gdn"  # deltanet: α ≡ 1, no gate
-        self.beta_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
-        if self.decays:
-            self.gate_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
-        for lin in (self.beta_proj, *([self.gate_proj] if self.decays else [])):
-            nn.init.zeros_(lin.weight)
-            nn.init.zeros_(lin.bias)
+        self.decays = self.options.target != "deltanet"  # deltanet: α ≡ 1, no gate
+        self._add_corrections(hidden, p)
         if self.options.short_conv:  # [H·D, K] depthwise taps each, on q_proj/k_proj/v_proj's outputs
             widths = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
             for name, width in zip(CONV_NAMES, widths):
@@ -156,6 +150,16 @@ class GDNAttention(nn.Module):
             self.mix_bias = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=p.device))
         if self.options.output_gate:
             self.out_gate = OutputGate(hidden, self.num_heads, self.head_dim, device=p.device, dtype=p.dtype)
+
+    def _add_corrections(self, hidden: int, p: torch.Tensor) -> None:
+        """The Taylor-GDN's own parameters: ρ, the β factor and, where the state decays, the decay correction."""
+        self.rho = nn.Parameter(torch.ones(self.num_kv_heads, dtype=torch.float32, device=p.device))
+        self.beta_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
+        if self.decays:
+            self.gate_proj = nn.Linear(hidden, self.num_kv_heads, device=p.device, dtype=p.dtype)
+        for lin in (self.beta_proj, *([self.gate_proj] if self.decays else [])):
+            nn.init.zeros_(lin.weight)
+            nn.init.zeros_(lin.bias)
 
     @torch.no_grad()
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
@@ -352,7 +356,6 @@ class GDNAttention(nn.Module):
                 backend=self.options.backend, v_offset=front.v_mean,
             )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
-
 
     def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None):
         """One decode step through a fused step that updates the cache's state, sums (and, with ``buffers``,

@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass
 # the Taylor forms of SPEC §2: "stable" (bounded c_t = ρ k̂_t, the default) and "seed" (the literal
 # form of seed 000, c_t = k̃_t, which diverges on real checkpoints: kept for study)
 FORMS = ("stable", "seed")
-# what `convert --to` builds: the gated delta rule, or the delta rule without a decay (the same Taylor
-# initialization, exactly: linearize.ops.taylor.fold_decay)
-TARGETS = ("gdn", "deltanet")
+# what `convert --to` builds: the gated delta rule, the delta rule without a decay (the same Taylor
+# initialization, exactly: linearize.ops.taylor.fold_decay), or VaLA, the first-order linear attention of
+# seed 000 with a learnable decay correction (linearize.layers.vala_attention)
+TARGETS = ("gdn", "deltanet", "linear")
 BACKENDS = ("auto", "torch", "triton", "reference")
 DEFAULT_BETA_MAX = 1.0
 
@@ -69,6 +70,8 @@ class GDNOptions:
                 raise ValueError(f"{name} must be a whole number of tokens from 0 to 65536; got {n!r}")
         if self.sinks and not self.window:
             raise ValueError(f"sinks={self.sinks} needs a window: set window (e.g. 64) or sinks=0")
+        if self.target == "linear":
+            _check_linear(self)
         if not isinstance(self.calibrate_mix, bool):
             raise ValueError(f"calibrate_mix must be true or false; got {self.calibrate_mix!r}")
         if not isinstance(self.output_gate, bool):
@@ -76,3 +79,15 @@ class GDNOptions:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_linear(o: GDNOptions) -> None:
+    """What the linear (VaLA) target does not have: one error naming the setting to change."""
+    if o.window or o.sinks:
+        raise ValueError(f"window must be 0 for the linear target (it has no sink/window form); got window={o.window}, "
+                         f"sinks={o.sinks}: set window=0 and sinks=0 (CLI: --window 0), or convert to gdn or deltanet")
+    if o.form != "stable":
+        raise ValueError(f"form must be 'stable' for the linear target (the other forms are Taylor-GDN ones); got {o.form!r}")
+    if o.backend == "triton":
+        raise ValueError("backend must be 'auto', 'torch' or 'reference' for the linear target (it has no Triton "
+                         "kernels yet); got 'triton'")

@@ -152,25 +152,12 @@ def taylor_front(
     if initial is not None and cu_seqlens is not None:
         raise ValueError("initial running sums and cu_seqlens exclude each other: packed documents start fresh")
     B, T, H, K = k.shape
-    m = torch.ones(B, T, dtype=k.dtype, device=k.device) if mask is None else mask.to(k.dtype)
-    km, vm = k * m[..., None, None], v * m[..., None, None]
-    docs = _documents(T, cu_seqlens, k.device) if cu_seqlens is not None else None  # once for the three sums
-    t = _cumsum_docs(m, docs)  # (B, T): tokens counted so far, this one included
-    sum_k, sum_v = _cumsum_docs(km, docs), _cumsum_docs(vm, docs)
-    if initial is not None:
-        t = t + initial.count[:, None]
-        sum_k, sum_v = sum_k + initial.k[:, None], sum_v + initial.v[:, None]
-    t = t[..., None]  # (B, T, 1)
-    t_safe = t.clamp_min(1)
-    valid = m[..., None] > 0  # (B, T, 1)
-    v_mean = sum_v / t_safe[..., None]  # v̄_t
-    prev_mean = (sum_v - vm) / (t_safe - 1).clamp_min(1)[..., None]  # v̄_{t−1} (0 when t = 1)
-    live = valid & (t > 1)  # where the state moves at all
+    pm = prefix_means(k, v, cu_seqlens=cu_seqlens, mask=mask, initial=initial)
+    t, t_safe, live, v_mean, k_mean = pm.count, pm.count.clamp_min(1), pm.live, pm.v_mean, pm.k_mean
     # k̃_t; identically 0 at a document's first token (k − k): `where` keeps the 0/0 of its
     # normalization out of the gradient, which would otherwise pour ~1/eps into the prefix-sum backward
-    k_mean = sum_k / t_safe[..., None]  # k̄_t (0 before a document's first counted token)
     k_c = torch.where(live[..., None], k - k_mean, 0.0)
-    v_c = v - prev_mean  # ṽ_t
+    v_c = v - pm.v_prev  # ṽ_t
     n = k_c.norm(dim=-1)  # (B, T, H)
     k_hat = k_c / n.clamp_min(eps)[..., None]
     tm1 = (t - 1).clamp_min(1)
@@ -189,9 +176,42 @@ def taylor_front(
     coef = torch.where(beta > 0, n / (t_safe * beta.clamp_min(eps)), torch.zeros_like(beta))
     u = coef[..., None] * v_c
     alpha = torch.where(live, 1.0 - 1.0 / t_safe, torch.ones_like(t_safe)).expand(B, T, H)
+    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=pm.sums, k_mean=k_mean,
+                        count=t[..., 0])
+
+
+@dataclass
+class PrefixMeans:
+    """The running means of one call, per token: what the Taylor front and the VaLA front both start from."""
+
+    count: torch.Tensor  # (B, T, 1): t, the tokens counted so far, this one included
+    k_mean: torch.Tensor  # (B, T, H, K): k̄_t (0 before a document's first counted token)
+    v_mean: torch.Tensor  # (B, T, H, V): v̄_t
+    v_prev: torch.Tensor  # (B, T, H, V): v̄_{t−1} (0 when t = 1)
+    live: torch.Tensor  # (B, T, 1) bool: a counted token with t > 1, where the state moves at all
+    sums: RunningSums | None  # Σk, Σv and t after the last token (``initial`` for T = 0)
+
+
+def prefix_means(k: torch.Tensor, v: torch.Tensor, *, cu_seqlens: torch.Tensor | None = None,
+                 mask: torch.Tensor | None = None, initial: RunningSums | None = None) -> PrefixMeans:
+    """k̄_t, v̄_t, v̄_{t−1} and t of every token, from prefix sums that restart at each document (``cu_seqlens``)
+    and skip padding (``mask`` False), continuing ``initial`` (decoding). k ``(B, T, H, K)``, v ``(B, T, H, V)``."""
+    B, T = k.shape[:2]
+    m = torch.ones(B, T, dtype=k.dtype, device=k.device) if mask is None else mask.to(k.dtype)
+    km, vm = k * m[..., None, None], v * m[..., None, None]
+    docs = _documents(T, cu_seqlens, k.device) if cu_seqlens is not None else None  # once for the three sums
+    t = _cumsum_docs(m, docs)  # (B, T): tokens counted so far, this one included
+    sum_k, sum_v = _cumsum_docs(km, docs), _cumsum_docs(vm, docs)
+    if initial is not None:
+        t = t + initial.count[:, None]
+        sum_k, sum_v = sum_k + initial.k[:, None], sum_v + initial.v[:, None]
+    t = t[..., None]  # (B, T, 1)
+    t_safe = t.clamp_min(1)
     # clone: a view of the last position would keep the whole (B, T, ...) cumsum alive in the cache
     sums = RunningSums(k=sum_k[:, -1].clone(), v=sum_v[:, -1].clone(), count=t[:, -1, 0].clone()) if T else initial
-    return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=sums, k_mean=k_mean, count=t[..., 0])
+    return PrefixMeans(count=t, k_mean=sum_k / t_safe[..., None], v_mean=sum_v / t_safe[..., None],
+                       v_prev=(sum_v - vm) / (t_safe - 1).clamp_min(1)[..., None], live=(m[..., None] > 0) & (t > 1),
+                       sums=sums)
 
 
 def fold_decay(q: torch.Tensor, front: TaylorInputs) -> tuple[torch.Tensor, TaylorInputs]:

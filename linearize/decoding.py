@@ -104,12 +104,14 @@ class Decoder:
     same batch size prefills into a fresh cache, copies its fixed-size states into the kept one and replays
     the same graph. The softmax layers of a hybrid model decode from fixed-size key/value buffers of the
     prompt's length plus ``max_new_tokens``, rounded up to ``kv_bucket`` (one graph per batch size and
-    bucket), through a 4-D mask of the slots written so far. The model's weights must stay where they
+    bucket), through a 4-D mask of the slots written so far. ``prefill_chunk`` feeds the prompt that many
+    tokens at a time (the states carried from chunk to chunk), so the prefill's activations — and its
+    peak memory, for a model of GDN layers — stay those of one chunk however long the prompt. The model's weights must stay where they
     were captured: a decoder that finds them moved (``.to()``, a reload) captures again. ``static`` (default:
     as ``graph``) decodes on those fixed-size buffers without a graph: the recorded step, run eagerly."""
 
     def __init__(self, model, graph: bool | None = None, check_every: int = 8, compile: bool = False,
-                 static: bool | None = None, kv_bucket: int = 256):
+                 static: bool | None = None, kv_bucket: int = 256, prefill_chunk: int | None = None):
         self.model = model
         device = next(model.parameters()).device
         fixed = graphable(model)
@@ -125,6 +127,7 @@ class Decoder:
         self.check_every = max(1, check_every)
         self.compile = compile  # the graph records each block's norms and MLP compiled (fewer kernels a step)
         self.kv_bucket = max(1, kv_bucket)
+        self.prefill_chunk = prefill_chunk  # prompt tokens a prefill call takes (None: all at once)
         self.timing = Timing()
         self._graphs: dict[tuple, tuple] = {}  # (batch, KV slots) -> (weights, cache, mask, ids, pos, logits, run)
 
@@ -154,8 +157,11 @@ class Decoder:
         pos = (mask.cumsum(-1) - 1).clamp_min(0)
         t0 = _now(dev)
         cache = DynamicCache(config=model.config)
-        logits = model(input_ids, attention_mask=mask, position_ids=pos, **cache_kwargs(cache), use_cache=True,
-                       logits_to_keep=1).logits[:, -1]
+        step = self.prefill_chunk or T  # chunk by chunk, the GDN state carried: activations of one chunk at a time
+        for i in range(0, T, step):
+            j = min(T, i + step)
+            logits = model(input_ids[:, i:j], attention_mask=mask[:, :j], position_ids=pos[:, i:j],
+                           **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         self.timing = Timing(prefill_s=_now(dev) - t0, graphed=self.graph)
         t0 = _now(dev)
         if self.static:

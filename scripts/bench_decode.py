@@ -103,7 +103,7 @@ def measure(run, steps: int, repeats: int) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
-def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False):
+def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False, chunk: int | None = None):
     no_eos = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def hf(model, **kw):
@@ -111,7 +111,7 @@ def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: boo
                                         **no_eos, **kw)
 
     def dec(graph, compile=False):
-        d = Decoder(converted, graph=graph, compile=compile)
+        d = Decoder(converted, graph=graph, compile=compile, prefill_chunk=chunk)
         return lambda n: d.generate(ids, max_new_tokens=n, eos_token_id=[])
 
     if cpu:  # what runs on a CPU: the teacher's default path and the converted model's (eager) decoder
@@ -166,6 +166,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed pairs of runs per path (their medians)")
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the converted model's prompt fed this many tokens at a time (its prefill's peak memory)")
     p.add_argument("--keep-softmax", type=int, default=None,
                    help="a hybrid: this many softmax layers kept (those the fidelity report ranks worst)")
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
@@ -189,7 +191,7 @@ def main():
                                   keep_softmax=args.keep_softmax).eval()
     meta = {"command": " ".join(["python", *sys.argv]), "device": "cpu" if cpu else torch.cuda.get_device_name(),
             "torch": torch.__version__, "dtype": ("float32" if cpu else "bfloat16 weights") + ", fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
-            "block": options.to_dict(), "keep_softmax": args.keep_softmax, "steps": args.steps, "repeats": args.repeats}
+            "block": options.to_dict(), "keep_softmax": args.keep_softmax, "prefill_chunk": args.prefill_chunk, "steps": args.steps, "repeats": args.repeats}
     if args.check_prompts and not cpu:
         meta["graph_equals_eager"] = check_prompts(converted, args.check_prompts, vocab)
         print(json.dumps(meta["graph_equals_eager"]), flush=True)
@@ -198,7 +200,7 @@ def main():
         for batch in args.batches:
             ids = torch.randint(1, vocab, (batch, context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
             row = {"context": context, "batch": batch}
-            for name, run in paths(teacher, converted, ids, args.eager, cpu, args.compile).items():
+            for name, run in paths(teacher, converted, ids, args.eager, cpu, args.compile, args.prefill_chunk).items():
                 gc.collect()
                 if not cpu:
                     torch.cuda.empty_cache()

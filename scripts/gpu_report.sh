@@ -8,7 +8,8 @@
 #   distill  align/distill throughput against the teacher, rows and packed, both fronts (bench_distill_variants.json)
 #   decode   decoding against the teacher's generate() and static + compile paths, the graph decoder plain,
 #            compiled, and a hybrid of 8 softmax layers; SmolLM2 architecture, random weights unless
-#            DECODE_MODEL names a checkpoint (bench_decode.json, bench_decode_compiled.json, bench_decode_hybrid.json)
+#            DECODE_MODEL names a checkpoint; then the prompt prefilled 8192 tokens at a time (bench_decode.json,
+#            bench_decode_compiled.json, bench_decode_hybrid.json, bench_decode_chunked.json)
 #   quality  with TEACHER and DATA: the GPU recipe end to end, then its quality table (quality/run, quality_gpu.json)
 # e.g. scripts/gpu_report.sh out smollm2-135m data/python-docs.jsonl
 #      scripts/gpu_report.sh --only quality out smollm2-135m data/python-docs.jsonl stages.0.steps=20
@@ -56,6 +57,8 @@ if wanted decode; then
         --output "$out/bench_decode_compiled.json"
     step 150 python scripts/bench_decode.py "${dm[@]}" --contexts 32768 2048 --batches 16 1 --keep-softmax 8 \
         --check-prompts 20 --output "$out/bench_decode_hybrid.json"
+    step 150 python scripts/bench_decode.py "${dm[@]}" --contexts 65536 32768 8192 --batches 16 --prefill-chunk 8192 \
+        --output "$out/bench_decode_chunked.json"
 fi
 if wanted quality; then
     if [ -z "$teacher" ]; then

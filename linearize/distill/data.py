@@ -198,11 +198,13 @@ def open_built_corpus(cfg: DataConfig):
     return corpus
 
 
-def pack_arrays(docs: list, seq_len: int, eos: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pack` for documents given as 1-D integer arrays (a corpus), without Python lists of tokens."""
+def pack_arrays(docs: list, seq_len: int, eos: int | None, bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`pack` for documents given as 1-D integer arrays (a corpus), without Python lists of tokens;
+    ``bos`` (if given) opens each document and ``eos`` ends it."""
     import numpy as np
 
-    parts = [np.append(d, eos) if eos is not None else d for d in docs]
+    head, tail = ([bos] if bos is not None else []), ([eos] if eos is not None else [])
+    parts = [np.concatenate((head, d, tail)) if head or tail else d for d in docs]
     lens = np.array([len(p) for p in parts], dtype=np.int64)
     n = int(lens.sum()) // seq_len
     if n == 0:
@@ -214,9 +216,20 @@ def pack_arrays(docs: list, seq_len: int, eos: int | None) -> tuple[torch.Tensor
             restart_rows(torch.from_numpy(pos).view(n, seq_len)))
 
 
+def document_start(tokenizer) -> int | None:
+    """The id the tokenizer puts before every text of its own accord (Gemma's ``<bos>``, Llama 3's
+    ``<|begin_of_text|>``), which its model expects first; None where it adds none (SmolLM2, Qwen)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a").input_ids
+    return bos if len(ids) and ids[0] == bos else None
+
+
 def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
     """Rows of a built corpus: its train split mixed by ``data.weights`` (up to ``data.max_tokens``), and
-    held-out rows from its held-out split at the same weights (the teacher's end-of-text between documents)."""
+    held-out rows from its held-out split at the same weights (the teacher's end-of-text between documents,
+    and its beginning-of-text before each where its tokenizer adds one to every text, as the hub path's does)."""
     corpus = open_built_corpus(cfg)
     built = corpus.manifest["tokenizer"]
     if built.get("vocab_size") is not None and built["vocab_size"] != len(tokenizer):
@@ -232,10 +245,11 @@ def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
     # documents end with the corpus's own end-of-text where it has one (an instruct tokenizer's eos is the
     # end of a chat turn, not of a document)
     eos = built.get("special_tokens", {}).get("<|endoftext|>", tokenizer.eos_token_id)
+    bos = document_start(tokenizer)  # Gemma without its <bos> is ~2.5x the perplexity on this corpus
     train = [doc for _, doc in corpus.mixture("train", weights, cfg.max_tokens, seed=0)]
     held = [doc for _, doc in corpus.mixture("heldout", weights, max(2 * cfg.eval_tokens, 4 * cfg.seq_len), seed=0)]
-    train_ids, train_pos = pack_arrays(train, cfg.seq_len, eos)
-    held_ids, held_pos = pack_arrays(held, cfg.seq_len, eos)
+    train_ids, train_pos = pack_arrays(train, cfg.seq_len, eos, bos)
+    held_ids, held_pos = pack_arrays(held, cfg.seq_len, eos, bos)
     if train_ids.shape[0] == 0 or held_ids.shape[0] == 0:
         raise RecipeError(f"data.source: the corpus has fewer than data.seq_len={cfg.seq_len} tokens in a split; lower seq_len")
     return PackedData(train_ids, train_pos, held_ids, held_pos, len(train) + len(held))

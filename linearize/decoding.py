@@ -120,6 +120,7 @@ class Decoder:
                              "(GDN layers, softmax layers of full attention through SDPA or eager attention); "
                              "use graph=None or False")
         self.graph = device.type == "cuda" and fixed if graph is None else graph
+        self._auto = graph is None  # a capture that fails then decodes eagerly (with a warning) instead of raising
         self.static = self.graph if static is None else static
         if self.static and not fixed:
             raise ValueError("static decoding needs GDN layers and softmax layers of full attention through SDPA "
@@ -136,13 +137,26 @@ class Decoder:
         new.model, new.timing, new._graphs = copy.deepcopy(self.model, memo), Timing(), {}
         return new
 
-    @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_new_tokens: int = 32,
                  eos_token_id: int | list[int] | None = None, pad_token_id: int | None = None,
                  sampling: Sampling | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """``(B, T + n)``: the prompts (left-padded where ``attention_mask`` has zeros) and their continuations.
         A row that has produced an end-of-text token continues with ``pad_token_id``; both default to the
         model's ``generation_config``, as in ``model.generate`` (the pad to the first end-of-text token)."""
+        args = (input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, sampling, generator)
+        try:
+            return self._generate(*args)
+        except RuntimeError as e:  # a capture this torch/transformers cannot do: eager from now on, if allowed
+            if not (self._auto and self.graph):
+                raise
+            warnings.warn(f"linearize: CUDA-graph decoding failed ({str(e)[:200]}); this decoder decodes eagerly "
+                          "from now on", RuntimeWarning, stacklevel=2)
+            self.graph = self.static = False
+            self._graphs.clear()
+            return self._generate(*args)
+
+    @torch.no_grad()
+    def _generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, sampling, generator):
         from transformers import DynamicCache
 
         sampling = sampling or Sampling()

@@ -279,6 +279,27 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     assert "forward" not in block.mlp.__dict__ and "project" not in block.self_attn.__dict__
 
 
+def test_a_failed_capture_decodes_eagerly_when_the_graph_was_not_asked_for(monkeypatch):
+    """What an automatic decoder (graph=None) does where the capture fails: warn, then decode eagerly with
+    the same tokens; one asked for a graph raises."""
+    model = converted(window=4, sinks=2)
+    x, mask = left_padded(model)
+    want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=6)
+
+    def fail(*a, **k):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    dec = Decoder(model, graph=False, static=True)
+    monkeypatch.setattr(dec, "_plain_static_step", fail)
+    with pytest.raises(RuntimeError, match="capturing"):
+        dec.generate(x, attention_mask=mask, max_new_tokens=6)
+    dec.graph, dec._auto = True, True  # as on a GPU with graph=None (the recording replaced by the failure)
+    monkeypatch.setattr(dec, "_recorded_step", fail)
+    with pytest.warns(RuntimeWarning, match="decodes eagerly"):
+        assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=6), want)
+    assert not dec.graph and not dec.static
+
+
 def test_a_copied_model_gets_its_own_kept_decoder():
     import copy
 

@@ -99,16 +99,21 @@ def graphable(model) -> bool:
 
 
 class Decoder:
-    """Generation for one converted model. With ``graph``, the step is captured once per batch size (three
-    steps and the recording, in ``timing.capture_s``) on a cache the decoder then keeps: a later call of the
-    same batch size prefills into a fresh cache, copies its fixed-size states into the kept one and replays
-    the same graph. The softmax layers of a hybrid model decode from fixed-size key/value buffers of the
-    prompt's length plus ``max_new_tokens``, rounded up to ``kv_bucket`` (one graph per batch size and
-    bucket), through a 4-D mask of the slots written so far. ``prefill_chunk`` feeds the prompt that many
-    tokens at a time (the states carried from chunk to chunk), so the prefill's activations — and its
-    peak memory, for a model of GDN layers — stay those of one chunk however long the prompt. The model's weights must stay where they
-    were captured: a decoder that finds them moved (``.to()``, a reload) captures again. ``static`` (default:
-    as ``graph``) decodes on those fixed-size buffers without a graph: the recorded step, run eagerly."""
+    """Generation for one converted model.
+
+    With ``graph``, the step is captured once per batch size (three steps and the recording, in
+    ``timing.capture_s``) on a cache the decoder then keeps: a later call of the same batch size prefills
+    into a fresh cache, copies its fixed-size states into the kept one and replays the same graph. The
+    model's weights must stay where they were captured: a decoder that finds them moved (``.to()``, a
+    reload) captures again. ``static`` (default: as ``graph``) decodes on those fixed-size buffers without
+    a graph: the recorded step, run eagerly. ``compile``: the graph is recorded with the blocks' norms,
+    MLPs and GDN projections compiled (:func:`compiled_blocks`).
+
+    The softmax layers of a hybrid model decode from fixed-size key/value buffers of the prompt's length
+    plus ``max_new_tokens``, rounded up to ``kv_bucket`` (one graph per batch size and bucket), through a
+    4-D mask of the slots written so far. ``prefill_chunk`` feeds the prompt that many tokens at a time
+    (the states carried from chunk to chunk), so the prefill's activations — and its peak memory, for a
+    model of GDN layers — stay those of one chunk however long the prompt."""
 
     def __init__(self, model, graph: bool | None = None, check_every: int = 8, compile: bool = False,
                  static: bool | None = None, kv_bucket: int = 256, prefill_chunk: int | None = None):
@@ -126,7 +131,7 @@ class Decoder:
             raise ValueError("static decoding needs GDN layers and softmax layers of full attention through SDPA "
                              "or eager attention; use static=None or False")
         self.check_every = max(1, check_every)
-        self.compile = compile  # the graph records each block's norms and MLP compiled (fewer kernels a step)
+        self.compile = compile
         self.kv_bucket = max(1, kv_bucket)
         self.prefill_chunk = prefill_chunk  # prompt tokens a prefill call takes (None: all at once)
         self.timing = Timing()

@@ -136,7 +136,7 @@ def test_linear_attention_checks_its_inputs():
     q, k, v, g, w, h0 = inputs(1, 10, 2, 2, 8, 8, seed=0)
     with pytest.raises(ValueError, match=r"w must be \[B, T, H_kv\]"):
         linear_attention(q, k, v, g, w[..., :1])
-    with pytest.raises(ValueError, match="no Triton kernels for the linear attention"):
-        linear_attention(q, k, v, g, w, backend="triton")
+    with pytest.raises(ValueError, match="backend must be one of auto, torch, triton, reference"):
+        linear_attention(q, k, v, g, w, backend="fla")
     with pytest.raises(ValueError, match=r"initial_state must be \[N, H_kv, K, V\]"):
         linear_attention(q, k, v, g, w, initial_state=h0[:, :1])

@@ -88,6 +88,3 @@ def _check_linear(o: GDNOptions) -> None:
                          f"sinks={o.sinks}: set window=0 and sinks=0 (CLI: --window 0), or convert to gdn or deltanet")
     if o.form != "stable":
         raise ValueError(f"form must be 'stable' for the linear target (the other forms are Taylor-GDN ones); got {o.form!r}")
-    if o.backend == "triton":
-        raise ValueError("backend must be 'auto', 'torch' or 'reference' for the linear target (it has no Triton "
-                         "kernels yet); got 'triton'")

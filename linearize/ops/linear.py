@@ -17,7 +17,8 @@ Three implementations, each tested against the first:
 
   every exponent is ≤ 0 (the differences are masked before ``exp`` above the diagonal), so nothing
   overflows whatever the decay; autograd differentiates it as it stands;
-- :func:`linear_attention_step`: one decode step.
+- :func:`linear_attention_step`: one decode step;
+- the Triton forward (``ops/triton/linear_fwd.py``), for inference on CUDA.
 """
 
 from __future__ import annotations
@@ -25,11 +26,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_inputs, compute_dtype, sequence_bounds, time_spans
+from .common import TRITON_MAX_K, check_inputs, compute_dtype, sequence_bounds, time_spans
 from .taylor import taylor_back
 
 CHUNK = 64
-BACKENDS = ("auto", "torch", "reference")
+BACKENDS = ("auto", "torch", "triton", "reference")
 _NAMES = ("g", "w")
 
 
@@ -201,8 +202,9 @@ def linear_attention(
         output_final_state: also return the ``[N, H, K, V]`` state after the last token.
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
             starts from its own initial state (zero by default).
-        backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise PyTorch) or
-            ``"auto"`` (the chunkwise form; there are no Triton kernels for this op yet).
+        backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise PyTorch),
+            ``"triton"`` (the forward-only kernels of ``ops/triton/linear_fwd.py``: no input may need a
+            gradient) or ``"auto"`` (Triton on CUDA where nothing needs a gradient, else torch).
         v_offset: ``[B, T, H, V]`` or None — added to the output of every query head of its KV head
             (the VaLA back ``+ v̄``).
     Returns:
@@ -217,9 +219,30 @@ def linear_attention(
         (torch.Size([2, 100, 9, 16]), torch.Size([2, 3, 16, 16]))
     """
     if backend not in BACKENDS:
-        hint = " (there are no Triton kernels for the linear attention yet: use 'torch')" if backend == "triton" else ""
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}{hint}")
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, w, initial_state,
+                                                                                        v_offset))
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and not grad and _triton_ok(q) else "torch"
+    if backend == "triton":
+        check_inputs(q, k, v, g, w, initial_state, cu_seqlens, _NAMES)
+        if grad:
+            raise ValueError("the Triton kernels of the linear attention are forward-only; inputs that need "
+                             "gradients take backend='torch'")
+        if not _triton_ok(q):
+            raise ValueError("backend='triton' needs float16/bfloat16/float32 CUDA tensors (or TRITON_INTERPRET=1) "
+                             f"and key heads up to {TRITON_MAX_K} wide; use backend='torch'")
+        from .triton.linear_fwd import linear_attention_triton
+
+        return linear_attention_triton(q, k, v, g, w, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
     fn = linear_attention_reference if backend == "reference" else linear_attention_chunk
     o, state = fn(q, k, v, g, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)
     return (o if v_offset is None else taylor_back(o, v_offset).to(o.dtype)), state
+
+
+def _triton_ok(q: torch.Tensor) -> bool:
+    from . import _triton_usable
+
+    return _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K

@@ -1,0 +1,124 @@
+"""Triton forward of the decayed linear attention (:mod:`linearize.ops.linear`), chunkwise, two stages:
+
+1. per (V block, sequence × KV head), over the chunks in order — the only sequential part — store the state
+   entering each chunk and carry ``h ← exp(G_C) h + Σ_j exp(G_C − G_j) w_j k_j v_jᵀ`` in float32;
+2. per (V block, chunk, query head), in parallel:
+   ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
+
+``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0. Forward
+only: training goes through the chunkwise PyTorch form, which autograd differentiates. Packed documents
+and dense batches share the chunk tables of :class:`~linearize.ops.triton.layout.Layout`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import cdiv, next_pow2
+from .layout import BT, Layout, chunk_at, sequence_at
+from .settings import block_k
+from .tiles import mm
+
+
+@triton.jit
+def _chunk_gates(g, w, t0, o_r, m_t, H: tl.constexpr):
+    """``(G, w, G_C)`` of one chunk: the in-chunk cumulative log-decay, the write weights (0 past the end)
+    and the chunk's total log-decay, as float32. ``g``, ``w`` point at the sequence's first token and head."""
+    b_g = tl.load(g + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
+    b_w = tl.load(w + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
+    return tl.cumsum(b_g, 0), b_w, tl.sum(b_g, 0)
+
+
+@triton.jit
+def _linear_state_kernel(
+    k, v, g, w, hs, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    m_k, m_v = o_k < K, o_v < V
+    p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
+    k += (bos * H + i_h) * K
+    v += (bos * H + i_h) * V
+    g += bos * H + i_h
+    w += bos * H + i_h
+    hs += (boh * H + i_h) * K * V
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h = tl.load(h0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0).to(tl.float32)
+    for i_t in range(tl.cdiv(T, BT)):
+        t0 = i_t * BT
+        m_t = o_r < T - t0
+        tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
+        b_G, b_w, g_last = _chunk_gates(g, w, t0, o_r, m_t, H)
+        b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        b_kw = b_k.to(tl.float32) * (b_w * tl.exp(g_last - b_G))[:, None]  # w_j k_j exp(G_C − G_j)
+        b_h = b_h * tl.exp(g_last) + mm(tl.trans(b_kw), b_v, b_v, IEEE)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+
+
+@triton.jit
+def _linear_output_kernel(
+    q, k, v, g, w, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hq // (HQ // H)  # query heads h·G … h·G + G − 1 read KV head h
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    t0 = i_c * BT
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    m_k, m_v, m_t = o_k < K, o_v < V, o_r < T - t0
+    rows = bos + t0 + o_r  # (BT,) int64: the chunk's tokens
+    m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+    b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    b_G, b_w, _ = _chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H)
+    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
+    causal = (o_r[:, None] >= o_r[None, :]) & m_t[None, :]
+    b_d = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))  # exp(G_r − G_j), 0 above the diagonal
+    b_s = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_d * b_w[None, :]
+    b_o = (b_o + mm(b_s, b_v, b_v, IEEE)) * scale
+    if USE_OFFSET:
+        b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
+                            cu_seqlens=None, v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The forward of :func:`linearize.ops.linear.linear_attention` on the kernels above (inputs checked
+    there). ``(o [B, T, G·H, V] in v's dtype, final float32 state [N, H, K, V] or None)``."""
+    B, T, HQ, K = q.shape
+    L = Layout(q, v, cu_seqlens)
+    H, V, ieee = L.H, L.V, L.ieee
+    qf, kf, vf = Layout.flat(q, k, v)
+    gf, wf = (x.float() for x in Layout.flat(g, w))
+    BK = block_k(K)
+    BV = min(64 if BK <= 128 else 32, max(16, next_pow2(V)))
+    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
+    ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+    o = torch.empty(L.tokens, HQ, V, dtype=v.dtype, device=q.device)
+    if L.NC == 0:  # no tokens: the state passes through
+        if ht is not None:
+            ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
+        return o.view(B, T, HQ, V), ht
+    common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
+    _linear_state_kernel[(cdiv(V, BV), L.N * H)](
+        kf, vf, gf, wf, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
+        L.chunk_offsets, USE_H0=h0 is not None, STORE_HT=ht is not None, **common, num_warps=4)
+    off = Layout.flat(v_offset)[0] if v_offset is not None else vf
+    _linear_output_kernel[(cdiv(V, BV), L.NC, HQ)](
+        qf, kf, vf, gf, wf, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), HQ=HQ,
+        USE_OFFSET=v_offset is not None, **common, num_warps=4)
+    return o.view(B, T, HQ, V), ht

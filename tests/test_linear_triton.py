@@ -1,0 +1,96 @@
+"""The Triton forward of the decayed linear attention (ops/triton/linear_fwd.py) against the float64
+recurrent definition: under the Triton interpreter on the CPU (fp32, fp16: the interpreter's bf16 dots are
+wrong), and compiled on a CUDA GPU (``-m gpu``, NaN-poisoned buffers), output and final state."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_convert import incremental_logits
+from test_linear_ops import inputs, rel
+from test_vala import blocks, calib, ids
+
+import linearize
+from linearize.ops.linear import linear_attention, linear_attention_reference
+
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+SHAPES = [  # (B, T, H, G, K, V, cu_seqlens)
+    (2, 63, 2, 1, 16, 16, None),
+    (1, 150, 2, 3, 32, 16, None),
+    (1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130]),
+    (2, 1, 1, 2, 8, 8, None),
+]
+
+
+def check(dtype, device, B, T, H, G, K, V, cu, tol=None):
+    N = len(cu) - 1 if cu else B
+    q, k, v, g, w, h0 = inputs(B, T, H, G, K, V, seed=T + K, N=N)
+    cu_t = torch.tensor(cu) if cu else None
+    offset = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    low = [x.to(dtype) for x in (q, k, v)]  # the kernels' inputs, and the reference on the same rounded values
+    ref, h_ref = linear_attention_reference(*(x.double() for x in low), g, w, scale=0.7, initial_state=h0,
+                                            output_final_state=True, cu_seqlens=cu_t)
+    ref = ref + offset.repeat_interleave(G, 2)
+    dev = lambda x: x.to(device)  # noqa: E731
+    o, h = linear_attention(*map(dev, low), dev(g.float()), dev(w.float()), scale=0.7, initial_state=dev(h0.float()),
+                            output_final_state=True, cu_seqlens=None if cu_t is None else dev(cu_t), backend="triton",
+                            v_offset=dev(offset.float()))
+    assert o.dtype == dtype and h.dtype == torch.float32
+    tol = tol or TOL[dtype]
+    for name, got, want in (("o", o, ref), ("final_state", h, h_ref)):
+        got = got.double().cpu()
+        assert torch.isfinite(got).all(), name
+        assert rel(got, want) <= tol, (name, rel(got, want))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
+def test_linear_attention_triton_interpreted_equals_reference(dtype, shape):
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+    check(dtype, "cpu", *shape)
+
+
+def test_linear_attention_triton_is_forward_only():
+    q, k, v, g, w, _ = inputs(1, 20, 2, 2, 8, 8, seed=0, dtype=torch.float32)
+    q.requires_grad_(True)
+    with pytest.raises(ValueError, match="forward-only"):
+        linear_attention(q, k, v, g, w, backend="triton")
+    # auto keeps to the differentiable chunkwise form when a gradient is wanted
+    o, _ = linear_attention(q, k, v, g, w)
+    assert o.requires_grad
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES + [(2, 2048, 4, 4, 128, 128, None), (1, 3000, 2, 7, 64, 64, [0, 1000, 1001, 3000]),
+                                            (1, 700, 1, 4, 256, 256, None)],
+                         ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
+def test_linear_attention_triton_gpu_equals_reference(dtype, shape):
+    from _poison import poisoned_outputs
+
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
+    with poisoned_outputs():
+        check(dtype, "cuda", *shape)
+
+
+def test_vala_block_on_the_triton_forward_equals_torch():
+    """A converted model's inference (full forward, prefill + decode from the cache) on the interpreted kernels."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1")
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, to="linear", calibration_ids=calib(teacher))
+    x = ids(model, B=2, T=70)
+    mask, pos = torch.ones_like(x), torch.arange(70)[None].expand(2, -1)
+    with torch.no_grad():
+        want = model(x).logits
+        for blk in blocks(model):
+            blk.options.backend = "triton"
+        assert rel(model(x).logits, want) <= 1e-5
+        inc, _ = incremental_logits(model, x, mask, pos, prefill=66)
+        assert rel(inc, want) <= 1e-5

@@ -271,3 +271,21 @@ def test_distill_linear_target_trains_and_saves(tiny_dir, tmp_path):
     saved = json.loads((tmp_path / "o" / "model" / "config.json").read_text())
     assert saved["linearize"]["options"]["target"] == "linear"
     assert all(isinstance(b, VaLAAttention) for b in blocks(linearize.load(tmp_path / "o" / "model")))
+
+
+def test_convert_linear_calibration_steps_fit_the_decay_correction():
+    """calibration_steps fits the one new parameter (gate_proj) and never worsens a layer on the calibration rows."""
+    from linearize.eval import capture_attention, relative_error
+
+    teacher = tiny_model("llama")
+    c = calib(teacher, T=64)
+    caps = capture_attention(teacher, c)
+    model = linearize.convert(copy.deepcopy(teacher), to="linear", calibration_ids=c, calibration_steps=5)
+    moved = 0
+    for i, blk in enumerate(blocks(model)):
+        moved += int(blk.gate_proj.weight.abs().sum() > 0)
+        err = relative_error(blk.attention_output(caps[i].hidden_states, caps[i].position_embeddings), caps[i].output)
+        base = relative_error(vala_attention(*project_qkv(blk, caps[i].hidden_states, caps[i].position_embeddings),
+                                             scale=blk.scaling).flatten(2), caps[i].output)
+        assert err <= base + 1e-6, (i, err, base)
+    assert moved >= 1  # a layer where no step improved keeps its initialization

@@ -29,7 +29,9 @@ import torch
 
 from .compat import cache_kwargs
 from .generation import Sampling, next_tokens, plain_generate_kwargs
-from .layers.cache import GDNStateLayer, StaticKVLayer
+from .layers.cache import GDNStateLayer, StaticKVLayer, StaticMask
+from .layers.gdn_attention import GDNAttention
+from .layers.step_projection import refresh as refresh_stacked
 
 
 @dataclass
@@ -248,6 +250,9 @@ class Decoder:
         if kept is not None and kept[0] == weights and _load_states(kept[1], cache):
             if kept[2] is not None:
                 kept[2].reset(mask)
+            for module in self.model.modules():  # the stacked projections a graph reads, up to date
+                if isinstance(module, GDNAttention):
+                    refresh_stacked(module)
             return kept[3:]
         kv = None
         if slots:
@@ -301,44 +306,12 @@ class Decoder:
         return ids_buf, pos_buf, logits_buf, run
 
 
-@dataclass
-class StaticMask:
-    """The 4-D attention mask ``[B, 1, 1, L]`` over a hybrid's fixed-size key/value slots (bool for SDPA,
-    additive for eager attention) and the slot ``position [1]`` the next token is written to."""
-
-    mask: torch.Tensor
-    position: torch.Tensor
-    keep: bool | float
-    drop: bool | float
-
-    @classmethod
-    def for_model(cls, model, B: int, slots: int, dev) -> StaticMask:
-        if model.config._attn_implementation == "sdpa":
-            keep, drop, dtype = True, False, torch.bool
-        else:
-            dtype = next(model.parameters()).dtype
-            keep, drop = 0.0, torch.finfo(dtype).min
-        return cls(torch.full((B, 1, 1, slots), drop, dtype=dtype, device=dev),
-                   torch.zeros(1, dtype=torch.long, device=dev), keep, drop)
-
-    def reset(self, prompt_mask: torch.Tensor) -> None:
-        """The prompt's real tokens attended to, nothing after them; the next token at the prompt's end."""
-        T = prompt_mask.shape[1]
-        self.mask.fill_(self.drop)
-        self.mask[:, 0, 0, :T].masked_fill_(prompt_mask.bool(), self.keep)
-        self.position.fill_(T)
-
-    def open_slot(self) -> None:
-        self.mask.index_fill_(3, self.position, self.keep)
-
-
 @contextlib.contextmanager
 def compiled_blocks(model, enabled: bool = True):
     """Within: every decoder block's norms and MLP, and a GDN block's projections (q/k/v, their norms,
     RoPE), run through ``torch.compile``, their element-wise work fused into a few kernels; afterwards the
     model is as it was. The GDN step and the cache updates stay as they are. A graph recorded within keeps
     the compiled kernels."""
-    from .layers.gdn_attention import GDNAttention
     from .models.adapters import decoder_layers
 
     patched = []

@@ -10,6 +10,8 @@ for pure and hybrid models.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import CacheLayerMixin, DynamicLayer, LinearAttentionLayer
 
@@ -179,3 +181,34 @@ class StaticKVLayer(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError("a decoder's static KV buffers are not cropped; decode again from the prompt")
+
+
+@dataclass
+class StaticMask:
+    """The 4-D attention mask ``[B, 1, 1, L]`` over a hybrid's fixed-size key/value slots (bool for SDPA,
+    additive for eager attention) and the slot ``position [1]`` the next token is written to."""
+
+    mask: torch.Tensor
+    position: torch.Tensor
+    keep: bool | float
+    drop: bool | float
+
+    @classmethod
+    def for_model(cls, model, B: int, slots: int, dev) -> StaticMask:
+        if model.config._attn_implementation == "sdpa":
+            keep, drop, dtype = True, False, torch.bool
+        else:
+            dtype = next(model.parameters()).dtype
+            keep, drop = 0.0, torch.finfo(dtype).min
+        return cls(torch.full((B, 1, 1, slots), drop, dtype=dtype, device=dev),
+                   torch.zeros(1, dtype=torch.long, device=dev), keep, drop)
+
+    def reset(self, prompt_mask: torch.Tensor) -> None:
+        """The prompt's real tokens attended to, nothing after them; the next token at the prompt's end."""
+        T = prompt_mask.shape[1]
+        self.mask.fill_(self.drop)
+        self.mask[:, 0, 0, :T].masked_fill_(prompt_mask.bool(), self.keep)
+        self.position.fill_(T)
+
+    def open_slot(self) -> None:
+        self.mask.index_fill_(3, self.position, self.keep)

@@ -38,6 +38,7 @@ from .cache import gdn_cache_layer
 from .options import GDNOptions
 from .output_gate import OutputGate
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
+from .step_projection import step_projections
 
 
 def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
@@ -123,6 +124,7 @@ class GDNAttention(nn.Module):
     """Gated DeltaNet attention initialized from a softmax attention module's weights."""
 
     fused_step = True  # False: decode steps through the composed ops, the reference the fused step is tested on
+    stacked_step = True  # False: a fused step's projections one product each (layers/step_projection.py)
 
     def __init__(self, teacher: nn.Module, options: GDNOptions | None = None):
         super().__init__()
@@ -175,7 +177,8 @@ class GDNAttention(nn.Module):
             q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
             self.mix_bias.copy_(first_order_gap(q.float() * self.scaling, k.float(), self.options.window, self.options.sinks))
 
-    def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None):
+    def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None,
+                projections=None):
         """``(q, k, v, conv_tails)`` after the norms and RoPE, before the softmax scale; with ``short_conv``
         q/k/v convolved first (``conv_past``/``conv_tails``: the cache's last inputs before and after)."""
         tails = None
@@ -188,7 +191,7 @@ class GDNAttention(nn.Module):
                 *qkv, tails = conv_qkv(self, q, k, v, mask, since, conv_past)
                 return qkv
 
-        q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused, mix=mix)
+        q, k, v = project_qkv(self, hidden_states, position_embeddings, fused=fused, mix=mix, projections=projections)
         return q, k, v, tails
 
     def gdn_inputs(self, hidden_states, position_embeddings, mask=None, initial=None, cu_seqlens=None, fused=False,
@@ -358,13 +361,13 @@ class GDNAttention(nn.Module):
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
 
     def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None):
-        """One decode step through a fused step that updates the cache's state, sums (and, with ``buffers``,
-        the window's) in place — one kernel on CUDA: :func:`linearize.ops.decode.taylor_gdn_step_` for the
-        pure block, :func:`linearize.ops.window_step.sink_window_gdn_step_` for the window block."""
+        """One decode step updating the cache's state, sums (and window ``buffers``) in place, in one kernel on
+        CUDA: :func:`~linearize.ops.decode.taylor_gdn_step_`, :func:`~linearize.ops.window_step.sink_window_gdn_step_`."""
         B = hidden_states.shape[0]
-        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past)
+        proj = step_projections(self, hidden_states) if self.stacked_step else None  # one product for five
+        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past, projections=proj and proj[:3])
         dt, backend = h0.dtype, {"reference": "torch"}.get(self.options.backend, self.options.backend)
-        beta_factor, gate_factor = correction_factors(*self._logits(hidden_states), dt)
+        beta_factor, gate_factor = correction_factors(*(proj[3:] if proj else self._logits(hidden_states)), dt)
         common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
         if buffers is not None:
             o = sink_window_gdn_step_(q[:, 0].to(dt) * self.scaling, k[:, 0], v[:, 0], buffers, *common, self.mix_bias,

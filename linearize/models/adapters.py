@@ -15,18 +15,23 @@ def decoder_layers(model) -> torch.nn.ModuleList:
 
 
 def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
-                fused: bool = False, with_v: bool = True, rope: bool = True, mix=None) -> tuple[torch.Tensor, ...]:
+                fused: bool = False, with_v: bool = True, rope: bool = True, mix=None,
+                projections=None) -> tuple[torch.Tensor, ...]:
     """``(q, k, v)`` as ``[B, T, H, D]``, after the module's norms and RoPE, before the softmax scale.
     ``fused``: RoPE through one Triton pass each way (``linearize/modules/rope.py``) where it applies.
     ``with_v=False``: v is left to the caller (returned as None). ``rope=False``: q and k before RoPE
     (the caller applies it, :func:`apply_rope`). ``mix``: ``(q, k, v) -> (q, k, v)`` on the projections'
-    outputs, before the norms and RoPE (the GDN block's short convolution)."""
+    outputs, before the norms and RoPE (the GDN block's short convolution). ``projections``: the three
+    projections' outputs ``[B, T, H·D]``, already computed (the decode step's stacked product)."""
 
     B, T, _ = hidden_states.shape
     d = attn.head_dim
-    q = attn.q_proj(hidden_states).view(B, T, -1, d)
-    k = attn.k_proj(hidden_states).view(B, T, -1, d)
-    v = attn.v_proj(hidden_states).view(B, T, -1, d) if with_v else None
+    if projections is not None:
+        q, k, v = (p.reshape(B, T, -1, d) for p in projections)
+    else:
+        q = attn.q_proj(hidden_states).view(B, T, -1, d)
+        k = attn.k_proj(hidden_states).view(B, T, -1, d)
+        v = attn.v_proj(hidden_states).view(B, T, -1, d) if with_v else None
     if mix is not None:
         q, k, v = mix(q, k, v)
     if getattr(attn, "q_norm", None) is not None:

@@ -18,7 +18,7 @@ Three implementations, each tested against the first:
   every exponent is ≤ 0 (the differences are masked before ``exp`` above the diagonal), so nothing
   overflows whatever the decay; autograd differentiates it as it stands;
 - :func:`linear_attention_step`: one decode step;
-- the Triton forward (``ops/triton/linear_fwd.py``), for inference on CUDA.
+- the Triton forward and backward (``ops/triton/linear_fwd.py``, ``linear_bwd.py``), for CUDA.
 """
 
 from __future__ import annotations
@@ -203,8 +203,10 @@ def linear_attention(
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
             starts from its own initial state (zero by default).
         backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise PyTorch),
-            ``"triton"`` (the forward-only kernels of ``ops/triton/linear_fwd.py``: no input may need a
-            gradient) or ``"auto"`` (Triton on CUDA where nothing needs a gradient, else torch).
+            ``"triton"`` (the kernels of ``ops/triton/linear_fwd.py``, and of ``linear_bwd.py`` for every
+            input's gradient when one is needed) or ``"auto"`` (Triton on CUDA where nothing needs a
+            gradient, else torch: the backward kernels are verified under the Triton interpreter but not
+            yet run on a GPU — ``tests/test_linear_triton_bwd.py -m gpu``).
         v_offset: ``[B, T, H, V]`` or None — added to the output of every query head of its KV head
             (the VaLA back ``+ v̄``).
     Returns:
@@ -222,20 +224,21 @@ def linear_attention(
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, w, initial_state,
                                                                                         v_offset))
-    if backend == "auto":
+    if backend == "auto":  # the backward kernels are opt-in (backend="triton") until their GPU tests have run
         backend = "triton" if q.is_cuda and not grad and _triton_ok(q) else "torch"
     if backend == "triton":
         check_inputs(q, k, v, g, w, initial_state, cu_seqlens, _NAMES)
-        if grad:
-            raise ValueError("the Triton kernels of the linear attention are forward-only; inputs that need "
-                             "gradients take backend='torch'")
         if not _triton_ok(q):
             raise ValueError("backend='triton' needs float16/bfloat16/float32 CUDA tensors (or TRITON_INTERPRET=1) "
                              f"and key heads up to {TRITON_MAX_K} wide; use backend='torch'")
-        from .triton.linear_fwd import linear_attention_triton
-
-        return linear_attention_triton(q, k, v, g, w, scale=scale, initial_state=initial_state,
-                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
+        if v_offset is not None and v_offset.shape != v.shape:
+            raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
+        if grad:  # the forward kernels, then the backward kernels of ops/triton/linear_bwd.py
+            from .triton.linear_bwd import linear_attention_triton_train as fn
+        else:
+            from .triton.linear_fwd import linear_attention_triton as fn
+        return fn(q, k, v, g, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  cu_seqlens=cu_seqlens, v_offset=v_offset)
     fn = linear_attention_reference if backend == "reference" else linear_attention_chunk
     o, state = fn(q, k, v, g, w, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                   cu_seqlens=cu_seqlens)

@@ -5,8 +5,8 @@
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
-``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0. Forward
-only: training goes through the chunkwise PyTorch form, which autograd differentiates. Packed documents
+``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0. The backward
+is ``ops/triton/linear_bwd.py``, which recomputes stage 1 with :func:`linear_fwd_h`. Packed documents
 and dense batches share the chunk tables of :class:`~linearize.ops.triton.layout.Layout`.
 """
 
@@ -23,12 +23,15 @@ from .tiles import mm
 
 
 @triton.jit
-def _chunk_gates(g, w, t0, o_r, m_t, H: tl.constexpr):
+def chunk_gates(g, w, t0, o_r, m_t, H: tl.constexpr, BT: tl.constexpr):
     """``(G, w, G_C)`` of one chunk: the in-chunk cumulative log-decay, the write weights (0 past the end)
-    and the chunk's total log-decay, as float32. ``g``, ``w`` point at the sequence's first token and head."""
+    and the chunk's total log-decay, as float32. ``g``, ``w`` point at the sequence's first token and head.
+    ``G_C`` is the cumsum's last element (g is 0 past the end), not a separate sum: rounded the same way,
+    ``G_C − G_j`` is exactly 0 at the last token however large ``|G|`` grows under strong decays."""
     b_g = tl.load(g + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
     b_w = tl.load(w + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
-    return tl.cumsum(b_g, 0), b_w, tl.sum(b_g, 0)
+    b_G = tl.cumsum(b_g, 0)
+    return b_G, b_w, tl.sum(tl.where(o_r == BT - 1, b_G, 0.0), 0)
 
 
 @triton.jit
@@ -55,7 +58,7 @@ def _linear_state_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
-        b_G, b_w, g_last = _chunk_gates(g, w, t0, o_r, m_t, H)
+        b_G, b_w, g_last = chunk_gates(g, w, t0, o_r, m_t, H, BT)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_kw = b_k.to(tl.float32) * (b_w * tl.exp(g_last - b_G))[:, None]  # w_j k_j exp(G_C − G_j)
@@ -81,7 +84,7 @@ def _linear_output_kernel(
     b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_G, b_w, _ = _chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H)
+    b_G, b_w, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
     b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
@@ -94,6 +97,23 @@ def _linear_output_kernel(
     tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+def linear_bv(K: int, V: int) -> int:
+    """V block of every linear-attention kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
+    return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
+
+
+def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None) -> None:
+    """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
+    chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
+    ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None."""
+    L = layout
+    BV = linear_bv(L.K, L.V)
+    _linear_state_kernel[(cdiv(L.V, BV), L.N * L.H)](
+        k, v, g, w, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens, L.chunk_offsets,
+        H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        IEEE=L.ieee, num_warps=4)
+
+
 def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
                             cu_seqlens=None, v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The forward of :func:`linearize.ops.linear.linear_attention` on the kernels above (inputs checked
@@ -104,7 +124,7 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
     qf, kf, vf = Layout.flat(q, k, v)
     gf, wf = (x.float() for x in Layout.flat(g, w))
     BK = block_k(K)
-    BV = min(64 if BK <= 128 else 32, max(16, next_pow2(V)))
+    BV = linear_bv(K, V)
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
     ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
@@ -113,10 +133,8 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
         if ht is not None:
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return o.view(B, T, HQ, V), ht
+    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
-    _linear_state_kernel[(cdiv(V, BV), L.N * H)](
-        kf, vf, gf, wf, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
-        L.chunk_offsets, USE_H0=h0 is not None, STORE_HT=ht is not None, **common, num_warps=4)
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     _linear_output_kernel[(cdiv(V, BV), L.NC, HQ)](
         qf, kf, vf, gf, wf, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), HQ=HQ,

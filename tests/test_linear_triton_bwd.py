@@ -1,0 +1,158 @@
+"""The Triton backward of the decayed linear attention (ops/triton/linear_bwd.py): output, final state and
+the gradients of q, k, v, g, w, the initial state and v_offset against autograd through the float64
+recurrent definition — interpreted on the CPU (fp32; fp16: the interpreter's bf16 dots are wrong) and
+compiled on a CUDA GPU (``-m gpu``, NaN-poisoned buffers, fp32 and bf16)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_linear_ops import inputs, rel
+
+from linearize.ops.linear import linear_attention
+
+f64 = torch.float64
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}
+NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dw", "dh0", "dv_offset"]
+SHAPES = [  # (B, T, H, G, K, V, cu_seqlens)
+    (2, 63, 2, 1, 16, 16, None),  # T not a multiple of the chunk
+    (1, 150, 2, 3, 32, 16, None),  # GQA, three chunks
+    (1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130]),  # packed, with an empty document
+    (1, 90, 1, 2, 24, 80, [0, 0, 70, 90, 90]),  # empty first and last documents; K, V not powers of two, 2 V blocks
+    (2, 1, 1, 2, 8, 8, None),
+]
+ids = lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else "")  # noqa: E731
+
+
+def grads(backend, q, k, v, g, w, h0, offset, cu, *, final=True, seed=11):
+    """Output, final state and every input's gradient under a random loss on both (None where not used)."""
+    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g, w, h0, offset)]
+    o, h = linear_attention(*leaves[:5], scale=0.7, initial_state=leaves[5], output_final_state=final,
+                            cu_seqlens=cu, backend=backend, v_offset=leaves[6])
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=f64).to(o.device)).sum()
+    if final:
+        loss = loss + (h.double() * torch.randn(h.shape, generator=gen, dtype=f64).to(h.device)).sum()
+    loss.backward()
+    return [o.detach(), h.detach() if final else None] + [x.grad if x is not None else None for x in leaves]
+
+
+def check(dtype, device, B, T, H, G, K, V, cu, *, h0=True, final=True, decay=1.0, tol=None):
+    N = len(cu) - 1 if cu else B
+    q, k, v, g, w, s0 = inputs(B, T, H, G, K, V, seed=T + K + G, N=N)
+    g = g * decay - float(decay > 1)  # strong decays: exp(−decay − 1) … exp(−1) per step
+    offset = torch.randn(B, T, H, V, dtype=f64, generator=torch.Generator().manual_seed(1))
+    cu_t = torch.tensor(cu) if cu else None
+    q, k, v, offset = (x.to(dtype) for x in (q, k, v, offset))  # the kernels' inputs; the reference sees the same values
+    g, w = g.float(), w.float()
+    s0 = s0.float() if h0 else None
+    ref = grads("reference", *(x.double() if x is not None else None for x in (q, k, v, g, w, s0, offset)), cu_t,
+                final=final)
+    dev = lambda x: x.to(device) if x is not None else None  # noqa: E731
+    got = grads("triton", *map(dev, (q, k, v, g, w, s0, offset, cu_t)), final=final)
+    tol = tol or TOL[dtype]
+    for name, a, b in zip(NAMES, got, ref):
+        a, b = (None if x is None or x.numel() == 0 else x for x in (a, b))  # no token: the loop leaves None
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        a = a.double().cpu()
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= tol, (name, rel(a, b))
+    assert got[2].dtype == dtype and (not h0 or got[7].dtype == torch.float32)
+
+
+def test_linear_attention_decay_gradient_identity_float64():
+    """What the backward's dg rests on: over each sequence, ``dg_t = Σ_{s≥t} (Σ_g q_s·dq_s − k_s·dk_s) +
+    ⟨dh_T, h_T⟩``, with every gradient from autograd through the recurrent definition."""
+    cu = [0, 17, 17, 81, 130]
+    q, k, v, g, w, h0 = inputs(1, 130, 2, 3, 8, 8, seed=4, N=4)
+    out = grads("reference", q, k, v, g, w, h0, None, torch.tensor(cu), seed=5)
+    hT, (dq, dk, dg) = out[1], (out[i] for i in (2, 3, 5))
+    gen = torch.Generator().manual_seed(5)  # grads' loss weights: those of o, then those of the final state
+    torch.randn(out[0].shape, generator=gen, dtype=f64)
+    dhT = torch.randn(hT.shape, generator=gen, dtype=f64)
+    per_token = (q * dq).view(1, 130, 2, 3, 8).sum((3, 4)) - (k * dk).sum(-1)  # (1, T, H)
+    for n, (s, e) in enumerate(zip(cu[:-1], cu[1:])):
+        want = per_token[0, s:e].flip(0).cumsum(0).flip(0) + (dhT[n] * hT[n]).sum((-1, -2))
+        assert torch.allclose(dg[0, s:e], want, rtol=1e-10, atol=1e-10), n
+
+
+def interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+def test_linear_attention_triton_grads_interpreted_equal_reference(shape):
+    interpreted()
+    check(torch.float32, "cpu", *shape)
+
+
+@pytest.mark.parametrize("h0,final", [(False, False), (True, False), (False, True)])
+def test_linear_attention_triton_grads_without_states(h0, final):
+    interpreted()
+    check(torch.float32, "cpu", 1, 100, 2, 2, 16, 16, [0, 40, 40, 100], h0=h0, final=final)
+
+
+def test_linear_attention_triton_grads_strong_decay():
+    """Decays down to exp(−31) per step: no exponent in the backward is positive either."""
+    interpreted()
+    check(torch.float32, "cpu", 1, 150, 2, 2, 16, 16, None, decay=30.0)
+
+
+def test_linear_attention_triton_grads_fp16_interpreted():
+    interpreted()
+    check(torch.float16, "cpu", 1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130])
+
+
+def test_linear_attention_triton_grads_of_an_all_empty_batch():
+    """Every document empty: no chunk to run, the final state's gradient passes to the initial state."""
+    interpreted()
+    check(torch.float32, "cpu", 1, 0, 2, 2, 8, 8, [0, 0, 0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES + [(2, 2048, 4, 4, 128, 128, None), (1, 3000, 2, 7, 64, 64, [0, 1000, 1001, 3000]),
+                                            (1, 700, 1, 4, 256, 256, None)], ids=ids)
+def test_linear_attention_triton_grads_gpu_equal_reference(dtype, shape, compiled):
+    check(dtype, "cuda", *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_attention_triton_grads_gpu_strong_decay_and_no_states(dtype, compiled):
+    check(dtype, "cuda", 1, 1000, 2, 2, 64, 64, None, decay=30.0)
+    check(dtype, "cuda", 1, 1000, 2, 2, 64, 64, [0, 300, 300, 1000], h0=False, final=False)
+
+
+def test_vala_block_training_on_the_triton_kernels_equals_torch():
+    """A converted model's loss and every parameter's gradient on the interpreted forward and backward
+    kernels, against the chunkwise PyTorch form (fp32, packed rows through the model's own calls)."""
+    from conftest import tiny_model
+    from test_vala import blocks, calib, ids
+
+    import linearize
+
+    interpreted()
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, to="linear", calibration_ids=calib(teacher)).train()
+    x = ids(model, B=2, T=70)
+    found = []
+    for backend in ("torch", "triton"):
+        for blk in blocks(model):
+            blk.options.backend = backend
+        model.zero_grad()
+        loss = model(x, labels=x).loss
+        loss.backward()
+        found.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_t, want), (loss_k, got) = found
+    assert rel(loss_k, loss_t) <= 1e-6
+    assert want.keys() == got.keys() and any("gate_proj" in n for n in got)
+    for n in want:
+        assert torch.isfinite(got[n]).all() and rel(got[n], want[n]) <= 1e-5, (n, rel(got[n], want[n]))

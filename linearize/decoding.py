@@ -59,7 +59,7 @@ def graph_generate(model, inputs: torch.Tensor | None, kwargs: dict) -> torch.Te
         return None
     try:
         return model_decoder(model).generate(ids, **plan)
-    except RuntimeError as e:  # a capture this torch/transformers cannot do: say so once, then decode eagerly
+    except Exception as e:  # a capture this torch/transformers/Triton cannot do: say so once, then decode eagerly
         _GRAPH_FAILED.append(repr(e))
         warnings.warn(f"linearize: CUDA-graph decoding failed ({str(e)[:200]}); generate() uses transformers' "
                       "own decoding from now on", RuntimeWarning, stacklevel=3)
@@ -153,7 +153,7 @@ class Decoder:
         args = (input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, sampling, generator)
         try:
             return self._generate(*args)
-        except RuntimeError as e:  # a capture this torch/transformers cannot do: eager from now on, if allowed
+        except Exception as e:  # a capture this torch/transformers/Triton cannot do: eager from now on, if allowed
             if not (self._auto and self.graph):
                 raise
             warnings.warn(f"linearize: CUDA-graph decoding failed ({str(e)[:200]}); this decoder decodes eagerly "
@@ -162,6 +162,7 @@ class Decoder:
             self._graphs.clear()
             return self._generate(*args)
 
+    @torch.inference_mode(False)  # the kept buffers must stay writable on later calls, in inference mode or not
     @torch.no_grad()
     def _generate(self, input_ids, attention_mask, max_new_tokens, eos_token_id, pad_token_id, sampling, generator):
         from transformers import DynamicCache
@@ -185,7 +186,7 @@ class Decoder:
                            **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits[:, -1]
         self.timing = Timing(prefill_s=_now(dev) - t0, graphed=self.graph)
         t0 = _now(dev)
-        if self.static:
+        if self.static and max_new_tokens > 1:  # (one new token runs no step; a capture's warm-ups run two)
             ids_buf, pos_buf, logits_buf, run = self._static_step(cache, mask, max_new_tokens)
         else:
             ids_buf, pos_buf, logits_buf, run = self._eager_step(cache, mask)
@@ -244,15 +245,11 @@ class Decoder:
         loaded with ``cache``'s states, or a new one built on ``cache`` (and, with ``graph``, recorded)."""
         B, T = mask.shape
         slots = 0 if all_gdn(self.model) else -(-(T + max_new_tokens) // self.kv_bucket) * self.kv_bucket
-        weights = tuple(p.data_ptr() for p in self.model.parameters())
         kept = self._graphs.get((B, slots))
         t0 = _now(mask.device)
-        if kept is not None and kept[0] == weights and _load_states(kept[1], cache):
+        if kept is not None and kept[0] == _addresses(self.model) and _load_states(kept[1], cache):
             if kept[2] is not None:
                 kept[2].reset(mask)
-            for module in self.model.modules():  # the stacked projections a graph reads, up to date
-                if isinstance(module, GDNAttention):
-                    refresh_stacked(module)
             return kept[3:]
         kv = None
         if slots:
@@ -263,7 +260,7 @@ class Decoder:
         step = self._recorded_step(cache, B, mask.device, kv) if self.graph else self._plain_static_step(cache, B, mask.device, kv)
         if kv is not None:  # the warm-ups opened slots and moved the position on
             kv.reset(mask)
-        self._graphs[(B, slots)] = (weights, cache, kv, *step)
+        self._graphs[(B, slots)] = (_addresses(self.model), cache, kv, *step)
         self.timing.capture_s = _now(mask.device) - t0 if self.graph else 0.0
         return step
 
@@ -331,6 +328,26 @@ def compiled_blocks(model, enabled: bool = True):
                 delattr(child, method)
             else:
                 setattr(child, method, before)
+
+
+def _addresses(model) -> tuple[int, ...]:
+    """Where the tensors a recorded step reads live — parameters, buffers, the blocks' stacked projections
+    (brought up to date first) — to tell whether a kept graph still reads the model."""
+    stacked = []
+    for module in model.modules():
+        if isinstance(module, GDNAttention) and "_stacked" in module.__dict__:
+            kept = refresh_stacked(module)
+            stacked += [kept["weight"].data_ptr(), kept["bias"].data_ptr()] if kept is not None else [0]
+    return (*(t.data_ptr() for t in model.parameters()), *(t.data_ptr() for t in model.buffers()), *stacked)
+
+
+def drop_decode_caches(model) -> None:
+    """Forget what decoding derived from the weights — the stacked projections, the kept decoder and its
+    graphs — after writes the version counters do not see (``weight.data += …``, a LoRA merge)."""
+    from .layers.step_projection import forget
+
+    forget(model)
+    model.__dict__.pop("_linearize_decoder", None)
 
 
 def _load_states(kept, cache) -> bool:

@@ -9,6 +9,7 @@ from conftest import tiny_model
 
 import linearize
 from linearize.decoding import Decoder, Sampling, next_tokens, plain_generate_kwargs
+from linearize.layers.gdn_attention import GDNAttention
 from linearize.layers.options import GDNOptions
 
 
@@ -179,9 +180,9 @@ def test_kept_cache_loaded_from_a_new_prefill_continues_it(case):
 
     with torch.no_grad():
         kept, fresh = prefill(x, mask), prefill(y, ymask)
-        tensors = [t.data_ptr() for layer in kept.layers for t in layer.recurrent_states if torch.is_tensor(t)]
-        assert _load_states(kept, fresh)
-    assert [t.data_ptr() for layer in kept.layers for t in layer.recurrent_states if torch.is_tensor(t)] == tensors
+        tensors = [t.data_ptr() for layer in kept.layers for t in layer.recurrent_states.values() if t is not None]
+        assert tensors and _load_states(kept, fresh)
+    assert [t.data_ptr() for layer in kept.layers for t in layer.recurrent_states.values() if t is not None] == tensors
     want = steps(prefill(y, ymask), ymask)
     assert torch.equal(steps(kept, ymask), want)
     assert not _load_states(kept, DynamicCache(config=model.config))  # nothing prefilled: refused
@@ -198,10 +199,13 @@ def test_static_step_equals_the_eager_step(case):
     model = converted(**case)
     assert graphable(model)
     dec = Decoder(model, graph=False, static=True, kv_bucket=8)
+    kept = []
     for lengths, seed in (((11, 7, 3), 3), ((4, 12, 9), 5)):
         x, mask = left_padded(model, lengths=lengths, seed=seed)
         want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=12)
         assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=12), want)
+        kept.append(next(iter(dec._graphs.values()))[1])
+    assert kept[0] is kept[1]  # the second call loaded the kept cache, built nothing
     assert len(dec._graphs) == 1  # one set of buffers: same batch, same bucket of 8 slots (24)
     x, mask = left_padded(model, lengths=(20, 2, 5), seed=6)  # 20 + 12 slots: another bucket
     want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=12)
@@ -231,6 +235,42 @@ def test_chunked_prefill_equals_one_prefill(case):
             part = model(x[:, i:i + 4], attention_mask=mask[:, :i + 4], position_ids=pos[:, i:i + 4],
                          **cache_kwargs(cache), use_cache=True).logits[:, -1]
     assert (part - full).abs().max() < 1e-9 * full.abs().max()
+
+
+def test_static_decoding_of_other_targets_and_one_token():
+    """A second static call on blocks without stacked projections (VaLA), and a call of one new token
+    (no step at all), give the eager path's tokens."""
+    for to in ("linear", "deltanet"):
+        teacher = tiny_model("llama")
+        model = linearize.convert(teacher, calibration_ids=calib(teacher), to=to,
+                                  options=GDNOptions(window=0, sinks=0))
+        dec = Decoder(model, graph=False, static=True)
+        for seed in (3, 4):
+            x, mask = left_padded(model, seed=seed)
+            for n in (6, 1):
+                want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=n)
+                assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=n), want)
+
+
+def test_dropped_decode_caches_follow_writes_the_version_counter_misses():
+    from linearize.decoding import drop_decode_caches
+
+    model = converted(window=4, sinks=2).eval()
+    x, mask = left_padded(model)
+    Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=4)  # builds the stacked copies
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for block in model.model.layers:
+            v = block.self_attn.v_proj.weight
+            v.data.copy_(torch.randn(v.shape, generator=g))  # as peft's merge writes: no version bump
+    drop_decode_caches(model)
+    got = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
+    try:
+        GDNAttention.stacked_step = False
+        want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
+    finally:
+        GDNAttention.stacked_step = True
+    assert torch.equal(got, want)
 
 
 def test_static_step_with_eager_attention_equals_the_eager_step():

@@ -28,4 +28,7 @@ def merge_lora(model) -> dict | None:
             module.merge()
             parent, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent), child, module.get_base_layer())
+    from ..decoding import drop_decode_caches
+
+    drop_decode_caches(model)  # the merge writes through .data: what decoding copied from the weights is stale
     return adapter

@@ -4,8 +4,8 @@ as one matrix product over their weights stacked, where the step would otherwise
 The stacked weights are a copy, kept on the block and refreshed whenever a source weight changed (moved,
 reloaded, or trained in place: a tensor's version counter), so a step never reads stale weights; a CUDA
 graph that recorded the product reads the copy's memory, which :func:`refresh` updates in place before
-the graph replays. Only plain ``nn.Linear`` projections are stacked (a LoRA-wrapped one keeps the
-block's own path)."""
+the graph replays. Writes that bypass the version counter (``weight.data += …``) need :func:`forget`.
+Only plain ``nn.Linear`` projections are stacked (a LoRA-wrapped one keeps the block's own path)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,17 @@ from torch import nn
 
 
 def _sources(attn) -> list[nn.Linear] | None:
+    if getattr(attn, "beta_proj", None) is None:  # a block without the β factor (VaLA) steps its own way
+        return None
     mods = [attn.q_proj, attn.k_proj, attn.v_proj, attn.beta_proj] + ([attn.gate_proj] if attn.decays else [])
     return mods if all(type(m) is nn.Linear for m in mods) else None
+
+
+def forget(model) -> None:
+    """Drop every block's stacked copy, to be rebuilt from the weights on the next step: for writes the
+    version counters do not see (``weight.data += …``, as peft's merge does)."""
+    for module in model.modules():
+        module.__dict__.pop("_stacked", None)
 
 
 def refresh(attn) -> dict | None:
@@ -29,16 +38,16 @@ def refresh(attn) -> dict | None:
     stamp = tuple((m.weight.data_ptr(), m.weight._version, None if m.bias is None else (m.bias.data_ptr(),
                    m.bias._version)) for m in mods)
     kept = attn.__dict__.get("_stacked")
-    if kept is None or kept["weight"].shape != (sum(sizes), w0.shape[1]) or kept["weight"].dtype != w0.dtype or \
-            kept["weight"].device != w0.device:
-        kept = attn.__dict__["_stacked"] = {"weight": w0.new_empty(sum(sizes), w0.shape[1]),
-                                            "bias": w0.new_zeros(sum(sizes)), "sizes": sizes, "stamp": None}
-    if kept["stamp"] != stamp:
-        with torch.no_grad():
+    with torch.inference_mode(False), torch.no_grad():  # plain tensors, writable in and out of inference mode
+        if kept is None or kept["weight"].shape != (sum(sizes), w0.shape[1]) or kept["weight"].dtype != w0.dtype \
+                or kept["weight"].device != w0.device:
+            kept = attn.__dict__["_stacked"] = {"weight": w0.new_empty(sum(sizes), w0.shape[1]),
+                                                "bias": w0.new_zeros(sum(sizes)), "sizes": sizes, "stamp": None}
+        if kept["stamp"] != stamp:
             torch.cat([m.weight for m in mods], out=kept["weight"])
             torch.cat([m.bias if m.bias is not None else w0.new_zeros(m.out_features) for m in mods],
                       out=kept["bias"])
-        kept["stamp"] = stamp
+            kept["stamp"] = stamp
     return kept
 
 

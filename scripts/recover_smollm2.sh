@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The SmolLM2 recovery runs on one GPU machine: both 25M-token recipes at once (every layer converted, L;
 # hybrid, 8 of 30 layers softmax, H) under one deadline, each trained model then measured by
-# `linearize eval` (the six tasks and MMLU, per-domain perplexity, passkey) while EVAL_SECONDS remain, the
+# `linearize eval` (the six zero-shot tasks, per-domain perplexity, passkey) while EVAL_SECONDS remain, the
 # teacher measured once beside them, and every run's records archived into OUT when the call ends (a
 # machine released after a call keeps nothing). Run it in consecutive calls: it resumes where it stopped.
 #   W    a folder holding smollm2.gguf, corpus/ and ev/ (the parts scripts/device_carry.sh makes, joined

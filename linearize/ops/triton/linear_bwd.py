@@ -137,7 +137,7 @@ def _dqkwg_kernel(
     causal = (o_r[:, None] >= o_r[None, :]) & m_t[None, :]
     b_D = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
     p_s = ((boh + i_c) * H + i_h) * K * V
-    # through the state leaving the chunk: v dh₁ᵀ, and ⟨dh₁, h₀⟩ for the chunk's ⟨dh₁, h₁⟩
+    # through the state leaving the chunk: v dh₁ᵀ (dk, dw), and ⟨dh₁, h₀⟩ (dg)
     b_vdh = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):

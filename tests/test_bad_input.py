@@ -434,7 +434,9 @@ def test_distill_ctrl_c_says_how_to_resume(inputs, tmp_path):
     """SIGINT mid-run: exit 130 and the command that resumes it; the ETA leaves out the setup time."""
     cmd = [sys.executable, "-m", "linearize", "distill", str(inputs["recipe"]), "stages.0.steps=100000",
            "output.checkpoint_every=1", "data.max_documents=60", "convert.calibration_tokens=32"]
-    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # SIGINT as a terminal delivers it, whatever the suite's launcher left (a shell's `cmd &` ignores it)
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         lines = []
         deadline = time.monotonic() + 180

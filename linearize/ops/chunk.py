@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import check_inputs, compute_dtype, time_spans
+from .common import check_inputs, chunked_over_sequences
 
 CHUNK = 64
 
@@ -85,27 +85,6 @@ def gated_delta_rule_chunk(
     chunk_size: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise GDN. Same contract as :func:`linearize.ops.reference.gated_delta_rule_reference`."""
-    N, _ = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T, Hq, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    dt, out_dtype = compute_dtype(q.dtype), v.dtype
-    q, k, v, g, beta = (x.to(dt) for x in (q, k, v, g, beta))
-    q = q * scale
-    if cu_seqlens is None:
-        # all rows at once: fold the batch into the head axis, (B, T, H, D) -> (T, B·H, D)
-        fold = lambda x: x.transpose(0, 1).reshape(T, B * x.shape[2], *x.shape[3:])
-        h = initial_state.to(dt).reshape(B * H, K, V) if initial_state is not None else q.new_zeros(B * H, K, V)
-        o, h = _chunk_one(fold(q), fold(k), fold(v), fold(g), fold(beta), h, chunk_size)
-        o = o.view(T, B, Hq, V).transpose(0, 1)  # (B, T, Hq, V)
-        final = h.view(B, H, K, V) if output_final_state else None
-        return o.to(out_dtype), final
-    outs, finals = [], []
-    for n, (start, end) in enumerate(time_spans(T, cu_seqlens)):
-        h = initial_state[n].to(dt) if initial_state is not None else q.new_zeros(H, K, V)
-        sl = slice(start, end)
-        o, h = _chunk_one(q[0, sl], k[0, sl], v[0, sl], g[0, sl], beta[0, sl], h, chunk_size)
-        outs.append(o)
-        finals.append(h)
-    o = torch.cat(outs, dim=0)[None]
-    final = torch.stack(finals) if output_final_state else None
-    return o.to(out_dtype), final
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return chunked_over_sequences(_chunk_one, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                                  chunk_size)

@@ -72,6 +72,54 @@ def time_spans(T: int, cu_seqlens: torch.Tensor | None) -> list[tuple[int, int]]
     return list(zip(cs[:-1], cs[1:]))
 
 
+def recurrent_over_sequences(step, q, k, v, g, b, scale, initial_state, output_final_state, cu_seqlens):
+    """A reference operator's loop: ``step(q_t, k_t, v_t, g_t, b_t, h, scale) -> (o_t, h)`` token by token over
+    every sequence (each row, or each packed document from its own initial state). Returns ``(o in v's dtype,
+    final states or None)``; the state in :func:`compute_dtype`."""
+    B, T, Hq, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    dt = compute_dtype(q.dtype)
+    outs, finals = [], []
+    for n, (r, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
+        h = initial_state[n : n + 1].to(dt) if initial_state is not None else q.new_zeros(1, H, K, V, dtype=dt)
+        steps = []
+        for t in range(start, end):
+            o_t, h = step(q[r : r + 1, t], k[r : r + 1, t], v[r : r + 1, t], g[r : r + 1, t], b[r : r + 1, t], h, scale)
+            steps.append(o_t.to(dt))
+        outs.append(torch.stack(steps, dim=1) if steps else q.new_zeros(1, 0, Hq, V, dtype=dt))
+        finals.append(h)
+    o = torch.cat(outs, dim=1 if cu_seqlens is not None else 0)  # (B, T, Hq, V)
+    return o.to(v.dtype), (torch.cat(finals) if output_final_state else None)
+
+
+def chunked_over_sequences(one, q, k, v, g, b, scale, initial_state, output_final_state, cu_seqlens, chunk_size):
+    """A chunkwise operator's driver around ``one(q, k, v, g, b, h, chunk) -> (o, h)`` for one sequence
+    ``(L, heads, D)``: all rows at once with the batch folded into the heads, or each packed document from its
+    own initial state. Inputs are cast to :func:`compute_dtype` and q scaled first; returns ``(o in v's
+    dtype, final states or None)``."""
+    B, T, Hq, K = q.shape
+    H, V = v.shape[2], v.shape[3]
+    dt, out_dtype = compute_dtype(q.dtype), v.dtype
+    q, k, v, g, b = (x.to(dt) for x in (q, k, v, g, b))
+    q = q * scale
+    if cu_seqlens is None:
+        # all rows at once: fold the batch into the head axis, (B, T, H, D) -> (T, B·H, D)
+        fold = lambda x: x.transpose(0, 1).reshape(T, B * x.shape[2], *x.shape[3:])  # noqa: E731
+        h = initial_state.to(dt).reshape(B * H, K, V) if initial_state is not None else q.new_zeros(B * H, K, V)
+        o, h = one(fold(q), fold(k), fold(v), fold(g), fold(b), h, chunk_size)
+        o = o.view(T, B, Hq, V).transpose(0, 1)  # (B, T, Hq, V)
+        return o.to(out_dtype), (h.view(B, H, K, V) if output_final_state else None)
+    outs, finals = [], []
+    for n, (start, end) in enumerate(time_spans(T, cu_seqlens)):
+        h = initial_state[n].to(dt) if initial_state is not None else q.new_zeros(H, K, V)
+        sl = slice(start, end)
+        o, h = one(q[0, sl], k[0, sl], v[0, sl], g[0, sl], b[0, sl], h, chunk_size)
+        outs.append(o)
+        finals.append(h)
+    o = torch.cat(outs, dim=0)[None]
+    return o.to(out_dtype), (torch.stack(finals) if output_final_state else None)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulate in at least float32; float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

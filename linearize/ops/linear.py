@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import TRITON_MAX_K, check_inputs, compute_dtype, sequence_bounds, time_spans
+from .common import TRITON_MAX_K, check_inputs, chunked_over_sequences, recurrent_over_sequences
 from .taylor import taylor_back
 
 CHUNK = 64
@@ -86,21 +86,8 @@ def linear_attention_reference(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The definition, one step at a time. Same contract as :func:`linear_attention`."""
     check_inputs(q, k, v, g, w, initial_state, cu_seqlens, _NAMES)
-    B, T, Hq, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    dt = compute_dtype(q.dtype)
-    outs, finals = [], []
-    for n, (b, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
-        h = initial_state[n : n + 1].to(dt) if initial_state is not None else q.new_zeros(1, H, K, V, dtype=dt)
-        steps = []
-        for t in range(start, end):
-            o_t, h = linear_attention_step(q[b : b + 1, t], k[b : b + 1, t], v[b : b + 1, t], g[b : b + 1, t],
-                                           w[b : b + 1, t], h, scale)
-            steps.append(o_t.to(dt))
-        outs.append(torch.stack(steps, dim=1) if steps else q.new_zeros(1, 0, Hq, V, dtype=dt))
-        finals.append(h)
-    o = torch.cat(outs, dim=1 if cu_seqlens is not None else 0)  # (B, T, Hq, V)
-    return o.to(v.dtype), (torch.cat(finals) if output_final_state else None)
+    return recurrent_over_sequences(linear_attention_step, q, k, v, g, w, scale, initial_state, output_final_state,
+                                    cu_seqlens)
 
 
 def _chunk_one(q, k, v, g, w, h, chunk):
@@ -155,27 +142,8 @@ def linear_attention_chunk(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Chunkwise linear attention in PyTorch. Same contract as :func:`linear_attention`."""
     check_inputs(q, k, v, g, w, initial_state, cu_seqlens, _NAMES)
-    B, T, Hq, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    dt, out_dtype = compute_dtype(q.dtype), v.dtype
-    q, k, v, g, w = (x.to(dt) for x in (q, k, v, g, w))
-    q = q * scale
-    if cu_seqlens is None:
-        # all rows at once: fold the batch into the head axis, (B, T, H, D) -> (T, B·H, D)
-        fold = lambda x: x.transpose(0, 1).reshape(T, B * x.shape[2], *x.shape[3:])  # noqa: E731
-        h = initial_state.to(dt).reshape(B * H, K, V) if initial_state is not None else q.new_zeros(B * H, K, V)
-        o, h = _chunk_one(fold(q), fold(k), fold(v), fold(g), fold(w), h, chunk_size)
-        o = o.view(T, B, Hq, V).transpose(0, 1)  # (B, T, Hq, V)
-        return o.to(out_dtype), (h.view(B, H, K, V) if output_final_state else None)
-    outs, finals = [], []
-    for n, (start, end) in enumerate(time_spans(T, cu_seqlens)):
-        h = initial_state[n].to(dt) if initial_state is not None else q.new_zeros(H, K, V)
-        sl = slice(start, end)
-        o, h = _chunk_one(q[0, sl], k[0, sl], v[0, sl], g[0, sl], w[0, sl], h, chunk_size)
-        outs.append(o)
-        finals.append(h)
-    o = torch.cat(outs, dim=0)[None]
-    return o.to(out_dtype), (torch.stack(finals) if output_final_state else None)
+    return chunked_over_sequences(_chunk_one, q, k, v, g, w, scale, initial_state, output_final_state, cu_seqlens,
+                                  chunk_size)
 
 
 def linear_attention(

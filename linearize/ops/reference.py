@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import check_inputs, compute_dtype, sequence_bounds
+from .common import check_inputs, recurrent_over_sequences
 
 
 def gated_delta_rule_step(
@@ -73,24 +73,6 @@ def gated_delta_rule_reference(
     initial_state ``[N, H, K, V]`` with N = B, or the number of documents when ``cu_seqlens``
     (``[0, ..., T]``, B = 1) packs several. Returns o ``[B, T, G·H, V]`` and the final state.
     """
-    N, _ = check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
-    B, T, Hq, K = q.shape
-    H, V = v.shape[2], v.shape[3]
-    dt = compute_dtype(q.dtype)
-    outs, finals = [], []
-    for n, (b, start, end) in enumerate(sequence_bounds(T, B, cu_seqlens)):
-        if initial_state is not None:
-            h = initial_state[n : n + 1].to(dt)
-        else:
-            h = torch.zeros(1, H, K, V, dtype=dt, device=q.device)
-        steps = []
-        for t in range(start, end):
-            o_t, h = gated_delta_rule_step(
-                q[b : b + 1, t], k[b : b + 1, t], v[b : b + 1, t], g[b : b + 1, t], beta[b : b + 1, t], h, scale
-            )
-            steps.append(o_t.to(dt))
-        outs.append(torch.stack(steps, dim=1) if steps else q.new_zeros(1, 0, Hq, V, dtype=dt))
-        finals.append(h)
-    o = torch.cat(outs, dim=1 if cu_seqlens is not None else 0)  # (B, T, Hq, V)
-    final = torch.cat(finals) if output_final_state else None
-    return o.to(v.dtype), final
+    check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+    return recurrent_over_sequences(gated_delta_rule_step, q, k, v, g, beta, scale, initial_state, output_final_state,
+                                    cu_seqlens)

@@ -276,8 +276,10 @@ class Decoder:
         """Capture the step on this cache's tensors. The capture runs the step three times (two warm-ups
         that also compile any Triton kernel, then the recorded one); the cache is put back afterwards."""
         ids_buf, pos_buf, logits_buf = self._buffers(B, dev)
-        layers = [layer for layer in cache.layers if isinstance(layer, GDNStateLayer)]
-        saved = [(layer.seen, {i: layer.recurrent_states[i].clone() for i in _slots(layer)}) for layer in layers]
+        counted = [layer for layer in cache.layers if isinstance(layer, (GDNStateLayer, StaticKVLayer))]
+        seen = [layer.seen for layer in counted]
+        layers = [layer for layer in counted if isinstance(layer, GDNStateLayer)]
+        saved = [{i: layer.recurrent_states[i].clone() for i in _slots(layer)} for layer in layers]
         pos_buf.zero_()
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
@@ -289,11 +291,11 @@ class Decoder:
             torch.cuda.current_stream(dev).wait_stream(stream)
             with torch.cuda.graph(graph):
                 self._body(cache, ids_buf, pos_buf, logits_buf, kv=kv)
-        for layer, (seen, tensors) in zip(layers, saved):
-            layer.seen = seen
+        for layer, n in zip(counted, seen):
+            layer.seen = n
+        for layer, tensors in zip(layers, saved):
             for i, x in tensors.items():
                 layer.recurrent_states[i].copy_(x)
-        counted = [layer for layer in cache.layers if isinstance(layer, (GDNStateLayer, StaticKVLayer))]
 
         def run():
             graph.replay()

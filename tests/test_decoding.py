@@ -206,6 +206,8 @@ def test_static_step_equals_the_eager_step(case):
         assert torch.equal(dec.generate(x, attention_mask=mask, max_new_tokens=12), want)
         kept.append(next(iter(dec._graphs.values()))[1])
     assert kept[0] is kept[1]  # the second call loaded the kept cache, built nothing
+    lengths = {layer.get_seq_length() for layer in kept[0].layers}
+    assert lengths == {x.shape[1] + 11}, lengths  # every layer counts the prompt and the 11 steps alike
     assert len(dec._graphs) == 1  # one set of buffers: same batch, same bucket of 8 slots (24)
     x, mask = left_padded(model, lengths=(20, 2, 5), seed=6)  # 20 + 12 slots: another bucket
     want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=12)

@@ -158,6 +158,7 @@ class StaticKVLayer(CacheLayerMixin):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         self.keys.index_copy_(2, self.position, key_states)
         self.values.index_copy_(2, self.position, value_states)
+        self.seen += key_states.shape[2]  # as a GDN layer's set_state counts (a replayed graph counts apart)
         return self.keys, self.values
 
     def lazy_initialization(self, *args, **kwargs) -> None:  # the buffers exist from the start

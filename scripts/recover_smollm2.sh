@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
 # The SmolLM2 recovery runs on one GPU machine: both 25M-token recipes at once (every layer converted, L;
-# hybrid, 8 of 30 layers softmax, H) under one deadline, each trained model then measured by
-# `linearize eval` (the six zero-shot tasks, per-domain perplexity, passkey) while EVAL_SECONDS remain, the
-# teacher measured once beside them, and every run's records archived into OUT when the call ends (a
-# machine released after a call keeps nothing). Run it in consecutive calls: it resumes where it stopped.
-#   W    a folder holding smollm2.gguf, corpus/ and (for the evaluations; a later call may bring it) ev/,
-#        the parts scripts/device_carry.sh makes, joined there; the runs go to W/runs
-#   OUT  where the records go (the device's $OUT)
+# hybrid, 8 of 30 layers softmax, H), each trained model then measured by `linearize eval` (the six
+# zero-shot tasks, per-domain perplexity, passkey; then MMLU) and the teacher measured beside them on the
+# same rows. Resumable: rerun it and a trained model is not trained again, a measured one not measured.
+#   W    a folder holding smollm2.gguf and corpus/, the parts scripts/device_carry.sh makes, joined there;
+#        the task data may come later: when training ends without W/ev/hf_datasets, each run waits for it
+#        (until EVAL_SECONDS are left). The runs go to W/runs.
+#   OUT  where the records go: OUT/records.tgz (every run's metrics.jsonl, recipe.yaml, initial_eval.json,
+#        quality*.json/.md, the teacher's, the logs), rewritten as each run ends
 # usage: scripts/recover_smollm2.sh W OUT [DEADLINE seconds, default 560]
-#   e.g. PYTHONPATH=/root/site:$PWD scripts/recover_smollm2.sh /root/w "$OUT" 560
+#        scripts/recover_smollm2.sh --records W OUT     # OUT/records.tgz of what exists now, then stop
+# A machine that keeps background processes between calls (the device's setsid) runs it once for the
+# whole session, each call bringing a part and copying OUT into its own $OUT:
+#   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
 set -uo pipefail
+records() {  # W OUT
+    local files
+    mkdir -p "$2"
+    files=$(cd "$1" && ls -d runs/*/metrics.jsonl runs/*/recipe.yaml runs/*/initial_eval.json runs/*/quality*.json \
+        runs/*/quality*.md teacher*.json teacher*.md ./*.log 2>/dev/null)
+    [ -n "$files" ] || return 0
+    # shellcheck disable=SC2086  # the file names are words
+    tar czf "$2/records.tgz.part" -C "$1" $files && mv "$2/records.tgz.part" "$2/records.tgz"
+}
+if [ "${1:-}" = "--records" ]; then
+    [ $# -eq 3 ] || { echo "usage: scripts/recover_smollm2.sh --records W OUT" >&2; exit 2; }
+    records "$2" "$3"
+    exit 0
+fi
 [ $# -ge 2 ] || { echo "usage: scripts/recover_smollm2.sh W OUT [DEADLINE]" >&2; exit 2; }
 w=$1 out=$2
 for need in "$w/smollm2.gguf" "$w/corpus/manifest.json"; do
@@ -17,24 +35,48 @@ for need in "$w/smollm2.gguf" "$w/corpus/manifest.json"; do
 done
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
-export START=${START:-$(date +%s)} DEADLINE=${3:-560} EXPORT=$out EVAL_SECONDS=${EVAL_SECONDS:-240}
+export START=${START:-$(date +%s)} DEADLINE=${3:-560} EVAL_SECONDS=${EVAL_SECONDS:-300}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus"
-export EVAL="--limit 1000 --batch-size 64 --eval-data $w/ev --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
+eval_options="--limit 1000 --batch-size 64 --eval-data $w/ev --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
 --passkey --passkey-len 2048 --dtype bfloat16"
-if [ ! -d "$w/ev/hf_datasets" ]; then  # the task data comes in a later call: train now, evaluate then
-    echo "== no task data in $w/ev yet: training only"
-    unset EVAL
-fi
-# shellcheck disable=SC2086  # EVAL is words
-[ -f "$w/teacher.json" ] || [ -z "${EVAL:-}" ] || (timeout --signal=INT $((DEADLINE - 30)) python3 -m linearize eval -m "$w/smollm2.gguf" \
-    $EVAL -o "$w/teacher.json" > "$w/teacher.log" 2>&1; cp "$w/teacher.json" "$w/teacher.md" "$out/" 2>/dev/null) &
-t=$!
-bash scripts/ablate.sh recipes/smollm2-135m-gdn-25m.yaml "$w/runs" L= > "$w/L.log" 2>&1 &
+left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+wait_ev() {  # the task data, which a later call may bring
+    while [ ! -d "$w/ev/hf_datasets" ]; do
+        [ "$(left)" -gt "$EVAL_SECONDS" ] || { echo "== no task data in $w/ev before the deadline"; return 1; }
+        sleep 10
+    done
+}
+mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and outside the 6-task average)
+    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT $(( $(left) - 20 )) python3 -m linearize eval -m "$1" \
+        --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
+        --dtype bfloat16 -o "$2"
+}
+recover() {  # NAME RECIPE
+    bash scripts/ablate.sh "$2" "$w/runs" "$1=" || true
+    records "$w" "$out"
+    wait_ev || return 0
+    EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=" || true
+    records "$w" "$out"
+    mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"
+    records "$w" "$out"
+}
+teacher() {
+    wait_ev || return 0
+    # shellcheck disable=SC2086  # the options are words
+    [ -f "$w/teacher.json" ] || timeout --signal=INT $(( $(left) - 30 )) python3 -m linearize eval -m "$w/smollm2.gguf" \
+        $eval_options -o "$w/teacher.json"
+    records "$w" "$out"
+    mmlu "$w/smollm2.gguf" "$w/teacher_mmlu.json"
+    records "$w" "$out"
+}
+recover L recipes/smollm2-135m-gdn-25m.yaml > "$w/L.log" 2>&1 &
 a=$!
-bash scripts/ablate.sh recipes/smollm2-135m-hybrid-25m.yaml "$w/runs" H= > "$w/H.log" 2>&1 &
+recover H recipes/smollm2-135m-hybrid-25m.yaml > "$w/H.log" 2>&1 &
 b=$!
-wait $a $b $t  # the scripts' own PIDs: a pgrep -f on a path would also match this shell
+teacher > "$w/teacher.log" 2>&1 &
+t=$!
+wait $a $b $t  # their own PIDs: a pgrep -f on a path would also match the shell running this line
+records "$w" "$out"
 tail -n 4 "$w/L.log" "$w/H.log"
-cp "$w/teacher.json" "$out/" 2>/dev/null
 exit 0

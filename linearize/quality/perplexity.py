@@ -71,15 +71,22 @@ def check_vocab(rows: dict, vocab_size: int, who: str) -> None:
                         "build the corpus with this model's tokenizer")
 
 
+# tokens per forward at most: the fp32 logits of 16K tokens of a 49K vocabulary are 3.2 GB (64 rows of
+# 2,048 would be 26 GB, which ran a GPU shared with training out of memory)
+MAX_TOKENS_PER_FORWARD = 16384
+
+
 def domain_perplexity(model, rows, batch_size: int = 8) -> dict:
-    """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums."""
+    """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums; at most ``batch_size``
+    rows and :data:`MAX_TOKENS_PER_FORWARD` tokens per forward."""
     import torch
 
     device = next(model.parameters()).device
+    step = max(1, min(batch_size, MAX_TOKENS_PER_FORWARD // max(1, rows.shape[1])))
     nll, count = 0.0, 0
     with torch.no_grad():
-        for i in range(0, rows.shape[0], batch_size):
-            ids = rows[i: i + batch_size].to(device)  # (b, T)
+        for i in range(0, rows.shape[0], step):
+            ids = rows[i: i + step].to(device)  # (b, T)
             logits = model(input_ids=ids, use_cache=False).logits.float()  # (b, T, V)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
                                                      reduction="sum")

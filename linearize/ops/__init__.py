@@ -1,5 +1,6 @@
 """The gated delta rule (GDN) operator and the Taylor front/back that feed it softmax attention's q, k, v;
-beside it the decayed linear attention of the ``linear`` (VaLA) target (:mod:`linearize.ops.linear`).
+beside it its per-channel-decay form (KDA, :mod:`linearize.ops.kda`) and the decayed linear attention of the
+``linear`` (VaLA) target (:mod:`linearize.ops.linear`).
 
 Public entry point: :func:`gated_delta_rule` with ``backend="auto" | "torch" | "reference"``
 or ``"triton"``. See SPEC §3 for the contract.
@@ -11,6 +12,7 @@ import torch
 
 from .chunk import gated_delta_rule_chunk
 from .common import TRITON_MAX_K, check_inputs
+from .kda import kda_chunk, kda_reference, kda_step
 from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
 from .taylor import (
@@ -62,7 +64,9 @@ def gated_delta_rule(
     Args:
         q: ``[B, T, G·H, K]`` — G query heads read each KV head's state (GQA-native).
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
-        g: ``[B, T, H]`` log-decay (``α_t = exp(g_t)``, finite); beta: ``[B, T, H]``.
+        g: ``[B, T, H]`` log-decay (``α_t = exp(g_t)``, finite), or ``[B, T, H, K]``: one per key channel
+            (KDA, ``h_t = (I − β_t k_t k_tᵀ) Diag(α_t) h_{t−1} + β_t k_t v_tᵀ``; :mod:`linearize.ops.kda`,
+            PyTorch only: ``"auto"`` takes ``"torch"``); beta: ``[B, T, H]``.
         initial_state: ``[N, H, K, V]``, N = B or the number of packed documents.
         output_final_state: also return the ``[N, H, K, V]`` state after the last token.
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
@@ -86,8 +90,13 @@ def gated_delta_rule(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    per_channel = g.dim() == 4
+    if per_channel and backend == "triton":
+        raise ValueError(f"backend='triton' takes one log-decay per head, g [B, T, H]; got a per-channel g "
+                         f"{list(g.shape)} (the kda target), which has no Triton kernels: use backend='torch' or 'auto'")
     if backend == "auto":
-        backend = "triton" if q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K else "torch"
+        fits = q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K
+        backend = "triton" if fits and not per_channel else "torch"
     if backend == "triton":
         check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
@@ -100,7 +109,10 @@ def gated_delta_rule(
             q, k, v, g, beta, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
             cu_seqlens=cu_seqlens, v_offset=v_offset,
         )
-    fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
+    if per_channel:
+        fn = kda_reference if backend == "reference" else kda_chunk
+    else:
+        fn = gated_delta_rule_reference if backend == "reference" else gated_delta_rule_chunk
     o, state = fn(
         q, k, v, g, beta,
         scale=scale, initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
@@ -116,6 +128,9 @@ __all__ = [
     "gated_delta_rule_chunk",
     "gated_delta_rule_reference",
     "gated_delta_rule_step",
+    "kda_chunk",
+    "kda_reference",
+    "kda_step",
     "linear_attention",
     "linear_attention_chunk",
     "linear_attention_reference",

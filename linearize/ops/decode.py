@@ -9,6 +9,9 @@ Per sequence and KV head, with ``m`` = 1 (0 for a padding step) and ``t = count 
     α = (1 − 1/t)^{f_g}  (1 unless live)
     h ← α (I − β k̂ k̂ᵀ) h + β k̂ uᵀ,   o_g = hᵀ (scale · q_g) + v̄_t   for the G query heads g of the KV head
 
+With a per-channel ``f_g`` ``[N, H, K]`` (the kda target) ``α`` is per key channel and the update
+``h ← (I − β k̂ k̂ᵀ) Diag(α) h + β k̂ uᵀ`` (:func:`linearize.ops.kda.kda_step`); the PyTorch body only.
+
 A padding step (``mask`` False) leaves the state, the sums and the count as they were (α = 1, β = 0) and
 returns ``hᵀ (scale·q) + Σv/max(count, 1)``, as ``taylor_front`` with its ``mask`` does.
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from .common import TRITON_MAX_K
+from .kda import scale_log_decay
 from .reference import gated_delta_rule_step
 
 STEP_BACKENDS = ("auto", "torch", "triton")
@@ -46,7 +50,7 @@ def taylor_gdn_step_torch(q, k, v, state, sum_k, sum_v, count, rho, beta_factor,
     beta = torch.where(live, (rho * n / tm1 * f_b).clamp(0.0, beta_max), 0.0)
     coef = torch.where(beta > 0, n / (t_safe * beta.clamp_min(eps)), 0.0)
     u = coef[..., None] * (v - sum_v / tm1[..., None])
-    g = torch.log(torch.where(live, 1.0 - 1.0 / t_safe, 1.0)) * f_g  # log α
+    g = scale_log_decay(torch.log(torch.where(live, 1.0 - 1.0 / t_safe, 1.0)), f_g)  # log α: (N, H) or (N, H, K)
     o, h = gated_delta_rule_step(q, k_hat, u, g, beta, state, scale)
     v_mean = new_v / t_safe[..., None]  # v̄_t
     o = (o.view(N, H, -1, v.shape[-1]) + v_mean[:, :, None]).view(o.shape)
@@ -81,7 +85,8 @@ def taylor_gdn_step_(
         q: ``[N, G·H, K]``, before the softmax scale; k: ``[N, H, K]`` (after RoPE/norms); v: ``[N, H, V]``.
         state: ``[N, H, K, V]``; sum_k ``[N, H, K]``, sum_v ``[N, H, V]``: Σk, Σv so far; count ``[N]``:
             the tokens counted so far, before this one. Float32 (float64 with ``backend="torch"``).
-        rho: ``[H]``; beta_factor, gate_factor: ``[N, H]`` (:func:`linearize.layers.gdn_attention.correction_factors`).
+        rho: ``[H]``; beta_factor, gate_factor: ``[N, H]`` (:func:`linearize.layers.gdn_attention.correction_factors`);
+            gate_factor may be ``[N, H, K]``, one per key channel (then the torch body: ``"auto"`` takes it).
         beta_max: the upper clip of β; scale: the softmax scale, applied to q inside.
         mask: ``[N]`` bool or None; False: a padding step (nothing is updated, see the module docstring).
         backend: ``"triton"`` (the fused kernel; CUDA, or the CPU under TRITON_INTERPRET=1), ``"torch"``, or
@@ -101,10 +106,14 @@ def taylor_gdn_step_(
 
     if backend not in STEP_BACKENDS:
         raise ValueError(f"backend must be one of {STEP_BACKENDS}; got {backend!r}")
+    per_channel = gate_factor.dim() == 3
     if backend == "auto":
-        fits = q.is_cuda and state.dtype == torch.float32 and k.shape[-1] <= TRITON_MAX_K
+        fits = q.is_cuda and state.dtype == torch.float32 and k.shape[-1] <= TRITON_MAX_K and not per_channel
         backend = "triton" if fits and _triton_usable(q) else "torch"
     if backend == "triton":
+        if per_channel:
+            raise ValueError(f"backend='triton' takes one decay factor per head, gate_factor [N, H]; got a per-channel "
+                             f"{list(gate_factor.shape)} (the kda target): use backend='torch' or 'auto'")
         if not _triton_usable(q):
             raise ValueError("backend='triton' needs fp16/bf16/fp32 CUDA tensors (or TRITON_INTERPRET=1)")
         from .triton.decode import taylor_gdn_step_triton

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .common import check_inputs, recurrent_over_sequences
+from .kda import kda_step
 
 
 def gated_delta_rule_step(
@@ -22,7 +23,7 @@ def gated_delta_rule_step(
     state: torch.Tensor,
     scale: float = 1.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One decode step for a batch of sequences.
+    """One decode step for a batch of sequences (with a per-channel ``g [N, H, K]``: :func:`~linearize.ops.kda.kda_step`).
 
     Args:
         q: ``[N, Hq, K]``; k: ``[N, H, K]``; v: ``[N, H, V]``; g, beta: ``[N, H]``;
@@ -38,6 +39,8 @@ def gated_delta_rule_step(
         >>> o.shape
         torch.Size([2, 9, 8])
     """
+    if g.dim() == 3:
+        return kda_step(q, k, v, g, beta, state, scale)
     N, Hq, K = q.shape
     H = k.shape[1]
     if Hq % H:

@@ -18,7 +18,8 @@ new token at position ``p = c + 1`` (row position ``r``), in the layout of :mod:
       α = (1 − 1/t)^{f_g}  (1 unless live)
       h ← α (I − β k̂ k̂ᵀ) h + β k̂ uᵀ,   o_O = hᵀ q + v̄_t
 
-  (without a decay — the ``deltanet`` target, ``decays=False`` — ``α = 1``, ``u ← t u`` and ``o_O = hᵀ q/t
+  (with a per-channel ``f_g`` ``[N, H, K]`` — the kda target — ``α`` per key channel and
+  ``h ← (I − β k̂ k̂ᵀ) Diag(α) h + β k̂ uᵀ``, on the PyTorch body only; without a decay — the ``deltanet`` target, ``decays=False`` — ``α = 1``, ``u ← t u`` and ``o_O = hᵀ q/t
   + v̄_t``: :func:`linearize.ops.taylor.fold_decay`); with ``m = 0`` nothing of it moves;
 - mix: ``o = w o_E + (1 − w) o_O`` with ``w = σ(lse − log max(t, 1) − q·k̄ − bias)`` (``w = 1`` while
   ``t = 0``), :func:`linearize.ops.window.mix_by_mass`.
@@ -36,6 +37,7 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS
+from .kda import scale_log_decay
 from .reference import gated_delta_rule_step
 from .taylor import RunningSums, fold_decay, taylor_back, taylor_front
 from .window import mix_by_mass, sink_window_softmax
@@ -56,7 +58,7 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form="stable", rho=rho.to(dt), beta_max=beta_max,
                          beta_factor=beta_factor.to(dt)[:, None], mask=inp.old_ok,
                          initial=RunningSums(sum_k, sum_v, count), eps=eps)
-    front.g = front.g * gate_factor.to(dt)[:, None]
+    front.g = scale_log_decay(front.g, gate_factor.to(dt)[:, None])
     q_old, front = (q, front) if decays else fold_decay(q, front)
     o_old, h = gated_delta_rule_step(q_old[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], state)
     o_old = taylor_back(o_old[:, None], front.v_mean)
@@ -98,7 +100,8 @@ def sink_window_gdn_step_(
             ``sink_index [N, S]``, window ``[N, W, H, D]``, ``win_pos [N, W]``, ``count``/``rows [N]``).
         state: ``[N, H, D, D]``; sum_k, sum_v ``[N, H, D]``, count ``[N]``: the old stream's Taylor-GDN state
             and running sums (the cache layer's ``state`` and ``sums``), float32 (float64 with torch).
-        rho: ``[H]``; beta_factor, gate_factor: ``[N, H]`` (``correction_factors`` of the new token);
+        rho: ``[H]``; beta_factor, gate_factor: ``[N, H]`` (``correction_factors`` of the new token; gate_factor
+            ``[N, H, K]`` for a per-channel decay, which only the torch body takes: ``"auto"`` picks it);
             mix_bias: ``[G·H]``; beta_max: the clip of β; window, sinks: ``W ≥ 1``, ``S ≥ 0``.
         decays: False for the ``deltanet`` target (no decay; the state is ``t×`` the GDN one).
         backend: ``"triton"`` (the fused kernel; CUDA, or the CPU under TRITON_INTERPRET=1), ``"torch"``, or
@@ -123,12 +126,16 @@ def sink_window_gdn_step_(
         raise ValueError(f"backend must be one of {STEP_BACKENDS}; got {backend!r}")
     if window < 1 or sinks < 0:
         raise ValueError(f"a decode step needs window ≥ 1 and sinks ≥ 0; got window={window}, sinks={sinks}")
+    per_channel = gate_factor.dim() == 3
     if backend == "auto":
         in_place = [state, sum_k, sum_v, count, *buffers.tensors()]
-        fits = (q.is_cuda and state.dtype == torch.float32 and k.shape[-1] <= TRITON_MAX_K
+        fits = (q.is_cuda and state.dtype == torch.float32 and k.shape[-1] <= TRITON_MAX_K and not per_channel
                 and all(x.is_contiguous() for x in in_place))
         backend = "triton" if fits and _triton_usable(q) and _triton_usable(k) else "torch"
     if backend == "triton":
+        if per_channel:
+            raise ValueError(f"backend='triton' takes one decay factor per head, gate_factor [N, H]; got a per-channel "
+                             f"{list(gate_factor.shape)} (the kda target): use backend='torch' or 'auto'")
         if not (_triton_usable(q) and _triton_usable(k)):
             raise ValueError("backend='triton' needs fp16/bf16/fp32 CUDA tensors (or TRITON_INTERPRET=1)")
         from .triton.window_step import sink_window_gdn_step_triton

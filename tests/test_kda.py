@@ -1,0 +1,137 @@
+"""The kda target: the gated delta rule with a decay per key channel (Kimi Delta Attention).
+
+The operator (``linearize.ops.kda``) against its recurrent definition in float64 — outputs, final states and
+every gradient — and against the GDN operator where every channel decays alike; then the converted block,
+which at initialization must compute exactly what the gdn block computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linearize.ops import gated_delta_rule, gated_delta_rule_step
+from linearize.ops.decode import taylor_gdn_step_
+from linearize.ops.kda import kda_chunk, kda_reference
+from linearize.ops.window_inputs import WindowBuffers
+from linearize.ops.window_step import sink_window_gdn_step_
+
+f64 = torch.float64
+
+
+def kda_inputs(B, T, H, G, K, V, seed, dtype=f64, decay=1.0):
+    """Random inputs: unit keys, per-channel log-decays in (−decay, 0), β in (0, 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H * G, K, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    g = -torch.rand(B, T, H, K, generator=gen, dtype=dtype) * decay
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    return q, k, v, g, beta
+
+
+CASES = {  # (B, T, H, G, K, V, cu_seqlens, initial state, chunk)
+    "gqa-odd-T": (2, 75, 2, 3, 16, 8, None, True, 64),
+    "packed": (1, 150, 2, 2, 8, 12, [0, 37, 37, 101, 150], True, 64),
+    "chunk32": (1, 63, 1, 2, 8, 8, [0, 20, 63], False, 32),
+}
+
+
+@pytest.mark.parametrize("case", CASES, ids=list(CASES))
+def test_kda_chunk_equals_reference_with_gradients(case):
+    B, T, H, G, K, V, cu, init, chunk = CASES[case]
+    q, k, v, g, beta = kda_inputs(B, T, H, G, K, V, seed=len(case))
+    cu = torch.tensor(cu) if cu is not None else None
+    N = B if cu is None else cu.numel() - 1
+    h0 = torch.randn(N, H, K, V, dtype=f64, generator=torch.Generator().manual_seed(9)) if init else None
+    inputs = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    twins = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    kw = dict(scale=0.4, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    o_ref, h_ref = kda_reference(*inputs, **kw)
+    o, h = kda_chunk(*twins, chunk_size=chunk, **kw)
+    assert torch.allclose(o, o_ref, rtol=1e-10, atol=1e-11)
+    assert torch.allclose(h, h_ref, rtol=1e-10, atol=1e-11)
+    gen = torch.Generator().manual_seed(3)
+    do, dh = torch.randn(o.shape, generator=gen, dtype=f64), torch.randn(h.shape, generator=gen, dtype=f64)
+    ((o_ref * do).sum() + (h_ref * dh).sum()).backward()
+    ((o * do).sum() + (h * dh).sum()).backward()
+    for name, a, b in zip("q k v g beta".split(), twins, inputs):
+        assert torch.allclose(a.grad, b.grad, rtol=1e-9, atol=1e-10), name
+
+
+@pytest.mark.parametrize("backend", ["torch", "reference"])
+def test_kda_with_equal_channels_is_the_gdn_operator(backend):
+    """g_t,i = g_t for every channel: the GDN operator's scalar-decay result (its reference loop)."""
+    q, k, v, g, beta = kda_inputs(1, 90, 2, 2, 16, 8, seed=4)
+    g = g[..., 0]
+    cu = torch.tensor([0, 41, 90])
+    h0 = torch.randn(2, 2, 16, 8, dtype=f64)
+    off = torch.randn(1, 90, 2, 8, dtype=f64)
+    kw = dict(scale=0.5, initial_state=h0, output_final_state=True, cu_seqlens=cu, v_offset=off)
+    want, h_want = gated_delta_rule(q, k, v, g, beta, backend="reference", **kw)
+    got, h_got = gated_delta_rule(q, k, v, g[..., None].expand_as(k), beta, backend=backend, **kw)
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-11)
+    assert torch.allclose(h_got, h_want, rtol=1e-10, atol=1e-11)
+
+
+def test_kda_decode_steps_equal_the_chunk_form():
+    B, T, H, G, K, V = 2, 40, 2, 2, 8, 8
+    q, k, v, g, beta = kda_inputs(B, T, H, G, K, V, seed=5)
+    h0 = torch.randn(B, H, K, V, dtype=f64)
+    want, h_want = kda_chunk(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True, chunk_size=16)
+    h, outs = h0, []
+    for t in range(T):  # the public step routes a per-channel g to kda_step
+        o, h = gated_delta_rule_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], h, 0.3)
+        outs.append(o)
+    assert torch.allclose(torch.stack(outs, 1), want, rtol=1e-10, atol=1e-11)
+    assert torch.allclose(h, h_want, rtol=1e-10, atol=1e-11)
+
+
+def test_kda_chunk_is_stable_in_float32_under_strong_decays():
+    """Decays of up to e⁻⁸ a token (e⁻⁵¹² over a chunk): no factor of the chunk form overflows."""
+    q, k, v, g, beta = kda_inputs(1, 130, 2, 2, 16, 16, seed=6, decay=8.0)
+    want, _ = kda_reference(q, k, v, g, beta)
+    got, _ = kda_chunk(*(x.float() for x in (q, k, v, g, beta)))
+    assert torch.isfinite(got).all()
+    assert (got.double() - want).abs().max() < 1e-4
+
+
+def test_triton_refuses_a_per_channel_decay():
+    q, k, v, g, beta = kda_inputs(1, 8, 1, 1, 8, 8, seed=7, dtype=torch.float32)
+    with pytest.raises(ValueError, match="per-channel g .* use backend='torch'"):
+        gated_delta_rule(q, k, v, g, beta, backend="triton")
+    with pytest.raises(ValueError, match="per-channel g must be"):
+        gated_delta_rule(q, k, v, g[..., :4], beta)
+    N, H, K = 2, 1, 8
+    state, sk, sv, n = torch.zeros(N, H, K, K), torch.zeros(N, H, K), torch.zeros(N, H, K), torch.zeros(N)
+    args = (torch.randn(N, H, K), torch.randn(N, H, K), torch.randn(N, H, K), state, sk, sv, n, torch.ones(H),
+            torch.ones(N, H), torch.ones(N, H, K), 1.0)
+    with pytest.raises(ValueError, match="per-channel"):
+        taylor_gdn_step_(*args, K ** -0.5, backend="triton")
+    buf = WindowBuffers.empty(torch.zeros(N, 1, H, K), 2, 1)
+    with pytest.raises(ValueError, match="per-channel"):
+        sink_window_gdn_step_(*args[:3], buf, *args[3:-1], torch.zeros(H), 1.0, 2, 1, backend="triton")
+
+
+def test_decode_steps_take_a_per_channel_gate():
+    """The Taylor-GDN decode steps with the gate factor repeated over channels equal the per-head one."""
+    N, H, G, K = 2, 2, 2, 8
+    gen = torch.Generator().manual_seed(8)
+    f_g = torch.rand(N, H, generator=gen, dtype=f64) + 0.5
+    for window in (0, 3):
+        outs = []
+        for gate in (f_g, f_g[..., None].expand(N, H, K)):
+            state, sk, sv, n = (torch.zeros(N, H, K, K, dtype=f64), torch.zeros(N, H, K, dtype=f64),
+                                torch.zeros(N, H, K, dtype=f64), torch.zeros(N, dtype=f64))
+            buf = WindowBuffers.empty(torch.zeros(N, 1, H, K, dtype=f64), window, 1) if window else None
+            g2 = torch.Generator().manual_seed(1)
+            for _ in range(6):
+                q, k, v = (torch.randn(N, h, K, generator=g2, dtype=f64) for h in (G * H, H, H))
+                common = (state, sk, sv, n, torch.ones(H, dtype=f64), torch.ones(N, H, dtype=f64), gate)
+                if window:
+                    o = sink_window_gdn_step_(q, k, v, buf, *common, torch.zeros(G * H, dtype=f64), 1.0, window, 1)
+                else:
+                    o = taylor_gdn_step_(q, k, v, *common, 1.0, K ** -0.5)
+            outs.append((o, state.clone()))
+        assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-12, atol=1e-12)
+        assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-12, atol=1e-12)

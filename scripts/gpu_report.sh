@@ -9,7 +9,8 @@
 #   decode   decoding against the teacher's generate() and static + compile paths, the graph decoder plain,
 #            compiled, and a hybrid of 8 softmax layers; SmolLM2 architecture, random weights unless
 #            DECODE_MODEL names a checkpoint; then the prompt prefilled 8192 tokens at a time (bench_decode.json,
-#            bench_decode_compiled.json, bench_decode_hybrid.json, bench_decode_chunked.json)
+#            bench_decode_compiled.json, bench_decode_hybrid.json, bench_decode_chunked.json); the prefill
+#            against the teacher's SDPA prefill, with the kernels of one 32K prefill (bench_prefill.json)
 #   quality  with TEACHER and DATA: the GPU recipe end to end, then its quality table (quality/run, quality_gpu.json)
 # e.g. scripts/gpu_report.sh out smollm2-135m data/python-docs.jsonl
 #      scripts/gpu_report.sh --only quality out smollm2-135m data/python-docs.jsonl stages.0.steps=20
@@ -21,7 +22,7 @@ recipe=recipes/smollm2-135m-gdn-gpu.yaml
 die() { echo "error: $1 (scripts/gpu_report.sh -h: usage)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case $1 in
-        -h|--help) echo "$usage"; sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) echo "$usage"; sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --only) [ $# -ge 2 ] || die "--only needs a list of steps ($all)"; only=$2; shift 2 ;;
         --recipe) [ $# -ge 2 ] || die "--recipe needs a recipe file"; recipe=$2; shift 2 ;;
         -*) die "unknown option $1" ;;
@@ -59,6 +60,8 @@ if wanted decode; then
         --check-prompts 20 --output "$out/bench_decode_hybrid.json"
     step 150 python scripts/bench_decode.py "${dm[@]}" --contexts 65536 32768 8192 --batches 16 --prefill-chunk 8192 \
         --output "$out/bench_decode_chunked.json"
+    step 200 python scripts/bench_prefill.py "${dm[@]}" --contexts 8192 32768 65536 --batches 1 16 --profile 32768x1 \
+        --output "$out/bench_prefill.json"
 fi
 if wanted quality; then
     if [ -z "$teacher" ]; then

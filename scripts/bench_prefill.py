@@ -1,0 +1,123 @@
+"""Prefill speed of a converted model against its teacher: the prompt read into the decoding cache.
+
+    python scripts/bench_prefill.py --contexts 8192 32768 65536 --batches 1 16 --profile 32768x1 \\
+        --output results/bench_prefill.json
+
+Per (context, batch), on the same random prompt, the call a decoder makes before its first token:
+``model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)`` — for the teacher its
+SDPA attention filling a KV cache, for the converted model the chunkwise GDN kernels (and the exact
+window part) writing the final state. Times are medians of ``--repeats`` calls after one untimed warm-up;
+also peak memory, and the converted model's time as a ratio of the teacher's (``speedup``: > 1 is faster).
+``--profile CxB`` adds, for that shape, each model's CUDA kernels by total time (torch's profiler, one
+call), so the slow part of a prefill shows by name. Without ``--model``: SmolLM2-135M's architecture
+with random weights (speed does not depend on the weights).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_decode import build_teacher, timed  # noqa: E402
+
+import linearize  # noqa: E402
+from linearize.compat import cache_kwargs  # noqa: E402
+from linearize.layers.options import GDNOptions  # noqa: E402
+
+
+def prefill(model, ids):
+    from transformers import DynamicCache
+
+    with torch.no_grad():
+        model(ids, **cache_kwargs(DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
+
+
+def measure(model, ids, repeats: int) -> dict:
+    prefill(model, ids)  # warm-up: kernels compiled, autotuned
+    torch.cuda.reset_peak_memory_stats()
+    times = [timed(lambda: prefill(model, ids)) for _ in range(repeats)]
+    s = statistics.median(times)
+    return {"seconds": s, "tokens_per_s": ids.numel() / s, "peak_bytes": torch.cuda.max_memory_allocated()}
+
+
+def kernels(model, ids, top: int) -> list[dict]:
+    """One prefill's CUDA kernels, summed by name, the largest ``top`` first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        prefill(model, ids)
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if getattr(e, "device_time_total", 0) > 0]
+    rows.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in rows)
+    return [{"kernel": e.key[:120], "calls": e.count, "ms": e.device_time_total / 1e3,
+             "share": e.device_time_total / total} for e in rows[:top]]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="a real checkpoint (default: SmolLM2-135M architecture, random weights)")
+    p.add_argument("--contexts", type=int, nargs="+", default=[8192, 32768])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--profile", default=None, metavar="CxB", help="also list the kernels of this context x batch")
+    p.add_argument("--top", type=int, default=25, help="kernels listed per model with --profile")
+    p.add_argument("--output", type=Path, default=None)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        p.exit(2, "error: no CUDA device here; the prefill benchmark runs on a GPU machine\n")
+    profile_at = None
+    if args.profile:
+        try:
+            profile_at = tuple(int(x) for x in args.profile.lower().split("x"))
+            assert len(profile_at) == 2
+        except (ValueError, AssertionError):
+            p.exit(2, f"error: --profile {args.profile!r} must be CONTEXTxBATCH, e.g. 32768x1\n")
+
+    teacher = build_teacher(args.model, torch.bfloat16).cuda()
+    vocab = teacher.config.vocab_size
+    calib = torch.randint(0, vocab, (1, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
+    options = GDNOptions(window=args.window, sinks=args.sinks)
+    converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
+    out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+           "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",
+           "block": options.to_dict(), "repeats": args.repeats, "rows": []}
+    shapes = [(c, b) for c in args.contexts for b in args.batches]
+    if profile_at and profile_at not in shapes:
+        shapes.append(profile_at)
+    for context, batch in shapes:
+        ids = torch.randint(1, vocab, (batch, context), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
+        row = {"context": context, "batch": batch}
+        for name, model in (("teacher", teacher), ("converted", converted)):
+            gc.collect()
+            torch.cuda.empty_cache()
+            try:
+                row[name] = measure(model, ids, args.repeats)
+                if (context, batch) == profile_at:
+                    row[name]["kernels"] = kernels(model, ids, args.top)
+            except torch.OutOfMemoryError:
+                row[name] = {"error": "out of memory"}
+        if "seconds" in row["teacher"] and "seconds" in row["converted"]:
+            row["speedup"] = row["teacher"]["seconds"] / row["converted"]["seconds"]
+        out["rows"].append(row)
+        print(json.dumps({k: v for k, v in row.items()}, default=str)[:2000], flush=True)
+        if args.output:  # after every row: a run stopped by a time limit keeps what it measured
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(out, indent=1))
+    if args.output:
+        print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -12,13 +12,15 @@
 #        teacher.model=/root/w/smollm2.gguf data.source=corpus:/root/w/corpus output.dir=/root/w/run
 #   3. carry .carry/ev:  PYTHONPATH=/root/site:$PWD python3 -m linearize eval -m /root/w/run/model \
 #        --eval-data .carry/ev --corpus /root/w/corpus --batch-size 64 --dtype bfloat16 -o $OUT/eval.json
+# A subset of more than ~8M training tokens (2 bytes a token) no longer fits beside .carry/g2: carry it in a
+# call of its own (25M tokens: 53 MB), and .whl with .carry/g2 instead.
 # The Gemma 3 270M teacher and a Gemma-tokenized corpus: scripts/device_carry_gemma.sh (.carry/gm1-gm5).
 # usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)]
 #        scripts/device_carry.sh --wheels          # only .whl
 set -euo pipefail
 usage="usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)] | --wheels"
 mmlu=0 wheels_only=0
-case ${1:-} in -h|--help) echo "$usage"; sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; --mmlu) mmlu=1; shift ;; --wheels) wheels_only=1 ;; esac
+case ${1:-} in -h|--help) echo "$usage"; sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; --mmlu) mmlu=1; shift ;; --wheels) wheels_only=1 ;; esac
 wheels() {  # the versions installed here, for the device's Python 3.12
     rm -rf .whl && mkdir -p .whl
     pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(datasets|dill|multiprocess|omegaconf|gguf|lm.eval|evaluate|more.itertools|pytablewriter|dataproperty|mbstrdecoder|pathvalidate|tabledata|tcolorpy|typepy|chardet|nltk)==')

@@ -10,6 +10,8 @@
 #        quality*.json/.md, the teacher's, the logs), rewritten as each run ends
 # usage: scripts/recover_smollm2.sh W OUT [DEADLINE seconds, default 560]
 #        scripts/recover_smollm2.sh --records W OUT     # OUT/records.tgz of what exists now, then stop
+# Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
+# (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget).
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:
 #   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
@@ -52,11 +54,11 @@ mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and 
         --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
         --dtype bfloat16 -o "$2"
 }
-recover() {  # NAME RECIPE
-    bash scripts/ablate.sh "$2" "$w/runs" "$1=" || true
+recover() {  # NAME RECIPE [OVERRIDES]
+    bash scripts/ablate.sh "$2" "$w/runs" "$1=${3:-}" || true
     records "$w" "$out"
     wait_ev || return 0
-    EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=" || true
+    EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=${3:-}" || true
     records "$w" "$out"
     mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"
     records "$w" "$out"
@@ -70,13 +72,18 @@ teacher() {
     mmlu "$w/smollm2.gguf" "$w/teacher_mmlu.json"
     records "$w" "$out"
 }
-recover L recipes/smollm2-135m-gdn-25m.yaml > "$w/L.log" 2>&1 &
-a=$!
-recover H recipes/smollm2-135m-hybrid-25m.yaml > "$w/H.log" 2>&1 &
-b=$!
+tag="" extra=""
+[ -z "${DISTILL_STEPS:-}" ] || { tag="_d$DISTILL_STEPS" extra="stages.1.steps=$DISTILL_STEPS"; }
+pids=()
+for run in L:recipes/smollm2-135m-gdn-25m.yaml H:recipes/smollm2-135m-hybrid-25m.yaml; do
+    name=${run%%:*}
+    [ -z "${ONLY:-}" ] || [ "$ONLY" = "$name" ] || continue
+    recover "$name$tag" "${run#*:}" "$extra" > "$w/$name$tag.log" 2>&1 &
+    pids+=($!)
+done
 teacher > "$w/teacher.log" 2>&1 &
-t=$!
-wait $a $b $t  # their own PIDs: a pgrep -f on a path would also match the shell running this line
+pids+=($!)
+wait "${pids[@]}"  # their own PIDs: a pgrep -f on a path would also match the shell running this line
 records "$w" "$out"
-tail -n 4 "$w/L.log" "$w/H.log"
+tail -n 4 "$w"/[LH]*.log
 exit 0

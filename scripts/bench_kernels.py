@@ -1,6 +1,11 @@
 """Our Triton GDN vs flash-linear-attention's chunk_gated_delta_rule vs torch SDPA, same run.
 
     python scripts/bench_kernels.py --output results/bench_kernels.json
+    python scripts/bench_kernels.py --op linear --output results/bench_kernels_linear.json
+
+``--op linear`` times the ``linear`` (VaLA) target's operator instead (``linearize.ops.linear_attention``,
+decayed linear attention with a write weight, here 1) against fla's ``chunk_simple_gla``, the same
+recurrence ``h_t = exp(g_t) h_{t−1} + k_t v_tᵀ`` with a scalar log-decay per head.
 
 Median ms (triton.testing.do_bench) of forward and forward+backward, and peak memory of
 forward+backward, at SPEC §7's standard shapes (bf16, H=16, K=V=128) and at GQA shapes of real
@@ -27,18 +32,41 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops import gated_delta_rule  # noqa: E402
+from linearize.ops.linear import linear_attention  # noqa: E402
 
 
-def load_fla():
+def load_fla(op: str = "gdn"):
     try:
         import fla.ops.common.chunk_o as chunk_o
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+        if op == "linear":
+            from fla.ops.simple_gla import chunk_simple_gla as fn
+        else:
+            from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
     except Exception as e:  # not installed / fails to import
         print(f"flash-linear-attention not available: {e}")
         return None, False
     guard = getattr(chunk_o, "TRITON_ABOVE_3_7_1", True) is False
     chunk_o.TRITON_ABOVE_3_7_1 = True  # disable fla's Hopper/Triton<3.7.1 guard on the gated backward
-    return chunk_gated_delta_rule, guard
+    return fn, guard
+
+
+def operators(op: str, K: int):
+    """``(ours, fla_call)`` for the operator timed: each takes (q, k, v, g, beta) (k, v, g, beta already
+    repeated to the query heads for fla); the linear operator ignores beta (a write weight of 1)."""
+    if op == "linear":
+        def ours(q, k, v, g, beta):
+            return linear_attention(q, k, v, g, torch.ones_like(g), scale=K**-0.5, backend="triton")[0]
+
+        def fla_call(fla, q, k, v, g, beta):
+            return fla(q, k, v, g, scale=K**-0.5)[0]
+        return ours, fla_call
+
+    def ours(q, k, v, g, beta):
+        return gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]
+
+    def fla_call(fla, q, k, v, g, beta):
+        return fla(q, k, v, g, beta, scale=K**-0.5)[0]
+    return ours, fla_call
 
 
 def bench(fn):
@@ -104,18 +132,18 @@ def measure(name, run, tensors, graph=False):
     return {**out, f"{name}_fwdbwd_ms": bench(fb), f"{name}_peak_mib": peak(fb)}
 
 
-def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False):
+def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False, op="gdn"):
     G = HQ // H
     q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
     ts = (q, k, v, g, beta)
     rep = lambda x: x.repeat_interleave(G, dim=2)
-    row = {"shape": kind, "B": B, "T": T, "q_heads": HQ, "kv_heads": H, "K": K, "V": V}
-    row.update(measure("ours", lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0], ts, graph))
+    ours, fla_call = operators(op, K)
+    row = {"shape": kind, "op": op, "B": B, "T": T, "q_heads": HQ, "kv_heads": H, "K": K, "V": V}
+    row.update(measure("ours", lambda: ours(q, k, v, g, beta), ts, graph))
     if G > 1:
-        row.update(measure("ours_repkv", lambda: gated_delta_rule(
-            q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5, backend="triton")[0], ts, graph))
+        row.update(measure("ours_repkv", lambda: ours(q, rep(k), rep(v), rep(g), rep(beta)), ts, graph))
     if fla is not None:
-        row.update(measure("fla", lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0], ts, graph))
+        row.update(measure("fla", lambda: fla_call(fla, q, rep(k), rep(v), rep(g), rep(beta)), ts, graph))
     qs, ks, vs = (x.transpose(1, 2) for x in (q, k, v))
     row.update(measure("sdpa", lambda: F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=G > 1), ts,
                        graph))
@@ -164,6 +192,8 @@ def main():
                    help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
+    p.add_argument("--op", choices=("gdn", "linear"), default="gdn",
+                   help="the operator timed: the gated delta rule, or the linear (VaLA) target's decayed linear attention")
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
     args = p.parse_args()
@@ -173,7 +203,7 @@ def main():
         if args.markdown:
             args.markdown.write_text(md + "\n")
         return
-    fla, guard = (None, False) if args.no_fla else load_fla()
+    fla, guard = (None, False) if args.no_fla else load_fla(args.op)
     rows = []
 
     # copy bandwidth for the memory-traffic floor
@@ -190,7 +220,7 @@ def main():
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]
     for shape in shapes:
-        rows.append(bench_shape(*shape, fla=fla, bw=bw, graph=args.cudagraph))
+        rows.append(bench_shape(*shape, fla=fla, bw=bw, graph=args.cudagraph, op=args.op))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
         if args.output:  # after every shape, so a run cut short keeps what it measured

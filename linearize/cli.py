@@ -147,7 +147,8 @@ def fidelity(
 @app.command()
 def convert(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
-    to: str = typer.Option("gdn", "--to", help="Target block: gdn, deltanet (no decay; the same at init), or linear (VaLA)."),
+    to: str = typer.Option("gdn", "--to", help="Target block: gdn, deltanet (no decay; the same at init), linear (VaLA), "
+                                               "or kda (a decay per key channel; gdn at init)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-gdn)."),
     layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all)."),
     keep_softmax: str | None = typer.Option(

@@ -23,7 +23,9 @@ class TeacherConfig:
 
 @dataclass
 class ConvertConfig:
-    to: str = "gdn"  # the target block: gdn, deltanet (the delta rule without a decay) or linear (VaLA; no window)
+    # the target block: gdn, deltanet (the delta rule without a decay), linear (VaLA; no window) or kda (gdn with a
+    # decay per key channel, the gdn block at init)
+    to: str = "gdn"
     layers: str | None = None  # e.g. "0-11,14"; default all
     keep_softmax: str | None = None  # "3,7" (indices) or "2" (count of worst layers)
     form: str = "stable"

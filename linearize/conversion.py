@@ -55,7 +55,8 @@ def parse_layers(spec: str | Sequence[int] | None, num_layers: int, what: str = 
 
 def attention_block(teacher: torch.nn.Module, options: GDNOptions | None = None) -> GDNAttention:
     """The converted block of ``options.target`` for one softmax attention module: a :class:`GDNAttention`
-    (``gdn``, ``deltanet``) or its VaLA subclass (``linear``: :mod:`linearize.layers.vala_attention`)."""
+    (``gdn``, ``deltanet``, ``kda``) or its VaLA subclass (``linear``:
+    :mod:`linearize.layers.vala_attention`)."""
     if options is not None and options.target == "linear":
         from .layers.vala_attention import VaLAAttention
 
@@ -128,9 +129,11 @@ def convert(
 
     Args:
         to: the target block: ``"gdn"`` (the gated delta rule), ``"deltanet"`` (the delta rule without a
-            decay; at initialization the same outputs, see :func:`linearize.ops.taylor.fold_decay`) or
+            decay; at initialization the same outputs, see :func:`linearize.ops.taylor.fold_decay`),
             ``"linear"`` (VaLA, seed 000 eq. va-la, with a learnable decay correction:
-            :mod:`linearize.layers.vala_attention`). It sets ``options.target``.
+            :mod:`linearize.layers.vala_attention`) or ``"kda"`` (the gated delta rule with a decay per key
+            channel, the gdn block exactly at initialization: :mod:`linearize.layers.channel_decay`). It sets
+            ``options.target``.
         layers: which layers may be converted (indices/ranges; default all).
         keep_softmax: layers to keep as softmax: a list of indices, or a count N — keep the N
             layers whose stable-form error on calibration text is worst.

@@ -101,4 +101,4 @@ def test_target_given_twice_must_agree():
     with pytest.raises(ValueError, match="give the target once"):
         linearize.convert(teacher, to="gdn", calibration_ids=calib(teacher), options=GDNOptions(target="deltanet"))
     with pytest.raises(ValueError, match="supported targets: gdn, deltanet"):
-        GDNOptions(target="kda")
+        GDNOptions(target="mamba")

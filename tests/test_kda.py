@@ -6,10 +6,22 @@ which at initialization must compute exactly what the gdn block computes."""
 
 from __future__ import annotations
 
+import copy
+import json
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import tiny_model
+from test_convert import incremental_logits
 
+import linearize
+from linearize.config import StageConfig, load_recipe
+from linearize.decoding import Decoder
+from linearize.distill.optim import trainable_names
+from linearize.layers import GDNAttention
+from linearize.layers.options import GDNOptions
 from linearize.ops import gated_delta_rule, gated_delta_rule_step
 from linearize.ops.decode import taylor_gdn_step_
 from linearize.ops.kda import kda_chunk, kda_reference
@@ -135,3 +147,141 @@ def test_decode_steps_take_a_per_channel_gate():
             outs.append((o, state.clone()))
         assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-12, atol=1e-12)
         assert torch.allclose(outs[0][1], outs[1][1], rtol=1e-12, atol=1e-12)
+
+
+# --- the converted block -------------------------------------------------------------------------------------
+
+
+def calib(model, T=48, seed=1):
+    return torch.randint(1, model.config.vocab_size, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+def ids(model, B=2, T=24, seed=2):
+    return torch.randint(1, model.config.vocab_size, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+def corrections(model) -> list:
+    return [m.channel_gate_proj for m in model.modules() if isinstance(m, GDNAttention)]
+
+
+@torch.no_grad()
+def perturb(model, std=0.5, seed=0):
+    """Move every per-channel correction off zero, so that the channels decay each their own way."""
+    gen = torch.Generator().manual_seed(seed)
+    for c in corrections(model):
+        c.up.weight.copy_(torch.randn(c.up.weight.shape, generator=gen, dtype=c.up.weight.dtype) * std)
+
+
+BLOCKS = [dict(), dict(window=4, sinks=2), dict(window=4, sinks=1, short_conv=3, output_gate=True)]
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("block", BLOCKS, ids=["pure", "window", "window-conv-gate"])
+def test_kda_equals_gdn_at_init(family, block):
+    teacher = tiny_model(family).double()
+    c = calib(teacher)
+    gdn = linearize.convert(copy.deepcopy(teacher), calibration_ids=c, options=GDNOptions(**block))
+    kda = linearize.convert(copy.deepcopy(teacher), to="kda", calibration_ids=c, options=GDNOptions(**block))
+    assert kda.config.linearize["options"]["target"] == "kda"
+    assert len(corrections(kda)) == kda.config.num_hidden_layers
+    x = ids(teacher, T=30)
+    want = gdn(x).logits
+    assert torch.allclose(kda(x).logits, want, rtol=1e-10, atol=1e-10)
+    pos = torch.cat([torch.arange(11), torch.arange(19)])[None].expand(2, -1)  # packed documents
+    assert torch.allclose(kda(x, position_ids=pos).logits, gdn(x, position_ids=pos).logits, rtol=1e-10, atol=1e-10)
+    perturb(kda)
+    assert (kda(x).logits - want).abs().max() > 1e-3
+
+
+def test_kda_correction_is_trained():
+    """Gradients reach the correction (W_up at init, where W_down's is zero; both once W_up moved), and the
+    distill stages' parameter selections — ``self_attn`` and the default — take its parameters."""
+    teacher = tiny_model("llama").double()
+    model = linearize.convert(teacher, to="kda", calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    x = ids(model, T=20)
+    model(x).logits.square().mean().backward()
+    first = corrections(model)[0]
+    assert first.up.weight.grad.abs().max() > 0 and first.down.weight.grad.abs().max() == 0
+    perturb(model)
+    model.zero_grad()
+    model(x).logits.square().mean().backward()
+    assert all(c.up.weight.grad.abs().max() > 0 and c.down.weight.grad.abs().max() > 0 for c in corrections(model))
+    new = {n for n, _ in model.named_parameters() if "channel_gate_proj" in n}
+    assert len(new) == 2 * model.config.num_hidden_layers
+    for trainable in ("self_attn", StageConfig().trainable):
+        assert new <= set(trainable_names(model, StageConfig(trainable=trainable)))
+
+
+@pytest.mark.parametrize("block", BLOCKS[:2], ids=["pure", "window"])
+def test_kda_prefill_and_decode_equal_full_forward(block):
+    """A left-padded batch: the prefill, then one token at a time through the fused steps' PyTorch bodies and
+    through the composed ops, against the full forward of each row."""
+    teacher = tiny_model("llama").double()
+    model = linearize.convert(teacher, to="kda", calibration_ids=calib(teacher), options=GDNOptions(**block))
+    perturb(model)
+    x = ids(model, B=2, T=20)
+    mask = torch.ones_like(x)
+    mask[1, :5] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    keep = mask.bool()
+    full = model(x, attention_mask=mask, position_ids=pos).logits
+    fused, cache = incremental_logits(model, x, mask, pos, prefill=9)
+    assert torch.allclose(fused[keep], full[keep], rtol=1e-9, atol=1e-9)
+    for layer in model.model.layers:
+        layer.self_attn.fused_step = False
+    composed, _ = incremental_logits(model, x, mask, pos, prefill=9)
+    assert torch.allclose(composed[keep], full[keep], rtol=1e-9, atol=1e-9)
+
+
+def test_kda_saves_loads_and_generates(tmp_path):
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, to="kda", calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    perturb(model)
+    model.save_pretrained(tmp_path / "m")
+    back = linearize.load(tmp_path / "m")
+    assert back.config.linearize["options"]["target"] == "kda"
+    x = ids(model, B=1, T=12)
+    assert torch.equal(back(x).logits, model(x).logits)
+    kw = dict(max_new_tokens=6, pad_token_id=0, eos_token_id=2)
+    want = model.generate(x, do_sample=False, **kw)
+    assert torch.equal(back.generate(x, do_sample=False, **kw), want)
+    got = Decoder(back, graph=False).generate(x, **kw)  # linearize's decoder, eager; pads after the end of text
+    assert torch.equal(got[:, : want.shape[1]], want) and (got[:, want.shape[1]:] == 0).all()
+
+
+def test_kda_options_refuse_triton():
+    with pytest.raises(ValueError, match="backend='triton' has no kernels for the kda target"):
+        GDNOptions(target="kda", backend="triton")
+
+
+def test_cli_convert_to_kda_and_recipe(tiny_dir, tmp_path):
+    from test_cli import run
+
+    out = tmp_path / "kda"
+    code, text = run("convert", "--model", tiny_dir, "--output", out, "--to", "kda", "--tokens", 64,
+                     "--calibration-tokens", 64)
+    assert code == 0, text
+    assert json.loads((out / "config.json").read_text())["linearize"]["options"]["target"] == "kda"
+    report = json.loads((out / "fidelity.json").read_text())
+    assert report["options"]["target"] == "kda" and all(r["block"] == "gdn" for r in report["layers"])
+    code, text = run("generate", "--model", out, "-n", 4, "Hello")
+    assert code == 0, text
+
+
+def test_distill_kda_target_trains_and_saves(tiny_dir, tmp_path):
+    """A recipe names the target (``convert.to: kda``): it trains the correction (finite losses, W_up moved off
+    zero by the default parameter selection) and saves the kda block."""
+    from test_distill import losses, overrides
+
+    from linearize.distill import run_recipe
+
+    cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "o", **{"convert.to": "kda", "convert.window": 8,
+                                                                  "convert.sinks": 2, "stages.0.steps": 3}))
+    assert cfg.convert.to == "kda"
+    run_recipe(cfg)
+    ls = losses(tmp_path / "o")
+    assert len(ls) == 3 and all(math.isfinite(x) for x in ls)
+    saved = json.loads((tmp_path / "o" / "model" / "config.json").read_text())
+    assert saved["linearize"]["options"]["target"] == "kda"
+    model = linearize.load(tmp_path / "o" / "model")
+    assert all(c.up.weight.abs().max() > 0 for c in corrections(model))

@@ -11,13 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.gdn_attention import (
-    GDNAttention,
-    correction_factors,
-    flatten_rows,
-    fused_path,
-    packed_cu_seqlens,
-)
+from ..layers.gdn_attention import GDNAttention, correction_factors, fused_path
+from ..layers.packing import flatten_rows, packed_cu_seqlens
 from ..models.adapters import apply_rope, project_qkv
 from ..ops import gated_delta_rule
 

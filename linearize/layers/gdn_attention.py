@@ -9,6 +9,8 @@ identity:
 - ``rho``: per-KV-head query-norm scale of the bounded ``c_t = ρ k̂_t`` (calibrated at convert);
 - ``gate_proj``: a data-dependent exponent on the decay, ``α_t ← α_t^{exp(w·x_t + b)}`` (zero init; not in
   the ``deltanet`` target, which has no decay: its state is ``t×`` the GDN one, see ``ops.taylor.fold_decay``);
+- ``channel_gate_proj`` (the ``kda`` target): a low-rank correction of that exponent per key channel, so each
+  channel decays on its own (:mod:`linearize.layers.channel_decay`; zero init: the gdn block exactly);
 - ``beta_proj``: a bounded factor on β, ``2σ(w·x_t + b)`` ∈ (0, 2) (zero init → 1);
 - ``q_conv/k_conv/v_conv`` (with ``GDNOptions.short_conv``): a short causal depthwise convolution on the
   projections' outputs (:mod:`linearize.layers.short_conv`; identity init);
@@ -28,15 +30,17 @@ from torch import nn
 from ..compat import attention_cache
 from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
-from ..ops.common import LastTensorMemo
 from ..ops.decode import taylor_gdn_step_
+from ..ops.kda import scale_log_decay
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
 from ..ops.window_inputs import WindowBuffers, cached_inputs, fresh_inputs
 from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer
+from .channel_decay import ChannelDecay
 from .options import GDNOptions
 from .output_gate import OutputGate
+from .packing import flatten_rows, packed_cu_seqlens, token_mask
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
 
@@ -57,67 +61,10 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
 
 def correction_factors(beta_logit: torch.Tensor, gate_logit: torch.Tensor,
                        dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(β factor, decay exponent)`` from the ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)``:
-    ``β ← β·2σ(b)`` ∈ (0, 2·β) and ``g ← g·exp(a)`` (``α ← α^{exp(a)}``), both 1 at the zero init."""
+    """``(β factor, decay exponent)`` from the ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)`` (the gate's
+    ``(B, T, H, K)`` per key channel in the kda target): ``β ← β·2σ(b)`` ∈ (0, 2·β) and ``g ← g·exp(a)``
+    (``α ← α^{exp(a)}``), both 1 at the zero init."""
     return 2 * torch.sigmoid(beta_logit.to(dtype)), torch.exp(gate_logit.to(dtype))
-
-
-def flatten_rows(hidden: list[torch.Tensor], position_embeddings):
-    """``(B, T, ...)`` → ``(1, B·T, ...)`` for each hidden state and for the position embeddings: packed
-    documents run as one row whose document offsets are ``cu_seqlens``."""
-    B, T = hidden[0].shape[:2]
-    flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731
-    cos, sin = position_embeddings
-    return [flat(h) for h in hidden], (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1)))
-
-
-def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
-    """``(B, T)`` bool, False for padding, from whatever mask the model passed down (or None).
-
-    4-D masks (bool: True = attend; float: 0 = attend) are read on their diagonal — does token t
-    attend to itself? — which holds for full and sliding-window masks alike and is False only for
-    padding; 2-D masks are the user's padding mask itself.
-    """
-    if attention_mask is None:
-        return None
-    m = attention_mask
-    if m.dim() == 4:
-        if m.shape[-2] < T:
-            return None
-        S = m.shape[-1]
-        rows = torch.arange(m.shape[-2] - T, m.shape[-2], device=m.device)
-        m = m[:, 0, rows, S - T + torch.arange(T, device=m.device)]
-        m = m if m.dtype == torch.bool else m == 0  # additive: 0 = attend
-    elif m.dim() == 2:
-        m = m[:, -T:]
-        m = m if m.dtype == torch.bool else m != 0  # the user's padding mask: 1 = a token
-    else:
-        return None
-    if m.shape != (B, T) or bool(m.all()):
-        return None
-    return m
-
-
-def packed_cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Document offsets of the flattened ``(B·T)`` tokens when rows pack several documents.
-
-    A document starts at every row start and wherever the position does not follow the previous
-    one (the rule transformers uses for packed sequences); None when each row is one document.
-    """
-    return _LAST_PACKING.get(position_ids, lambda: _document_starts(position_ids))
-
-
-def _document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
-    B, T = position_ids.shape
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    if int(starts.sum()) == B:
-        return None
-    idx = starts.flatten().nonzero().flatten()
-    return torch.cat([idx, idx.new_tensor([B * T])])
-
-
-_LAST_PACKING = LastTensorMemo()  # every layer of one forward passes the same position_ids
 
 
 class GDNAttention(nn.Module):
@@ -143,6 +90,7 @@ class GDNAttention(nn.Module):
         hidden = self.q_proj.in_features
         p = self.q_proj.weight
         self.decays = self.options.target != "deltanet"  # deltanet: α ≡ 1, no gate
+        self.per_channel = self.options.target == "kda"  # kda: one decay per key channel
         self._add_corrections(hidden, p)
         if self.options.short_conv:  # [H·D, K] depthwise taps each, on q_proj/k_proj/v_proj's outputs
             widths = (self.q_proj.out_features, self.k_proj.out_features, self.v_proj.out_features)
@@ -162,6 +110,9 @@ class GDNAttention(nn.Module):
         for lin in (self.beta_proj, *([self.gate_proj] if self.decays else [])):
             nn.init.zeros_(lin.weight)
             nn.init.zeros_(lin.bias)
+        if self.per_channel:
+            self.channel_gate_proj = ChannelDecay(hidden, self.num_kv_heads, self.head_dim, self.options.decay_rank,
+                                                  device=p.device, dtype=p.dtype)
 
     @torch.no_grad()
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
@@ -222,7 +173,7 @@ class GDNAttention(nn.Module):
                 beta_factor=beta_factor, mask=mask, initial=initial, cu_seqlens=cu_seqlens,
             )
             scale = 1.0
-        front.g = front.g * gate_factor
+        front.g = scale_log_decay(front.g, gate_factor)
         if not self.decays:
             q, front = fold_decay(q, front)
         return q, scale, front, tails
@@ -279,10 +230,15 @@ class GDNAttention(nn.Module):
             o = attend(flat, pe, None, cu_seqlens=cu)[0].view(B, T, -1)
         return self._gated(o, hidden_states)
 
-    def _logits(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)`` (the gate's 0 without a decay)."""
-        beta = self.beta_proj(hidden_states)
-        return beta, self.gate_proj(hidden_states) if self.decays else torch.zeros_like(beta)
+    def _logits(self, hidden_states: torch.Tensor, proj=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)`` (the gate's 0 without a decay; ``proj``: a
+        step's stacked products), the gate's per key channel ``(B, T, H, K)`` in the kda target."""
+        if proj:
+            beta, gate = proj[3:]
+        else:
+            beta = self.beta_proj(hidden_states)
+            gate = self.gate_proj(hidden_states) if self.decays else torch.zeros_like(beta)
+        return beta, self.channel_gate_proj(hidden_states, gate) if self.per_channel else gate
 
     def _gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.out_gate(o, hidden_states) if self.options.output_gate else o
@@ -315,12 +271,13 @@ class GDNAttention(nn.Module):
                                                inp.sink_ok)
         beta_logit, gate_logit = self._logits(hidden_states)
         if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1
-            beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * mask[..., None]
+            m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
+            beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * m
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
         front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form=self.options.form, rho=self.rho.to(dt),
                              beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,
                              initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens)
-        front.g = front.g * gate_factor
+        front.g = scale_log_decay(front.g, gate_factor)
         q_old, front = (q, front) if self.decays else fold_decay(q, front)  # the mix below reads q itself
         g = front.g
         if T == 1 and h0 is not None:
@@ -367,7 +324,7 @@ class GDNAttention(nn.Module):
         proj = step_projections(self, hidden_states) if self.stacked_step else None  # one product for five
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past, projections=proj and proj[:3])
         dt, backend = h0.dtype, {"reference": "torch"}.get(self.options.backend, self.options.backend)
-        beta_factor, gate_factor = correction_factors(*(proj[3:] if proj else self._logits(hidden_states)), dt)
+        beta_factor, gate_factor = correction_factors(*self._logits(hidden_states, proj), dt)
         common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
         if buffers is not None:
             o = sink_window_gdn_step_(q[:, 0].to(dt) * self.scaling, k[:, 0], v[:, 0], buffers, *common, self.mix_bias,

@@ -10,9 +10,10 @@ from dataclasses import asdict, dataclass
 # form of seed 000, c_t = k̃_t, which diverges on real checkpoints: kept for study)
 FORMS = ("stable", "seed")
 # what `convert --to` builds: the gated delta rule, the delta rule without a decay (the same Taylor
-# initialization, exactly: linearize.ops.taylor.fold_decay), or VaLA, the first-order linear attention of
-# seed 000 with a learnable decay correction (linearize.layers.vala_attention)
-TARGETS = ("gdn", "deltanet", "linear")
+# initialization, exactly: linearize.ops.taylor.fold_decay), VaLA, the first-order linear attention of
+# seed 000 with a learnable decay correction (linearize.layers.vala_attention), or KDA, the gated delta rule
+# with one decay per key channel (linearize.layers.channel_decay; the gdn block exactly at init)
+TARGETS = ("gdn", "deltanet", "linear", "kda")
 BACKENDS = ("auto", "torch", "triton", "reference")
 DEFAULT_BETA_MAX = 1.0
 
@@ -53,6 +54,8 @@ class GDNOptions:
     calibrate_mix: bool = False
     # a gate and a mixed RMSNorm on the output before o_proj (linearize.layers.output_gate; identity at init)
     output_gate: bool = False
+    # the kda target: rank of the low-rank per-channel decay correction (linearize.layers.channel_decay)
+    decay_rank: int = 16
 
     def __post_init__(self):
         check_form(self.form)
@@ -72,6 +75,12 @@ class GDNOptions:
             raise ValueError(f"sinks={self.sinks} needs a window: set window (e.g. 64) or sinks=0")
         if self.target == "linear":
             _check_linear(self)
+        r = self.decay_rank
+        if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 4096:
+            raise ValueError(f"decay_rank must be a whole number from 1 to 4096; got {r!r}")
+        if self.target == "kda" and self.backend == "triton":
+            raise ValueError("backend='triton' has no kernels for the kda target's per-channel decay; "
+                             "use backend='auto' or 'torch' (or convert to gdn)")
         if not isinstance(self.calibrate_mix, bool):
             raise ValueError(f"calibrate_mix must be true or false; got {self.calibrate_mix!r}")
         if not isinstance(self.output_gate, bool):

@@ -11,7 +11,9 @@
 # usage: scripts/recover_smollm2.sh W OUT [DEADLINE seconds, default 560]
 #        scripts/recover_smollm2.sh --records W OUT     # OUT/records.tgz of what exists now, then stop
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
-# (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget).
+# (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
+# INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
+# block options into W/runs/L_init, H_init), beside the teacher.
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:
 #   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
@@ -72,6 +74,18 @@ teacher() {
     mmlu "$w/smollm2.gguf" "$w/teacher_mmlu.json"
     records "$w" "$out"
 }
+at_init() {  # NAME CONVERT_OPTIONS...: the model as converted, measured like the trained ones
+    local name=$1 dir=$w/runs/$1_init
+    shift
+    wait_ev || return 0
+    [ -f "$dir/model/config.json" ] || [ "$(left)" -lt "$EVAL_SECONDS" ] || python3 -m linearize convert \
+        -m "$w/smollm2.gguf" "$@" -o "$dir/model" --force
+    # shellcheck disable=SC2086  # the options are words
+    [ ! -f "$dir/model/config.json" ] || [ -f "$dir/quality.json" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT \
+        $(( $(left) - 20 )) python3 -m linearize eval -m "$dir/model" --teacher none $eval_options -o "$dir/quality.json"
+    records "$w" "$out"
+    echo "== $name at init: done"
+}
 tag="" extra=""
 [ -z "${DISTILL_STEPS:-}" ] || { tag="_d$DISTILL_STEPS" extra="stages.1.steps=$DISTILL_STEPS"; }
 pids=()
@@ -83,6 +97,11 @@ for run in L:recipes/smollm2-135m-gdn-25m.yaml H:recipes/smollm2-135m-hybrid-25m
 done
 teacher > "$w/teacher.log" 2>&1 &
 pids+=($!)
+if [ -n "${INIT:-}" ]; then  # one after the other, beside the training
+    ( { [ "${ONLY:-L}" != L ] || at_init L --window 64 --sinks 4; }
+      { [ "${ONLY:-H}" != H ] || at_init H --window 64 --sinks 4 --keep-softmax 8; } ) > "$w/init.log" 2>&1 &
+    pids+=($!)
+fi
 wait "${pids[@]}"  # their own PIDs: a pgrep -f on a path would also match the shell running this line
 records "$w" "$out"
 tail -n 4 "$w"/[LH]*.log

@@ -160,6 +160,7 @@ def convert(
     window: int | None = typer.Option(None, "--window", help="Exact softmax over each query's last N tokens, the GDN over older ones; 0 = the pure GDN block (default 64; 0 with --to linear)."),
     sinks: int | None = typer.Option(None, "--sinks", help="With --window: also exact over each document's first N tokens (default 4; 0 without a window)."),
     output_gate: bool = typer.Option(False, "--output-gate", help="A gate and mixed RMSNorm before o_proj (identity at init)."),
+    decay_rank: int = typer.Option(16, "--decay-rank", help="With --to kda: rank of the per-channel decay correction."),
     calibrate_mix: bool = typer.Option(False, "--calibrate-mix", help="With --window: fit the mix's per-head bias on the calibration text."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
@@ -183,7 +184,7 @@ def convert(
         try:
             options = GDNOptions(form=form, target=to, beta_max=beta_max, short_conv=short_conv, window=window,
                                  sinks=(4 if window else 0) if sinks is None else sinks,
-                                 output_gate=output_gate, calibrate_mix=calibrate_mix)
+                                 output_gate=output_gate, calibrate_mix=calibrate_mix, decay_rank=decay_rank)
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
         checks.positive(tokens, "--tokens", 2)

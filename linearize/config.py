@@ -34,6 +34,7 @@ class ConvertConfig:
     window: int = 0  # exact softmax over each query's last `window` tokens and `sinks` first ones; 0 = off
     sinks: int = 0
     output_gate: bool = False  # a gate and mixed RMSNorm before o_proj (identity at init)
+    decay_rank: int = 16  # kda: rank of the per-channel decay correction
     calibrate_mix: bool = False  # with a window: fit the mix's per-head bias on the calibration text
     calibration_tokens: int = 512
     calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
@@ -255,6 +256,8 @@ def validate(cfg: RecipeConfig) -> None:
     _need(c.form in FORMS, "convert.form", " or ".join(repr(f) for f in FORMS), c.form)
     _need(_finite(c.beta_max) and c.beta_max > 0, "convert.beta_max", "a finite number > 0", c.beta_max)
     _need(c.short_conv == 0 or 2 <= c.short_conv <= 8, "convert.short_conv", "0 (off) or a kernel size 2 to 8", c.short_conv)
+    _need(isinstance(c.decay_rank, int) and not isinstance(c.decay_rank, bool) and 1 <= c.decay_rank <= 4096,
+          "convert.decay_rank", "a whole number from 1 to 4096", c.decay_rank)
     _need(isinstance(c.window, int) and not isinstance(c.window, bool) and 0 <= c.window <= 65536, "convert.window",
           "0 (off) or a number of tokens up to 65536", c.window)
     _need(isinstance(c.sinks, int) and not isinstance(c.sinks, bool) and 0 <= c.sinks <= 65536 and (c.window or not c.sinks),

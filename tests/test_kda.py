@@ -259,9 +259,13 @@ def test_cli_convert_to_kda_and_recipe(tiny_dir, tmp_path):
 
     out = tmp_path / "kda"
     code, text = run("convert", "--model", tiny_dir, "--output", out, "--to", "kda", "--tokens", 64,
-                     "--calibration-tokens", 64)
+                     "--calibration-tokens", 64, "--decay-rank", 4)
     assert code == 0, text
-    assert json.loads((out / "config.json").read_text())["linearize"]["options"]["target"] == "kda"
+    options = json.loads((out / "config.json").read_text())["linearize"]["options"]
+    assert options["target"] == "kda" and options["decay_rank"] == 4
+    assert all(c.down.weight.shape[0] == 4 for c in corrections(linearize.load(out)))
+    code, text = run("convert", "--model", tiny_dir, "--output", tmp_path / "bad", "--to", "kda", "--decay-rank", 0)
+    assert code == 2 and "decay" in text and not (tmp_path / "bad").exists()
     report = json.loads((out / "fidelity.json").read_text())
     assert report["options"]["target"] == "kda" and all(r["block"] == "gdn" for r in report["layers"])
     code, text = run("generate", "--model", out, "-n", 4, "Hello")
@@ -276,12 +280,13 @@ def test_distill_kda_target_trains_and_saves(tiny_dir, tmp_path):
     from linearize.distill import run_recipe
 
     cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "o", **{"convert.to": "kda", "convert.window": 8,
-                                                                  "convert.sinks": 2, "stages.0.steps": 3}))
-    assert cfg.convert.to == "kda"
+                                                                  "convert.sinks": 2, "convert.decay_rank": 8,
+                                                                  "stages.0.steps": 3}))
+    assert cfg.convert.to == "kda" and cfg.convert.decay_rank == 8
     run_recipe(cfg)
     ls = losses(tmp_path / "o")
     assert len(ls) == 3 and all(math.isfinite(x) for x in ls)
     saved = json.loads((tmp_path / "o" / "model" / "config.json").read_text())
-    assert saved["linearize"]["options"]["target"] == "kda"
+    assert saved["linearize"]["options"]["target"] == "kda" and saved["linearize"]["options"]["decay_rank"] == 8
     model = linearize.load(tmp_path / "o" / "model")
     assert all(c.up.weight.abs().max() > 0 for c in corrections(model))

@@ -15,7 +15,8 @@ import torch
 # the parameters a converted block adds (everything else in it is the teacher's)
 NEW_PARAMETERS = ("rho", "gate_proj.weight", "gate_proj.bias", "beta_proj.weight", "beta_proj.bias", "q_conv", "k_conv",
                   "v_conv", "mix_bias", "out_gate.gate_proj.weight", "out_gate.gate_proj.bias", "out_gate.norm_weight",
-                  "out_gate.norm_mix", "channel_gate_proj.down.weight", "channel_gate_proj.up.weight")
+                  "out_gate.norm_mix", "channel_gate_proj.down.weight", "channel_gate_proj.up.weight",
+                  "write_gate.weight", "write_gate.bias")
 
 
 def fit_block(block: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings, target: torch.Tensor,

@@ -35,6 +35,7 @@ class ConvertConfig:
     sinks: int = 0
     output_gate: bool = False  # a gate and mixed RMSNorm before o_proj (identity at init)
     decay_rank: int = 16  # kda: rank of the per-channel decay correction
+    write_gate: bool = False  # a learnable strength on each token's write into the state (1 at init)
     calibrate_mix: bool = False  # with a window: fit the mix's per-head bias on the calibration text
     calibration_tokens: int = 512
     calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
@@ -64,7 +65,7 @@ class StageConfig:
     # tokens per row in this stage; 0: data.seq_len. A shorter length must divide data.seq_len: the stage
     # cuts the data's rows into pieces of it (positions restart at each piece)
     seq_len: int = 0
-    trainable: str = "rho,gate_proj,beta_proj"  # comma-separated name substrings; "all" = every parameter
+    trainable: str = "rho,gate_proj,beta_proj,write_gate"  # comma-separated name substrings; "all" = every parameter
     loss: str = "nmse"  # align: "mse" or "nmse"; distill: ignored
     layer_weights: dict[int, float] = field(default_factory=dict)  # align: {layer index: weight}, others 1.0
     temperature: float = 1.0  # distill: KL temperature
@@ -265,6 +266,8 @@ def validate(cfg: RecipeConfig) -> None:
     _need(c.to != "linear" or not (c.window or c.sinks), "convert.window",
           "0 with convert.to: linear (the linear target has no sink/window form; set convert.sinks: 0 too)", c.window)
     _need(isinstance(c.output_gate, bool), "convert.output_gate", "true or false", c.output_gate)
+    _need(isinstance(c.write_gate, bool), "convert.write_gate", "true or false", c.write_gate)
+    _need(not (c.write_gate and c.to == "linear"), "convert.write_gate", "false with convert.to: linear", c.write_gate)
     _need(isinstance(c.calibrate_mix, bool), "convert.calibrate_mix", "true or false", c.calibrate_mix)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     _need(c.calibration_steps >= 0, "convert.calibration_steps", ">= 0", c.calibration_steps)

@@ -19,7 +19,9 @@ identity:
   correction on the older part's normalizer (:mod:`linearize.ops.window`; 0 at init, where the block is
   the teacher exactly for the first ``window + sinks`` tokens);
 - ``out_gate`` (with ``GDNOptions.output_gate``): a gate and mixed RMSNorm on the output before ``o_proj``
-  (:mod:`linearize.layers.output_gate`; identity init).
+  (:mod:`linearize.layers.output_gate`; identity init);
+- ``write_gate`` (with ``GDNOptions.write_gate``): a strength ``exp(w·v + b)`` on each token's write into the
+  state (:mod:`linearize.layers.write_gate`; 1 at init).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from .output_gate import OutputGate
 from .packing import flatten_rows, packed_cu_seqlens, token_mask
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
+from .write_gate import WriteGate
 
 
 def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
@@ -54,7 +57,8 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
     (the layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one
     place that decides it."""
     want = options.fused_front
-    plain = not (options.short_conv or options.window or options.output_gate) and options.target == "gdn"
+    plain = (not (options.short_conv or options.window or options.output_gate or options.write_gate)
+             and options.target == "gdn")
     return (options.form == "stable" and plain and mask is None and initial is None and not output_final_state
             and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
 
@@ -100,6 +104,9 @@ class GDNAttention(nn.Module):
             self.mix_bias = nn.Parameter(torch.zeros(self.num_heads, dtype=torch.float32, device=p.device))
         if self.options.output_gate:
             self.out_gate = OutputGate(hidden, self.num_heads, self.head_dim, device=p.device, dtype=p.dtype)
+        if self.options.write_gate:  # the fused step kernels know no write strength: steps take the composed ops
+            self.write_gate = WriteGate(self.num_kv_heads, self.head_dim, device=p.device)
+            self.fused_step = False
 
     def _add_corrections(self, hidden: int, p: torch.Tensor) -> None:
         """The Taylor-GDN's own parameters: ρ, the β factor and, where the state decays, the decay correction."""
@@ -171,6 +178,7 @@ class GDNAttention(nn.Module):
             front = taylor_front(
                 q, k, v, form=self.options.form, rho=self.rho.to(dt), beta_max=self.options.beta_max,
                 beta_factor=beta_factor, mask=mask, initial=initial, cu_seqlens=cu_seqlens,
+                write_factor=self.write_gate(v) if self.options.write_gate else None,
             )
             scale = 1.0
         front.g = scale_log_decay(front.g, gate_factor)
@@ -274,9 +282,11 @@ class GDNAttention(nn.Module):
             m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
             beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * m
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
-        front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form=self.options.form, rho=self.rho.to(dt),
+        old_v = inp.old_v.to(dt)
+        front = taylor_front(q, inp.old_k.to(dt), old_v, form=self.options.form, rho=self.rho.to(dt),
                              beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,
-                             initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens)
+                             initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens,
+                             write_factor=self.write_gate(old_v) if self.options.write_gate else None)
         front.g = scale_log_decay(front.g, gate_factor)
         q_old, front = (q, front) if self.decays else fold_decay(q, front)  # the mix below reads q itself
         g = front.g

@@ -56,6 +56,9 @@ class GDNOptions:
     output_gate: bool = False
     # the kda target: rank of the low-rank per-channel decay correction (linearize.layers.channel_decay)
     decay_rank: int = 16
+    # a learnable strength on each token's write into the state, exp(w·v + b) per KV head (linearize.layers.
+    # write_gate; 1 at init). Decode steps then take the composed ops, not the fused step kernels
+    write_gate: bool = False
 
     def __post_init__(self):
         check_form(self.form)
@@ -83,6 +86,10 @@ class GDNOptions:
                              "use backend='auto' or 'torch' (or convert to gdn)")
         if not isinstance(self.calibrate_mix, bool):
             raise ValueError(f"calibrate_mix must be true or false; got {self.calibrate_mix!r}")
+        if not isinstance(self.write_gate, bool):
+            raise ValueError(f"write_gate must be true or false; got {self.write_gate!r}")
+        if self.write_gate and self.target == "linear":
+            raise ValueError("write_gate is an option of the delta-rule targets (gdn, deltanet, kda), not of linear")
         if not isinstance(self.output_gate, bool):
             raise ValueError(f"output_gate must be true or false; got {self.output_gate!r}")
 

@@ -131,6 +131,7 @@ def taylor_front(
     beta_factor: torch.Tensor | None = None,
     mask: torch.Tensor | None = None,
     initial: RunningSums | None = None,
+    write_factor: torch.Tensor | None = None,
     eps: float = 1e-12,
 ) -> TaylorInputs:
     """Teacher q (scaled), k, v after RoPE/norms → GDN inputs of the Taylor form (SPEC §2).
@@ -146,6 +147,8 @@ def taylor_front(
         mask: optional ``(B, T)`` bool, False for padding: such tokens neither count in ``t`` and the
             means nor touch the state (α = 1, β = 0).
         initial: running sums carried over from earlier tokens (decoding); not with ``cu_seqlens``.
+        write_factor: optional ``(B, T, H)`` multiplier on the written value ``u`` (so on the write term
+            ``ṽ k̃ᵀ/t``; :mod:`linearize.layers.write_gate`); 1 (None) is the Taylor form.
     """
     if form not in FORMS:
         raise ValueError(f"form must be one of {FORMS}; got {form!r}")
@@ -174,6 +177,8 @@ def taylor_front(
     beta = torch.where(live, beta, torch.zeros_like(beta))
     # u = ‖k̃‖ ṽ/(t β): the write term stays exactly ṽ k̃ᵀ/t whatever clipping did to β
     coef = torch.where(beta > 0, n / (t_safe * beta.clamp_min(eps)), torch.zeros_like(beta))
+    if write_factor is not None:
+        coef = coef * write_factor.to(coef.dtype)
     u = coef[..., None] * v_c
     alpha = torch.where(live, 1.0 - 1.0 / t_safe, torch.ones_like(t_safe)).expand(B, T, H)
     return TaylorInputs(k=k_hat, v=u, g=alpha.log(), beta=beta, v_mean=v_mean, sums=pm.sums, k_mean=k_mean,

@@ -13,7 +13,8 @@
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
 # INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
-# block options into W/runs/L_init, H_init), beside the teacher.
+# block options into W/runs/L_init, H_init), beside the teacher; EXTRA="key=value ..." adds overrides to
+# both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg).
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:
 #   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
@@ -86,8 +87,8 @@ at_init() {  # NAME CONVERT_OPTIONS...: the model as converted, measured like th
     records "$w" "$out"
     echo "== $name at init: done"
 }
-tag="" extra=""
-[ -z "${DISTILL_STEPS:-}" ] || { tag="_d$DISTILL_STEPS" extra="stages.1.steps=$DISTILL_STEPS"; }
+tag=${TAG:-} extra=${EXTRA:-}
+[ -z "${DISTILL_STEPS:-}" ] || { tag="${tag}_d$DISTILL_STEPS" extra="$extra stages.1.steps=$DISTILL_STEPS"; }
 pids=()
 for run in L:recipes/smollm2-135m-gdn-25m.yaml H:recipes/smollm2-135m-hybrid-25m.yaml; do
     name=${run%%:*}

@@ -14,7 +14,9 @@
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
 # INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
 # block options into W/runs/L_init, H_init), beside the teacher; EXTRA="key=value ..." adds overrides to
-# both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg).
+# both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg);
+# EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
+# precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU.
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:
 #   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
@@ -43,8 +45,8 @@ mkdir -p "$out"
 export START=${START:-$(date +%s)} DEADLINE=${3:-560} EVAL_SECONDS=${EVAL_SECONDS:-300}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus"
-eval_options="--limit 1000 --batch-size 64 --eval-data $w/ev --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
---passkey --passkey-len 2048 --dtype bfloat16"
+eval_options="--eval-data $w/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 \
+--ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 wait_ev() {  # the task data, which a later call may bring
     while [ ! -d "$w/ev/hf_datasets" ]; do
@@ -53,6 +55,7 @@ wait_ev() {  # the task data, which a later call may bring
     done
 }
 mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and outside the 6-task average)
+    [ "${MMLU:-1}" = 1 ] || return 0
     [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT $(( $(left) - 20 )) python3 -m linearize eval -m "$1" \
         --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
         --dtype bfloat16 -o "$2"

@@ -48,6 +48,7 @@ export COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus"
 eval_options="--eval-data $w/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 \
 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
+echo "== $(left) s left; an evaluation starts while more than $EVAL_SECONDS s are left"
 wait_ev() {  # the task data, which a later call may bring
     while [ ! -d "$w/ev/hf_datasets" ]; do
         [ "$(left)" -gt "$EVAL_SECONDS" ] || { echo "== no task data in $w/ev before the deadline"; return 1; }
@@ -109,4 +110,5 @@ fi
 wait "${pids[@]}"  # their own PIDs: a pgrep -f on a path would also match the shell running this line
 records "$w" "$out"
 tail -n 4 "$w"/[LH]*.log
+echo "== recover_smollm2.sh: done"
 exit 0

@@ -31,7 +31,9 @@ case ${1:-} in
         python3 -c "import datasets, omegaconf, gguf; print('wheels in', '$site')" ;;
     teacher)
         [ -f "$w/gguf.part00" ] || die "no $w/gguf.part00: run 'wheels' first, on the same machine"
-        cat "$w/gguf.part00" .carry/g2/gguf.part01 > "$w/smollm2.gguf" || die "no .carry/g2 here: carry it"
+        [ ! -e "$w/recover.log" ] || die "the runs have started: replacing $repo or the teacher under them would break them"
+        [ -f .carry/g2/gguf.part01 ] || die "no .carry/g2 here: carry it"
+        cat "$w/gguf.part00" .carry/g2/gguf.part01 > "$w/smollm2.gguf.part" && mv "$w/smollm2.gguf.part" "$w/smollm2.gguf"
         # the wheels 'wheels' installed stay: replacing a package under a running process could break it
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
             $(ls .whl/*.whl | grep -vE '/(datasets|dill|multiprocess|omegaconf|gguf)-') 2>&1 | grep -v "already exists"
@@ -41,18 +43,21 @@ case ${1:-} in
         src=${2:-} deadline=${3:-1200}
         [ -f "$src/manifest.json" ] || die "$src is no corpus folder: carry .carry/corpus25 (or .carry/corpus) and name it"
         [ -f "$w/smollm2.gguf" ] && [ -d "$repo" ] || die "run 'wheels' and 'teacher' first, on the same machine"
+        [ ! -e "$w/recover.log" ] || die "the runs have started already ($w/recover.log): 'wait' for them"
         rm -rf "$w/corpus" && cp -r "$src" "$w/corpus"
         (cd "$repo" && setsid nohup bash scripts/recover_smollm2.sh "$w" "$w/out" "$deadline" > "$w/recover.log" 2>&1 < /dev/null &)
         sleep 20
         records ;;
     evaldata)
         [ -d .carry/ev/hf_datasets ] || die "no .carry/ev here: carry it"
+        [ ! -d "$w/ev" ] || die "$w/ev is there already"
         rm -rf "$w/ev.part" && cp -r .carry/ev "$w/ev.part" && mv "$w/ev.part" "$w/ev"  # whole, at once
         records ;;
     wait)
         limit=${2:?wait needs SECONDS}
         for _ in $(seq 1 $(( limit / 5 ))); do
             grep -q "^== recover_smollm2.sh: done" "$w/recover.log" 2>/dev/null && break
+            kill -0 "$(cat "$w/recover.pid" 2>/dev/null)" 2>/dev/null || { echo "== the runs are not running"; break; }
             sleep 5
         done
         records ;;

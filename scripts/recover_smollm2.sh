@@ -28,7 +28,7 @@ records() {  # W OUT
         runs/*/quality*.md teacher*.json teacher*.md ./*.log 2>/dev/null)
     [ -n "$files" ] || return 0
     # shellcheck disable=SC2086  # the file names are words
-    tar czf "$2/records.tgz.part" -C "$1" $files && mv "$2/records.tgz.part" "$2/records.tgz"
+    tar czf "$2/records.tgz.$BASHPID" -C "$1" $files && mv "$2/records.tgz.$BASHPID" "$2/records.tgz"  # one writer each
 }
 if [ "${1:-}" = "--records" ]; then
     [ $# -eq 3 ] || { echo "usage: scripts/recover_smollm2.sh --records W OUT" >&2; exit 2; }
@@ -42,6 +42,7 @@ for need in "$w/smollm2.gguf" "$w/corpus/manifest.json"; do
 done
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
+echo $$ > "$w/recover.pid"  # for a caller that waits on it (scripts/device_calls.sh wait)
 export START=${START:-$(date +%s)} DEADLINE=${3:-560} EVAL_SECONDS=${EVAL_SECONDS:-300}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus"
@@ -57,7 +58,7 @@ wait_ev() {  # the task data, which a later call may bring
 }
 mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and outside the 6-task average)
     [ "${MMLU:-1}" = 1 ] || return 0
-    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT $(( $(left) - 20 )) python3 -m linearize eval -m "$1" \
+    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$1" \
         --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
         --dtype bfloat16 -o "$2"
 }
@@ -73,7 +74,8 @@ recover() {  # NAME RECIPE [OVERRIDES]
 teacher() {
     wait_ev || return 0
     # shellcheck disable=SC2086  # the options are words
-    [ -f "$w/teacher.json" ] || timeout --signal=INT $(( $(left) - 30 )) python3 -m linearize eval -m "$w/smollm2.gguf" \
+    [ -f "$w/teacher.json" ] || [ "$(left)" -lt 60 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 30 )) \
+        python3 -m linearize eval -m "$w/smollm2.gguf" \
         $eval_options -o "$w/teacher.json"
     records "$w" "$out"
     mmlu "$w/smollm2.gguf" "$w/teacher_mmlu.json"
@@ -87,7 +89,7 @@ at_init() {  # NAME CONVERT_OPTIONS...: the model as converted, measured like th
         -m "$w/smollm2.gguf" "$@" -o "$dir/model" --force
     # shellcheck disable=SC2086  # the options are words
     [ ! -f "$dir/model/config.json" ] || [ -f "$dir/quality.json" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT \
-        $(( $(left) - 20 )) python3 -m linearize eval -m "$dir/model" --teacher none $eval_options -o "$dir/quality.json"
+        --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$dir/model" --teacher none $eval_options -o "$dir/quality.json"
     records "$w" "$out"
     echo "== $name at init: done"
 }

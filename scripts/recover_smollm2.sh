@@ -25,7 +25,8 @@ records() {  # W OUT
     local files
     mkdir -p "$2"
     files=$(cd "$1" && ls -d runs/*/metrics.jsonl runs/*/recipe.yaml runs/*/initial_eval.json runs/*/quality*.json \
-        runs/*/quality*.md teacher*.json teacher*.md ./*.log 2>/dev/null)
+        runs/*/quality*.md runs/*/model/distill_summary.json runs/*/model/fidelity.json teacher*.json teacher*.md ./*.log \
+        2>/dev/null)
     [ -n "$files" ] || return 0
     # shellcheck disable=SC2086  # the file names are words
     tar czf "$2/records.tgz.$BASHPID" -C "$1" $files && mv "$2/records.tgz.$BASHPID" "$2/records.tgz"  # one writer each

@@ -3,6 +3,7 @@ its cache) and ``linearize data`` bad input. No network: pip runs with --no-inde
 
 from __future__ import annotations
 
+import json
 import struct
 import zipfile
 import zlib
@@ -235,7 +236,7 @@ def test_shards_round_trip(tmp_path):
 
 ACTS = ["Enter HAMLET.\n\nTo be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
         "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. " * (i + 2)
-        + f"Scene {i}." for i in range(40)]
+        + f"Scene {i}: Ophelia — “Nymph, in thy orisons”." for i in range(40)]  # not ASCII: the text is exact
 
 
 @pytest.fixture(scope="module")
@@ -306,6 +307,92 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     assert {d for d, _ in mixed} == {"prose"} and sum(len(x) for _, x in mixed) >= 500
     with pytest.raises(ValueError, match="domain 'code'"):
         list(c.mixture("train", {"code": 1.0}))
+
+
+def _text_beside_tokens(folder: Path, tok) -> list[str]:
+    """Every parquet shard of a corpus holds, row for row, the text of the documents of the token shard
+    with the same stem: each text re-tokenizes to exactly that document. Returns all the texts."""
+    import pyarrow.parquet as pq
+
+    found = []
+    for splits in json.loads((folder / "manifest.json").read_text())["domains"].values():
+        for entry in splits.values():
+            assert [Path(t["file"]).stem for t in entry["text_shards"]] == [Path(s["file"]).stem for s in entry["shards"]]
+            for s, t in zip(entry["shards"], entry["text_shards"]):
+                tokens, offsets, _, _ = shards.read_shard(folder / s["file"])
+                table = pq.read_table(folder / t["file"])
+                assert table.column_names == ["text", "source"] and table.num_rows == t["documents"] == s["documents"]
+                rows = table.to_pylist()
+                assert [tok.encode(r["text"], add_special_tokens=False).ids for r in rows] == \
+                    [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(rows))]
+                assert all(r["source"] == "shakespeare" for r in rows)
+                assert t["bytes"] == sum(len(r["text"].encode()) for r in rows)
+                found += [r["text"] for r in rows]
+    return found
+
+
+def test_build_writes_each_documents_text_beside_its_tokens(offline, tmp_path):
+    import datasets
+
+    from linearize.corpus.build import _capped
+
+    root, cache, tok = offline
+    out = tmp_path / "corpus"
+    m = build(out, tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache,
+              heldout=0.2, shard_tokens=2000)
+    assert sorted(_text_beside_tokens(out, tok)) == sorted(ACTS)  # the text as extracted, not decoded from tokens
+    c = open_corpus(out)
+    assert c.has_text and len(m["domains"]["prose"]["train"]["text_shards"]) > 1
+    for split in ("train", "heldout"):
+        assert [tok.encode(t, add_special_tokens=False).ids for t in c.texts("prose", split)] == \
+            [d.tolist() for d in c.documents("prose", split)]
+    # datasets reads the folder (one config per domain, from the card) or the files
+    counts = {s: m["domains"]["prose"][s]["documents"] for s in ("train", "heldout")}
+    ds = datasets.load_dataset(str(out), "prose", cache_dir=str(tmp_path / "hf"))
+    assert {k: v.num_rows for k, v in ds.items()} == counts and ds["heldout"]["text"] == c.texts("prose", "heldout")
+    ds = datasets.load_dataset("parquet", data_files={s: str(out / "prose" / f"{s}-*.parquet") for s in counts},
+                               cache_dir=str(tmp_path / "hf"))
+    assert {k: v.num_rows for k, v in ds.items()} == counts and ds["train"]["text"] == c.texts("prose", "train")
+    # the source's cache keeps the text beside its tokens; a token file without it is redone
+    (cached,) = (cache / "tokens").rglob("shakespeare-*.parquet")
+    cached.unlink()
+    build(tmp_path / "again", tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"],
+          cache=cache, heldout=0.2, shard_tokens=2000)
+    assert cached.is_file() and open_corpus(tmp_path / "again").texts("prose", "train") == c.texts("prose", "train")
+    # a capped source keeps the text of the documents it keeps
+    docs = [tok.encode(a, add_special_tokens=False).ids for a in ACTS]
+    data = {"tokens": np.concatenate(docs), "offsets": np.cumsum([0] + [len(d) for d in docs]),
+            "hashes": np.arange(len(docs), dtype=np.uint64), "texts": ACTS, "stats": {"bytes": 0}}
+    capped = _capped(data, len(docs[0]) + 1)
+    assert capped["texts"] == ACTS[:2] and capped["stats"]["bytes"] == len(ACTS[0].encode()) + len(ACTS[1].encode())
+    # a subset carries the text of the documents it keeps
+    subset(out, tmp_path / "sub", train_tokens=1000)
+    cs = open_corpus(tmp_path / "sub")
+    assert sorted(_text_beside_tokens(tmp_path / "sub", tok)) == sorted(cs.texts("prose", "train") + c.texts("prose", "heldout"))
+    assert cs.texts("prose", "train") == c.texts("prose", "train")[:len(list(cs.documents("prose", "train")))]
+
+
+def test_corpus_without_text_still_reads(offline, tmp_path):
+    """A corpus built before the text was kept (token shards only) reads and subsets as before; asking
+    for its text says to rebuild."""
+    root, cache, _ = offline
+    old = tmp_path / "old"
+    build(old, tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache, heldout=0.2)
+    manifest = json.loads((old / "manifest.json").read_text())
+    for splits in manifest["domains"].values():
+        for entry in splits.values():
+            del entry["text_shards"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    for p in [*old.rglob("*.parquet"), old / "README.md"]:
+        p.unlink()
+    c = open_corpus(old)
+    assert not c.has_text and len(list(c.documents("prose", "heldout"))) == manifest["domains"]["prose"]["heldout"]["documents"]
+    with pytest.raises(ValueError, match="holds tokens only.*rebuild it with 'linearize data build'"):
+        c.texts("prose", "train")
+    subset(old, tmp_path / "sub", train_tokens=1000)
+    cs = open_corpus(tmp_path / "sub")
+    assert not cs.has_text and not list((tmp_path / "sub").rglob("*.parquet")) and not (tmp_path / "sub" / "README.md").exists()
+    assert [d.tolist() for d in cs.documents("prose", "heldout")] == [d.tolist() for d in c.documents("prose", "heldout")]
 
 
 def test_budgets_share_out_what_a_short_domain_lacks(offline, tmp_path):

@@ -1,6 +1,7 @@
-"""Build a corpus: fetch each source's packages, extract and tokenize its documents (cached per
-source, so a second run resumes), deduplicate, split off the held-out documents, write per-domain
-shards and ``manifest.json`` into a temporary folder and rename it into place.
+"""Build a corpus: fetch each source's packages, extract and tokenize its documents (tokens and
+text cached per source, so a second run resumes), deduplicate, split off the held-out documents,
+write per-domain token shards, the same documents' text as parquet beside them, ``manifest.json``
+and a ``datasets`` card into a temporary folder and rename it into place.
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ from pathlib import Path
 
 import numpy as np
 
-from . import documents, shards, sources
+from . import documents, shards, sources, texts
 from .extract import EXTRACTORS
 from .fetch import DEFAULT_CACHE, fetch
 from .tokenizer import encode, load_tokenizer
 
 EXTRACT_VERSION = 3  # bump when the shared text handling changes: every cached token file is redone
 EXTRACTOR_VERSIONS = {"osis": 3}  # bump one extractor's entry when only it changes
+CACHE_FORMAT = 2  # bump when what a source's cache holds changes (2: the text beside the tokens)
 DEFAULT_TOKENS = 150_000_000
 HELDOUT = 0.01
 SHARD_TOKENS = 16_000_000  # 32 MB of uint16 per shard file
@@ -67,27 +69,31 @@ def source_files(src: sources.Source, roots: list[Path]) -> list[Path]:
 
 
 def _cache_key(src: sources.Source, versions: list[str], tok_info: dict) -> str:
-    spec = repr((src.packages, src.extractor, src.include, src.exclude, src.inner, versions,
+    spec = repr((CACHE_FORMAT, src.packages, src.extractor, src.include, src.exclude, src.inner, versions,
                  EXTRACTOR_VERSIONS.get(src.extractor, EXTRACT_VERSION),
                  documents.MAX_CHARS, documents.MIN_CHARS, tok_info["name"], tok_info["vocab_size"]))
     return hashlib.sha1(spec.encode()).hexdigest()[:12]
 
 
 def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, dtype) -> dict:
-    """The source's documents as ``{tokens, offsets, hashes, stats}``, from the cache when it holds
-    enough (all of the source, or at least ``cap`` tokens), else extracted and tokenized now."""
+    """The source's documents as ``{tokens, offsets, hashes, texts, stats}``, from the cache when it
+    holds enough (all of the source, or at least ``cap`` tokens), else extracted and tokenized now.
+    The cache is a token shard (``.safetensors``) and the documents' text (``.parquet``, same stem)."""
     path = cache / "tokens" / tok_info["name"].replace("/", "_") / \
         f"{src.name}-{_cache_key(src, [p.version for p in packages], tok_info)}.safetensors"
-    if path.is_file():
+    text_path = path.with_suffix(".parquet")
+    if path.is_file() and text_path.is_file():  # the text is written first: a token file alone is a torn write
         tokens, offsets, stats, extra = shards.read_shard(path)
         if stats["exhausted"] or (cap is not None and stats["tokens"] >= cap):
-            return _capped({"tokens": tokens, "offsets": offsets, "hashes": extra["hashes"], "stats": stats}, cap)
+            table = texts.read_texts(text_path, len(offsets) - 1)
+            return _capped({"tokens": tokens, "offsets": offsets, "hashes": extra["hashes"],
+                            "texts": table.column("text").to_pylist(), "stats": stats}, cap)
     files = source_files(src, [p.root for p in packages])
     if not files:
         raise CorpusError(f"source {src.name}: no files match {src.include} in {', '.join(p.name for p in packages)}; "
                           "the package layout changed, update linearize/corpus/sources.py")
     extract = EXTRACTORS[src.extractor]
-    parts, hashes, seen = [], [], set()
+    parts, hashes, doc_texts, seen = [], [], [], set()
     stats = {"files": 0, "skipped_files": 0, "bytes": 0, "documents": 0, "tokens": 0, "duplicates": 0,
              "exhausted": True}
     batch: list[str] = []
@@ -97,6 +103,7 @@ def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, 
             parts.append(np.asarray(ids, dtype=dtype))
             stats["tokens"] += len(ids)
             stats["bytes"] += len(text.encode())
+        doc_texts.extend(batch)
         batch.clear()
 
     t0 = time.time()
@@ -105,13 +112,13 @@ def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, 
             stats["exhausted"] = False
             break
         try:
-            texts = list(documents.pieces(extract(file)))
+            found = list(documents.pieces(extract(file)))
         except (ValueError, OSError, EOFError, UnicodeError, AssertionError) as e:  # a damaged file: skip it
             stats["skipped_files"] += 1
             _log(f"  {src.name}: skipped {file.name} ({type(e).__name__})")
             continue
         stats["files"] += 1
-        for text in texts:
+        for text in found:
             h = documents.doc_hash(text)
             if h in seen:
                 stats["duplicates"] += 1
@@ -127,11 +134,12 @@ def tokenize_source(src, packages, tok, tok_info, cap: int | None, cache: Path, 
     stats["documents"] = len(parts)
     tokens, offsets = shards.concat(parts, dtype)
     path.parent.mkdir(parents=True, exist_ok=True)
+    texts.write_texts(text_path, doc_texts, [src.name] * len(doc_texts))
     tmp = path.with_suffix(f".tmp-{os.getpid()}")
     shards.write_shard(tmp, tokens, offsets, stats, hashes=np.asarray(hashes, dtype=np.uint64))
     tmp.rename(path)
     return _capped({"tokens": tokens, "offsets": offsets, "hashes": np.asarray(hashes, dtype=np.uint64),
-                    "stats": stats}, cap)
+                    "texts": doc_texts, "stats": stats}, cap)
 
 
 def _capped(data: dict, cap: int | None) -> dict:
@@ -140,21 +148,26 @@ def _capped(data: dict, cap: int | None) -> dict:
     if cap is None or offsets[-1] <= cap:
         return data
     k = int(np.searchsorted(offsets, cap, side="left"))  # offsets[k] >= cap: documents 0..k-1
-    stats = dict(data["stats"], documents=k, tokens=int(offsets[k]), exhausted=False)
-    stats["bytes"] = int(stats["bytes"] * offsets[k] / offsets[-1])  # bytes are kept per source, not per document
+    stats = dict(data["stats"], documents=k, tokens=int(offsets[k]), exhausted=False,
+                 bytes=sum(len(t.encode()) for t in data["texts"][:k]))
     return {"tokens": data["tokens"][: offsets[k]], "offsets": offsets[: k + 1], "hashes": data["hashes"][:k],
-            "stats": stats}
+            "texts": data["texts"][:k], "stats": stats}
 
 
 def _write_domains(tmp: Path, domain_docs: dict, dtype, shard_tokens: int) -> dict:
+    """Each domain's splits (``{"tokens": [...], "text": [...] or None, "source": [...] or None}``,
+    one entry per document) as token shards and, where there is text, parquet shards beside them."""
     out = {}
     for domain, splits in domain_docs.items():
         folder = tmp / domain
         folder.mkdir()
         out[domain] = {}
-        for split, parts in splits.items():
+        for split, docs in splits.items():
+            parts = docs["tokens"]
             files = shards.write_split(folder, split, parts, dtype, shard_tokens)
             out[domain][split] = {"documents": len(parts), "tokens": int(sum(len(p) for p in parts)), "shards": files}
+            if docs["text"] is not None:
+                out[domain][split]["text_shards"] = texts.write_split(folder, docs["text"], docs["source"], files)
     return out
 
 
@@ -179,6 +192,8 @@ def write_corpus(out: Path, force: bool, manifest: dict, domain_docs: dict, dtyp
         manifest["domains"] = _write_domains(tmp, domain_docs, dtype, shard_tokens)
         manifest["total_tokens"] = sum(s["tokens"] for d in manifest["domains"].values() for s in d.values())
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        if all("text_shards" in s for d in manifest["domains"].values() for s in d.values()):
+            texts.write_card(tmp, manifest["domains"])
 
     write_atomic(out, force, fill)
     return manifest
@@ -207,22 +222,21 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
                 _log(f"fetch {name}")
                 fetched[name] = fetch(name, cache, src.inner)
     table, seen = [], set()
-    domain_docs = {d: {"train": [], "heldout": []} for d in sources.DOMAINS if any(s.domain == d for s in chosen)}
-    keyed = {d: {"train": [], "heldout": []} for d in domain_docs}
+    keyed = {d: {"train": [], "heldout": []} for d in sources.DOMAINS if any(s.domain == d for s in chosen)}
     for src in chosen:
         cap = None if src.cap is None else max(1, round(src.cap * scale))
         pkgs = [fetched[n] for n in src.packages]
         _log(f"source {src.name} ({src.domain}, cap {cap if cap is not None else 'none'})")
         data = tokenize_source(src, pkgs, tok, tok_info, cap, cache, dtype)
         offsets, kept, dup = data["offsets"], {"documents": 0, "tokens": 0}, 0
-        for i, h in enumerate(data["hashes"].tolist()):
+        for i, (h, text) in enumerate(zip(data["hashes"].tolist(), data["texts"])):
             if h in seen:  # the same text in an earlier source
                 dup += 1
                 continue
             seen.add(h)
             split = "heldout" if documents.is_heldout(h, heldout) else "train"
             doc = data["tokens"][offsets[i]:offsets[i + 1]]
-            keyed[src.domain][split].append((h, doc))
+            keyed[src.domain][split].append((h, doc, text, src.name))
             kept["documents"] += 1
             kept["tokens"] += len(doc)
         st = data["stats"]
@@ -234,10 +248,12 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
                       "tokens": kept["tokens"], "duplicates_dropped": st.get("duplicates", 0) + dup,
                       "complete": bool(st["exhausted"])})
         _log(f"  {src.name}: {kept['documents']} documents, {kept['tokens'] / 1e6:.2f}M tokens")
+    domain_docs = {d: {} for d in keyed}
     for d, splits in keyed.items():  # hash order: a prefix of a domain is a uniform sample of it
-        for split, pairs in splits.items():
-            pairs.sort(key=lambda p: p[0])
-            domain_docs[d][split] = [doc for _, doc in pairs]
+        for split, rows in splits.items():
+            rows.sort(key=lambda r: r[0])
+            domain_docs[d][split] = {"tokens": [r[1] for r in rows], "text": [r[2] for r in rows],
+                                     "source": [r[3] for r in rows]}
     manifest = {"format": "linearize-corpus/1", "command": command, "tokenizer": tok_info,
                 "token_dtype": np.dtype(dtype).name, "heldout_fraction": heldout,
                 "document_chars": [documents.MIN_CHARS, documents.MAX_CHARS], "sources": table}
@@ -247,7 +263,8 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
 def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = None, force: bool = False,
            shard_tokens: int = SHARD_TOKENS, command: str = "") -> dict:
     """A smaller corpus from a built one: a mixture of about ``train_tokens`` training tokens
-    (``weights`` per domain, default equal) and all of the held-out documents."""
+    (``weights`` per domain, default equal) and all of the held-out documents, with their text when
+    the corpus has it."""
     from .reader import open_corpus
 
     out = Path(out)
@@ -258,10 +275,16 @@ def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = N
     dtype = np.dtype(corpus.manifest["token_dtype"])
     domain_docs = {}
     for d in corpus.domains:
-        tokens, offsets = corpus.arrays(d, "train")
-        k = int(np.searchsorted(offsets, budgets.get(d, 0), side="left"))
-        domain_docs[d] = {"train": [tokens[offsets[i]:offsets[i + 1]] for i in range(k)],
-                          "heldout": list(corpus.documents(d, "heldout"))}
+        domain_docs[d] = {}
+        for split in ("train", "heldout"):  # a prefix of train up to its budget; all of heldout
+            tokens, offsets = corpus.arrays(d, split)
+            k = len(offsets) - 1 if split == "heldout" else \
+                min(int(np.searchsorted(offsets, budgets.get(d, 0), side="left")), len(offsets) - 1)
+            table = corpus.text_table(d, split) if corpus.has_text else None
+            domain_docs[d][split] = {
+                "tokens": [tokens[offsets[i]:offsets[i + 1]] for i in range(k)],
+                "text": None if table is None else table.column("text").slice(0, k).to_pylist(),
+                "source": None if table is None else table.column("source").slice(0, k).to_pylist()}
     manifest = dict(corpus.manifest, command=command, subset_of=str(Path(src_dir).resolve()),
                     subset_weights=weights)
     return write_corpus(out, force, manifest, domain_docs, dtype, shard_tokens)

@@ -70,7 +70,7 @@ def build_cmd(
     cache: Path = typer.Option(None, "--cache", help="Download/token cache (default ~/.cache/linearize)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
 ):
-    """Download, extract, tokenize and shard the corpus; writes DIR/manifest.json and per-domain shards."""
+    """Download, extract, tokenize and shard the corpus; writes DIR/manifest.json, token shards and text (parquet)."""
 
     def go():
         from .build import DEFAULT_CACHE, build

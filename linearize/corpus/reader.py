@@ -1,4 +1,4 @@
-"""Read a built corpus. Torch-free; loads safetensors only (nothing in the folder can run code).
+"""Read a built corpus. Torch-free; loads safetensors and parquet only (nothing in the folder can run code).
 
     >>> from linearize.corpus import open_corpus
     >>> c = open_corpus("/work/corpus/smollm2")           # doctest: +SKIP
@@ -7,6 +7,9 @@
     >>> doc = next(c.documents("prose", "heldout"))       # a 1-D int64 numpy array of token ids
     >>> for domain, doc in c.mixture("train", {"prose": 1, "docs": 1, "code": 1}, tokens=10_000_000):
     ...     ...
+    >>> text = c.texts("prose", "heldout")[0]             # that document's text, as extracted
+    >>> import datasets                                   # the text through datasets, one config per domain:
+    >>> ds = datasets.load_dataset("/work/corpus/smollm2", "prose")  # splits train, heldout; columns text, source
 
 Documents carry no special tokens; put the tokenizer's end-of-text id
 (``c.manifest["tokenizer"]["special_tokens"]["<|endoftext|>"]``) between them when packing.
@@ -21,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .shards import read_shard
+from .texts import read_texts
 
 SPLITS = ("train", "heldout")
 
@@ -32,6 +36,8 @@ class Corpus:
         self.domains: tuple[str, ...] = tuple(manifest["domains"])
         self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
         self._arrays: dict = {}
+        # corpora built before the text was kept have token shards only
+        self.has_text: bool = all("text_shards" in s for d in manifest["domains"].values() for s in d.values())
 
     def _check(self, domain: str, split: str) -> None:
         if domain not in self.domains:
@@ -57,6 +63,22 @@ class Corpus:
             dtype = np.dtype(self.manifest["token_dtype"])
             self._arrays[key] = (np.concatenate(toks) if toks else np.zeros(0, dtype), np.concatenate(offs))
         return self._arrays[key]
+
+    def text_table(self, domain: str, split: str = "train"):
+        """The split's text as a pyarrow table (columns ``text``, ``source``), row ``i`` document ``i``
+        of :meth:`arrays`; its parquet shards joined."""
+        import pyarrow as pa
+
+        self._check(domain, split)
+        if not self.has_text:
+            raise ValueError(f"{self.folder} holds tokens only (built before the text was kept); "
+                             "rebuild it with 'linearize data build' for the documents' text")
+        entry = self.manifest["domains"][domain][split]
+        return pa.concat_tables([read_texts(self.folder / t["file"], t["documents"]) for t in entry["text_shards"]])
+
+    def texts(self, domain: str, split: str = "train") -> list[str]:
+        """The split's documents' text, as extracted (tokenized, each is :meth:`documents`' array)."""
+        return self.text_table(domain, split).column("text").to_pylist()
 
     def documents(self, domain: str, split: str = "train"):
         """The split's documents in stored order (hash order: any prefix is a uniform sample), each

@@ -1,0 +1,194 @@
+"""Triton forward of KDA, the gated delta rule with one decay per key channel (:mod:`linearize.ops.kda`: read
+its docstring first), chunk 64, GQA-native and varlen. Three kernel stages, each with its launcher:
+
+1. ``_prepare_kernel``  per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel,
+   ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (:func:`kda_tiles.decayed_scores`),
+   ``T = (I + A)⁻¹`` by forward substitution in registers, ``W = T (β γ⊙k)`` and ``U = T (β v)``.
+2. ``_state_kernel``    per (V block, sequence × KV head), over the chunks in order — the only sequential part:
+   stores the state entering each chunk, ``Δ = U − W h``, then ``h ← Diag(γ_C) h + (k ⊙ exp(G_C − G))ᵀ Δ``.
+3. ``_output_kernel``   per (V block, chunk, query head):
+   ``o = scale·((γ⊙q) h + P Δ) (+ v_offset)``, ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r).
+
+Every exponent is ≤ 0 (``g ≤ 0``): the pairwise decays go through :mod:`kda_tiles`. G is recomputed from g
+by each kernel (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1 and 2
+again. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import cdiv, next_pow2
+from .kda_tiles import chunk_log_decay, decayed_scores, row_of
+from .layout import BT, Layout, chunk_at, sequence_at
+from .settings import block_k
+from .tiles import mm
+
+SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_tiles)
+
+
+@triton.jit
+def _prepare_kernel(
+    k, v, g, beta, tm, w, u, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SUB: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    n = tl.minimum(T - i_c * BT, BT)  # rows inside the document
+    m_t = o_r < n
+    rows = bos + i_c * BT + o_r  # (BT,) int64: the chunk's tokens
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE) * b_beta[:, None]
+    # T = (I + A)⁻¹, row i = e_i − Σ_{j<i} A_ij T_j, one row at a time (rows taken out with a masked sum)
+    b_T = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+    for i in range(1, n):
+        sel = (o_r == i)[:, None]
+        a_i = tl.sum(tl.where(sel, b_A, 0.0), 0)
+        b_T = tl.where(sel, b_T - tl.sum(a_i[:, None] * b_T, 0)[None, :], b_T)
+    tl.store(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], b_T.to(tm.dtype.element_ty), mask=m_t[:, None])
+    b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # β γ⊙k
+    tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_tv = m_t[:, None] & (o_v < V)[None, :]
+        p_v = (rows * H + i_h)[:, None] * V + o_v[None, :]
+        b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
+        tl.store(u + p_v, mm(b_T, b_v.to(tl.float32) * b_beta[:, None], b_k, IEEE).to(u.dtype.element_ty), mask=m_tv)
+
+
+@triton.jit
+def _state_kernel(
+    k, g, w, u, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
+):
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    m_k, m_v = o_k < K, o_v < V
+    p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
+    k += (bos * H + i_h) * K
+    g += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    u += (bos * H + i_h) * V
+    v_new += (bos * H + i_h) * V
+    hs += (boh * H + i_h) * K * V
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h = tl.load(h0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0).to(tl.float32)
+    for i_t in range(tl.cdiv(T, BT)):
+        t0 = i_t * BT
+        m_t = o_r < T - t0
+        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        p_tk, p_tv = (t0 + o_r)[:, None] * (H * K) + o_k[None, :], (t0 + o_r)[:, None] * (H * V) + o_v[None, :]
+        tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        b_d = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32) - mm(b_w, b_h, b_w, IEEE)  # Δ = U − W h
+        tl.store(v_new + p_tv, b_d.to(v_new.dtype.element_ty), mask=m_tv)
+        b_G = chunk_log_decay(g, p_tk, m_tk)
+        g_last = row_of(b_G, BT - 1)  # G_C per channel
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+        b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))  # k ⊙ exp(G_C − G)
+        b_h = b_h * tl.exp(g_last)[:, None] + mm(tl.trans(b_kd), b_d, b_w, IEEE)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+
+
+@triton.jit
+def _output_kernel(
+    q, k, g, v_new, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, SUB: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
+):
+    HQ: tl.constexpr = H * G
+    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_h = i_hq // G  # query heads h·G … h·G + G − 1 read KV head h
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    n = tl.minimum(T - i_c * BT, BT)
+    m_k, m_v, m_t = o_k < K, o_v < V, o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+    p0 = ((bos + i_c * BT) * H + i_h) * K
+    b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)
+    b_o = mm(b_q.to(tl.float32) * tl.exp(b_G), b_h, b_q, IEEE) + mm(b_P, b_d, b_q, IEEE)
+    b_o *= scale
+    if USE_OFFSET:
+        b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+    tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+
+
+def kda_bv(K: int, V: int) -> int:
+    """V block of every KDA kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
+    return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
+
+
+def kda_prepare(*, layout: Layout, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stage 1: ``(T [tokens, H, BT], W like k, U like v)``; T in the dots' dtype (float32 for float32 inputs).
+    Inputs flat (``Layout.flat``), g float32."""
+    L = layout
+    tm = torch.empty(L.tokens, L.H, BT, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
+    w, u = torch.empty_like(k), torch.empty_like(v)
+    if L.NC:
+        _prepare_kernel[(L.NC, L.H)](
+            k, v, g, beta, tm, w, u, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT,
+            BK=block_k(L.K), BV=kda_bv(L.K, L.V), SUB=SUB, IEEE=L.ieee, num_warps=4)
+    return tm, w, u
+
+
+def kda_states(*, layout: Layout, k, g, w, u, h0=None, ht=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stage 2: ``(hs [NC, H, K, V], Δ like u)``: the state entering every chunk (k's dtype, float32 for float32
+    inputs) and ``Δ = U − W h``; fills ``ht`` ``[N, H, K, V]`` (float32) with each sequence's final state when
+    given. ``h0``: float32 ``[N, H, K, V]`` or None."""
+    L = layout
+    hs = torch.empty(max(L.NC, 1), L.H, L.K, L.V, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
+    v_new = torch.empty_like(u)
+    BV = kda_bv(L.K, L.V)
+    _state_kernel[(cdiv(L.V, BV), L.N * L.H)](
+        k, g, w, u, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
+        L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None,
+        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4)
+    return hs, v_new
+
+
+def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
+            v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Host pipeline: ``(o [B, T, G·H, V] in v's dtype, final float32 state [N, H, K, V] or None)``. Inputs
+    as :func:`linearize.ops.gated_delta_rule` with a per-channel ``g [B, T, H, K]`` (checked there);
+    ``v_offset`` ``[B, T, H, V]`` or None is added to every query head's output of its KV head."""
+    B, T, HQ, K = q.shape
+    L = Layout(q, v, cu_seqlens)
+    qf, kf, vf, bf = Layout.flat(q, k, v, beta)
+    gf = Layout.flat(g)[0].float()
+    ht = torch.empty(L.N, L.H, K, L.V, dtype=torch.float32, device=q.device) if output_final_state else None
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+    o = torch.empty(L.tokens, HQ, L.V, dtype=v.dtype, device=q.device)
+    if L.NC == 0:  # no tokens: the state passes through
+        if ht is not None:
+            ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
+        return o.view(B, T, HQ, L.V), ht
+    _, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf)
+    hs, v_new = kda_states(layout=L, k=kf, g=gf, w=w, u=u, h0=h0, ht=ht)
+    BV = kda_bv(K, L.V)
+    off = Layout.flat(v_offset)[0] if v_offset is not None else vf
+    _output_kernel[(cdiv(L.V, BV), L.NC, HQ)](
+        qf, kf, gf, v_new, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
+        K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, SUB=SUB, USE_OFFSET=v_offset is not None, IEEE=L.ieee, num_warps=4)
+    return o.view(B, T, HQ, L.V), ht

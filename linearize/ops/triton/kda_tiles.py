@@ -1,0 +1,131 @@
+"""``@triton.jit`` helpers of the KDA kernels (``kda_fwd.py``, ``kda_bwd.py``): the chunk's per-channel
+cumulative log-decay and the three products with a pairwise per-channel decay ``D_rj,i = exp(G_ri − G_ji)``
+(``j ≤ r``) that the chunkwise form and its backward are made of:
+
+    scores  M_rj = Σ_i a_ri b_ji D_rj,i          (the in-chunk q·k and k·k)
+    left    L_r  = Σ_{j<r} W_rj (b_j ⊙ D_rj)     (dq through the scores, k's gradient through A's rows)
+    right   R_j  = Σ_{r>j} W_rj (a_r ⊙ D_rj)     (dk through the scores and through A's columns)
+
+``D`` is never split into ``exp(G_r)·exp(−G_j)``: the second factor overflows float32 once a chunk decays by
+more than e⁸⁸. As in :func:`linearize.ops.kda.decayed_scores`, between sub-chunks of ``SUB`` rows a product goes
+through the log-decay at the start of the row's sub-chunk, ``exp(G_r − G_s)·exp(G_s − G_j)``, both factors
+≤ 1, as one dot per sub-chunk; inside a sub-chunk the pairwise decays are taken as they are, one
+sub-diagonal ``d`` at a time (``SUB − 1`` steps, the rows ``d`` away read again from memory), with the decay
+between the two rows summed from the ``d`` log-decays between them rather than taken as a difference of
+cumulative sums. Only the ``n`` rows inside the document are read; every exponent is masked before ``exp``,
+so nothing overflows where a mask drops it. Tiles: (BT, BK) rows of a chunk, G float32; products in float32 (the dots in the inputs' dtype, or IEEE fp32).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tiles import mm
+
+
+@triton.jit
+def chunk_log_decay(g, p, m):
+    """``G``, the in-chunk cumulative log-decay per channel, (BT, BK) float32, from the log-decays at ``g + p``
+    (``m``: rows inside the document and channels inside K). Rows past the document's end read 0, so G stays
+    non-increasing down the whole tile and its last row is the chunk's total decay."""
+    return tl.cumsum(tl.load(g + p, mask=m, other=0.0).to(tl.float32), 0)
+
+
+@triton.jit
+def row_of(x, j):
+    """Row ``j`` of a register tile ``x`` (rows × ·), as a vector."""
+    o = tl.arange(0, x.shape[0])
+    return tl.sum(tl.where((o == j)[:, None], x, 0.0), 0)
+
+
+@triton.jit
+def _factors(G, s, SUB: tl.constexpr):
+    """``(exp(G_r − G_s) on the rows r of sub-chunk s, exp(G_s − G_j) on the rows j before it)``, 0 elsewhere,
+    with ``G_s`` the log-decay at the sub-chunk's first row: both ≤ 1."""
+    o = tl.arange(0, G.shape[0])
+    ref = row_of(G, s * SUB)
+    ea = tl.exp(tl.where((o // SUB == s)[:, None], G - ref[None, :], float("-inf")))
+    fb = tl.exp(tl.where((o < s * SUB)[:, None], ref[None, :] - G, float("-inf")))
+    return ea, fb
+
+
+@triton.jit
+def _rows(p, stride, d, m, K: tl.constexpr, BK: tl.constexpr):
+    """Rows ``o + d`` (o = 0 … BT − 1) of the row-major tile at ``p`` (row stride ``stride``), channels < K,
+    where ``m`` (0 elsewhere), as float32: the rows ``d`` before or after each row."""
+    o, o_k = tl.arange(0, m.shape[0]), tl.arange(0, BK)
+    return tl.load(p + (o + d)[:, None] * stride + o_k[None, :], mask=m[:, None] & (o_k < K)[None, :],
+                   other=0.0).to(tl.float32)
+
+
+@triton.jit
+def decayed_scores(a, b, pb, pg, stride, G, n, K: tl.constexpr, STRICT: tl.constexpr, SUB: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """``M_rj = Σ_i a_ri b_ji exp(G_ri − G_ji)`` for j < r (``STRICT``) or j ≤ r, 0 above: (BT, BT) float32.
+    a, b: (BT, BK) in the dots' dtype (zero past the document's end); ``pb``, ``pg``: b's and the log-decays'
+    first row in memory, both of row stride ``stride``."""
+    BT: tl.constexpr = a.shape[0]
+    BK: tl.constexpr = a.shape[1]
+    o = tl.arange(0, BT)
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    M = tl.zeros([BT, BT], dtype=tl.float32)
+    for s in tl.static_range(1, BT // SUB):  # row r of sub-chunk s, key j of an earlier one
+        if s * SUB < n:
+            ea, fb = _factors(G, s, SUB)
+            M += mm(af * ea, tl.trans(bf * fb), a, IEEE)
+    if not STRICT:
+        M += tl.where(o[:, None] == o[None, :], tl.sum(af * bf, 1)[:, None], 0.0)
+    # inside a sub-chunk, one sub-diagonal at a time: M[r, r − d], S_r = Σ_{r−d<t≤r} g_t the decay between
+    S = tl.zeros(a.shape, dtype=tl.float32)
+    for d in range(1, SUB):
+        m_d = (o % SUB >= d) & (o < n)
+        S += _rows(pg, stride, 1 - d, m_d, K, BK)
+        x = tl.sum(af * _rows(pb, stride, -d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf"))), 1)
+        M += tl.where(o[None, :] == (o - d)[:, None], x[:, None], 0.0)
+    return M
+
+
+@triton.jit
+def decayed_left(W, b, pb, pg, stride, G, n, K: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
+    """``L_r = Σ_{j<r} W_rj b_j ⊙ exp(G_r − G_j)``: (BT, BK) float32. W: (BT, BT) float32, read below the
+    diagonal; b: (BT, BK) in the dots' dtype, ``pb``/``pg`` as :func:`decayed_scores`."""
+    BT: tl.constexpr = b.shape[0]
+    BK: tl.constexpr = b.shape[1]
+    o = tl.arange(0, BT)
+    bf = b.to(tl.float32)
+    L = tl.zeros(b.shape, dtype=tl.float32)
+    for s in tl.static_range(1, BT // SUB):
+        if s * SUB < n:
+            ea, fb = _factors(G, s, SUB)
+            L += ea * mm(W, bf * fb, b, IEEE)
+    S = tl.zeros(b.shape, dtype=tl.float32)
+    for d in range(1, SUB):
+        m_d = (o % SUB >= d) & (o < n)
+        S += _rows(pg, stride, 1 - d, m_d, K, BK)
+        w_d = tl.sum(tl.where(o[None, :] == (o - d)[:, None], W, 0.0), 1)  # W[r, r − d]
+        L += w_d[:, None] * _rows(pb, stride, -d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf")))
+    return L
+
+
+@triton.jit
+def decayed_right(W, a, pa, pg, stride_a, stride_g, G, n, K: tl.constexpr, SUB: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """``R_j = Σ_{r>j} W_rj a_r ⊙ exp(G_r − G_j)``: (BT, BK) float32. W: (BT, BT) float32, read below the
+    diagonal; a: (BT, BK) in the dots' dtype; ``pa``, ``pg``: a's and the log-decays' first row in memory."""
+    BT: tl.constexpr = a.shape[0]
+    BK: tl.constexpr = a.shape[1]
+    o = tl.arange(0, BT)
+    af = a.to(tl.float32)
+    R = tl.zeros(a.shape, dtype=tl.float32)
+    for s in tl.static_range(1, BT // SUB):
+        if s * SUB < n:
+            ea, fb = _factors(G, s, SUB)
+            R += fb * mm(tl.trans(W), af * ea, a, IEEE)
+    S = tl.zeros(a.shape, dtype=tl.float32)
+    for d in range(1, SUB):  # W[j + d, j], S_j = Σ_{j<t≤j+d} g_t
+        m_d = (o % SUB + d < SUB) & (o + d < n)
+        S += _rows(pg, stride_g, d, m_d, K, BK)
+        w_d = tl.sum(tl.where(o[:, None] == (o + d)[None, :], W, 0.0), 0)
+        R += w_d[:, None] * _rows(pa, stride_a, d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf")))
+    return R

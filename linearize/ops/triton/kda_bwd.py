@@ -1,0 +1,331 @@
+"""Triton backward of KDA (:mod:`linearize.ops.kda`) and its ``autograd.Function``.
+
+Per chunk, with ``q̃ = scale·q``, ``G`` the in-chunk cumulative log-decay per channel, ``γ = exp(G)``,
+``D_rj = exp(G_r − G_j)`` per channel (j ≤ r), ``h₀``/``h₁`` the states entering/leaving the chunk:
+
+    A = strictly-lower(β_r Σ_i k_ri k_ji D_rj,i),  T = (I + A)⁻¹,  W = T (β γ⊙k),  U = T (β v),  Δ = U − W h₀
+    o_r = (γ_r⊙q̃_r)ᵀ h₀ + Σ_{j≤r} P_rj Δ_j,  P_rj = Σ_i q̃_ri k_ji D_rj,i
+    h₁ = Diag(γ_C) h₀ + K̃ᵀ Δ,  K̃_j = k_j ⊙ exp(G_C − G_j)
+
+Backward (the GDN derivation of ``linearize/ops/chunk_bwd.py`` with the decays per channel): in reverse over
+the chunks ``dΔ = Σ_g Pᵀ do + K̃ dh₁`` and ``dh₀ = Diag(γ_C) dh₁ + Σ_g (γ⊙q̃)ᵀ do − Wᵀ dΔ``; then per chunk,
+with ``dP_rj = do_r·Δ_j``, ``dW = −dΔ h₀ᵀ``, ``dT = dΔ (βv)ᵀ + dW (βγ⊙k)ᵀ``, ``dA = −Tᵀ dT Tᵀ`` (strictly lower):
+
+    dq̃ = γ⊙(do h₀ᵀ) + Σ_j dP_rj k_j⊙D_rj                       dv = β ⊙ Tᵀ dΔ
+    dk = Σ_r dP_rj q̃_r⊙D_rj + dK̃⊙exp(G_C − G) + βγ⊙TᵀdW + β X + Y,   dK̃ = Δ dh₁ᵀ
+    X_r = Σ_j dA_rj k_j⊙D_rj,   Y_j = Σ_r β_r dA_rj k_r⊙D_rj
+    dβ = (TᵀdΔ)·v + (TᵀdW)·(γ⊙k) + k·X
+
+The decay: G enters through q̃⊙e^G, k⊙e^G (the rows of P, A, W) and k⊙e^−G (their columns), and through
+``γ_C``, so the gradient of ``G_r`` is ``q̃⊙dq̃ + βγk⊙TᵀdW + βk⊙X − k⊙dk_P − k⊙Y`` with the scores' diagonal
+(``D_rr = 1``, no decay) left out of ``dq̃`` and ``dk_P`` — it cancels between them exactly, and summed it
+would cost precision under strong decays; ``dg`` is its reverse cumulative sum in the chunk. The state's
+terms are added already summed, grouped so that none cancels another:
+``dg_t += γ_C⊙Σ_v(dh₁⊙h₀) + Σ_{j<t} k_j⊙dK̃_j⊙exp(G_C − G_j)``.
+
+Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: T, W, U, the states and Δ):
+``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do``; ``_state_bwd_kernel`` per (V block,
+sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and ``dh₀``; ``_dqk_kernel`` per (chunk, KV
+head) dq and the scores' share of dk and of G's gradient; ``_wy_bwd_kernel`` per (chunk, KV head) the rest,
+and dk, dv, dβ, dg. The per-head kernels loop over the G query heads of their KV head, so nothing is summed
+with atomics and K/V are never repeated.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from ..common import cdiv
+from .kda_fwd import SUB, kda_bv, kda_fwd, kda_prepare, kda_states
+from .kda_tiles import chunk_log_decay, decayed_left, decayed_right, decayed_scores, row_of
+from .layout import BT, Layout, chunk_at, sequence_at
+from .settings import block_k
+from .tiles import mm
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _dv_local_kernel(
+    q, k, g, do, dd, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr,
+):
+    """``dd = Σ_g P_gᵀ do_g`` (float32) of one chunk, KV head and V block: the in-chunk part of ``dΔ``."""
+    HQ: tl.constexpr = H * G
+    i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    n = tl.minimum(T - i_c * BT, BT)
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    m_t = o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk, m_tv = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_v < V)[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    b_dd = tl.zeros([BT, BV], dtype=tl.float32)
+    for i_g in range(G):
+        i_hq = i_h * G + i_g
+        b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_do = tl.load(do + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)
+        b_dd += mm(tl.trans(b_P), b_do, b_do, IEEE)
+    tl.store(dd + (rows * H + i_h)[:, None] * V + o_v[None, :], b_dd * scale, mask=m_tv)
+
+
+@triton.jit
+def _state_bwd_kernel(
+    q, k, g, w, do, dd, dhs, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
+):
+    """In reverse over the chunks: store ``dh₁``, ``dΔ = dd + K̃ dh₁`` over ``dd``, and
+    ``dh ← Diag(γ_C) dh₁ + Σ_g (γ⊙q̃_g)ᵀ do_g − Wᵀ dΔ``."""
+    HQ: tl.constexpr = H * G
+    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_n, i_h = i_nh // H, i_nh % H
+    bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    m_k, m_v = o_k < K, o_v < V
+    p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
+    q += (bos * HQ + i_h * G) * K
+    do += (bos * HQ + i_h * G) * V
+    k += (bos * H + i_h) * K
+    g += (bos * H + i_h) * K
+    w += (bos * H + i_h) * K
+    dd += (bos * H + i_h) * V
+    dhs += (boh * H + i_h) * K * V
+    b_dh = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_DHT:
+        b_dh = tl.load(dht + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0).to(tl.float32)
+    NT = tl.cdiv(T, BT)
+    for i in range(NT):
+        i_t = NT - 1 - i
+        t0 = i_t * BT
+        m_t = o_r < T - t0
+        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        p_tk, p_tv = (t0 + o_r)[:, None] * (H * K) + o_k[None, :], (t0 + o_r)[:, None] * (H * V) + o_v[None, :]
+        tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)  # dh₁ of chunk i_t
+        b_G = chunk_log_decay(g, p_tk, m_tk)
+        g_last = row_of(b_G, BT - 1)
+        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
+        b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))  # K̃
+        b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0) + mm(b_kd, b_dh, b_k, IEEE)
+        tl.store(dd + p_tv, b_dd, mask=m_tv)
+        b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        b_dh = b_dh * tl.exp(g_last)[:, None] - mm(tl.trans(b_w), b_dd, b_w, IEEE)
+        b_gs = tl.exp(b_G) * scale
+        for i_g in range(G):
+            b_q = tl.load(q + (t0 + o_r)[:, None] * (HQ * K) + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_do = tl.load(do + (t0 + o_r)[:, None] * (HQ * V) + i_g * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_dh += mm(tl.trans(b_q.to(tl.float32) * b_gs), b_do, b_do, IEEE)  # (γ⊙q̃)ᵀ do
+    if STORE_DH0:
+        tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_h, b_dh.to(dh0.dtype.element_ty), mask=m_h)
+
+
+@triton.jit
+def _dqk_kernel(
+    q, k, g, v_new, do, hs, dq, dk_p, dG_p, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr,
+):
+    """dq, and summed over the query heads the scores' share of dk and of G's gradient (float32)."""
+    HQ: tl.constexpr = H * G
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    n = tl.minimum(T - i_c * BT, BT)
+    o_k, o_r = tl.arange(0, BK), tl.arange(0, BT)
+    m_k, m_t = o_k < K, o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    p_s = ((boh + i_c) * H + i_h) * K * V
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    b_gam = tl.exp(b_G)
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    diag, before = o_r[:, None] == o_r[None, :], o_r[None, :] < o_r[:, None]
+    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
+    b_dG = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_g in range(G):
+        p_q = (rows * HQ + i_h * G + i_g)[:, None]
+        b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+        b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_v = o_v < V
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
+            b_dqh += mm(b_do, tl.trans(b_h), b_do, IEEE)
+        b_dqh *= b_gam  # γ⊙(do h₀ᵀ)
+        b_dPd = tl.sum(tl.where(diag, b_dP, 0.0), 1)  # dP_rr: no decay on the diagonal
+        b_dPs = tl.where(before, b_dP, 0.0)
+        b_dqs = decayed_left(b_dPs, b_k, k + p0, g + p0, H * K, b_G, n, K, SUB, IEEE)
+        b_dq = b_dqs + b_dqh + b_dPd[:, None] * b_k.to(tl.float32)
+        tl.store(dq + p_q * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
+        b_qf = b_q.to(tl.float32)
+        b_dks = decayed_right(b_dPs, b_q, q + ((bos + i_c * BT) * HQ + i_h * G + i_g) * K, g + p0, HQ * K, H * K, b_G,
+                              n, K, SUB, IEEE)
+        b_dk += (b_dks + b_dPd[:, None] * b_qf) * scale
+        b_dG += (b_qf * (b_dqs + b_dqh) - b_k.to(tl.float32) * b_dks) * scale
+    tl.store(dk_p + p_k, b_dk, mask=m_tk)
+    tl.store(dG_p + p_k, b_dG, mask=m_tk)
+
+
+@triton.jit
+def _wy_bwd_kernel(
+    k, v, g, beta, tm, v_new, hs, dhs, dd, dk_p, dG_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
+    chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    SUB: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Through ``K̃``, ``γ_C``, ``Δ = U − W h₀``, T and A; with ``_dqk_kernel``'s shares: dk, dv, dβ, dg."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    n = tl.minimum(T - i_c * BT, BT)
+    o_k, o_r = tl.arange(0, BK), tl.arange(0, BT)
+    m_k, m_t = o_k < K, o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    p_s = ((boh + i_c) * H + i_h) * K * V
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_kf = b_k.to(tl.float32)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    g_last = row_of(b_G, BT - 1)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    b_dW = tl.zeros([BT, BK], dtype=tl.float32)  # −dΔ h₀ᵀ
+    b_dKt = tl.zeros([BT, BK], dtype=tl.float32)  # Δ dh₁ᵀ
+    b_hdh = tl.zeros([BK], dtype=tl.float32)  # Σ_v dh₁ ⊙ h₀
+    b_dT = tl.zeros([BT, BT], dtype=tl.float32)
+    b_db = tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv, m_kv = m_t[:, None] & m_v[None, :], m_k[:, None] & m_v[None, :]
+        p_tv, p_kv = (rows * H + i_h)[:, None] * V + o_v[None, :], o_k[:, None] * V + o_v[None, :]
+        b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0)
+        b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
+        b_d = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
+        b_h = tl.load(hs + p_s + p_kv, mask=m_kv, other=0.0)
+        b_dh = tl.load(dhs + p_s + p_kv, mask=m_kv, other=0.0)
+        b_dW -= mm(b_dd, tl.trans(b_h), b_v, IEEE)
+        b_dKt += mm(b_d, tl.trans(b_dh), b_v, IEEE)
+        b_hdh += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
+        b_tdu = mm(tl.trans(b_T), b_dd, b_v, IEEE)  # Tᵀ dU
+        tl.store(dv + p_tv, (b_tdu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
+        b_bv = b_v.to(tl.float32) * b_beta[:, None]
+        b_db += tl.sum(b_tdu * b_v.to(tl.float32), 1)
+        b_dT += mm(b_dd, tl.trans(b_bv), b_v, IEEE)
+    b_kg = b_kf * tl.exp(b_G)  # γ⊙k
+    b_tdw = mm(tl.trans(b_T), b_dW, b_k, IEEE)  # Tᵀ dW
+    b_dk = b_tdw * tl.exp(b_G) * b_beta[:, None]
+    b_db += tl.sum(b_tdw * b_kg, 1)
+    b_dG = b_tdw * b_kg * b_beta[:, None]
+    b_dT += mm(b_dW, tl.trans(b_kg * b_beta[:, None]), b_k, IEEE)
+    b_dA = -mm(mm(tl.trans(b_T), b_dT, b_k, IEEE), tl.trans(b_T), b_k, IEEE)
+    b_dA = tl.where((o_r[None, :] < o_r[:, None]) & m_t[:, None], b_dA, 0.0)
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    b_X = decayed_left(b_dA, b_k, k + p0, g + p0, H * K, b_G, n, K, SUB, IEEE)
+    b_dk += b_X * b_beta[:, None]
+    b_db += tl.sum(b_X * b_kf, 1)
+    b_dG += b_X * b_kf * b_beta[:, None]
+    b_Y = decayed_right(b_dA * b_beta[:, None], b_k, k + p0, g + p0, H * K, H * K, b_G, n, K, SUB, IEEE)
+    b_dk += b_Y
+    b_dG -= b_Y * b_kf
+    # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C
+    b_e = tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
+    b_dk += b_dKt * b_e
+    b_sp = b_kf * b_dKt * b_e
+    b_dk += tl.load(dk_p + p_k, mask=m_tk, other=0.0)
+    b_dG += tl.load(dG_p + p_k, mask=m_tk, other=0.0)
+    b_dg = tl.cumsum(b_dG, 0, reverse=True) + (tl.exp(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
+    tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
+    tl.store(dbeta + rows * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+
+
+def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens) -> tuple:
+    """``(dq, dk, dv, dg, dbeta, dh0)`` of :func:`kda_fwd`'s output and final state, each in its input's dtype
+    (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]`` or None."""
+    B, T, HQ, K = q.shape
+    L = Layout(q, v, cu_seqlens)
+    H, V, G, ieee, dev = L.H, L.V, L.G, L.ieee, q.device
+    qf, kf, vf, bf, dof = Layout.flat(q, k, v, beta, do)
+    gf = Layout.flat(g)[0].float()
+    h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
+    dh0 = torch.empty(L.N, H, K, V, dtype=initial_state.dtype, device=dev) if initial_state is not None else None
+    dq, dk, dv = torch.empty_like(qf), torch.empty_like(kf), torch.empty_like(vf)
+    dg, dbeta = torch.empty(L.tokens, H, K, dtype=g.dtype, device=dev), torch.empty_like(bf)
+    shape = lambda x, *s: x.view(B, T, *s)  # noqa: E731
+    if L.NC == 0:  # no tokens: the state's gradient passes through
+        if dh0 is not None:
+            dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
+        return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
+    tm, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf)
+    hs, v_new = kda_states(layout=L, k=kf, g=gf, w=w, u=u, h0=h0)
+    dhs = torch.empty_like(hs)
+    dd = torch.empty(L.tokens, H, V, dtype=torch.float32, device=dev)
+    dk_p, dG_p = (torch.empty(L.tokens, H, K, dtype=torch.float32, device=dev) for _ in range(2))
+    dht = dht.contiguous() if dht is not None else None
+    BK, BV = block_k(K), kda_bv(K, V)
+    c = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
+    _dv_local_kernel[(cdiv(V, BV), L.NC, H)](
+        qf, kf, gf, dof, dd, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), G=G, SUB=SUB, **c,
+        num_warps=4)
+    _state_bwd_kernel[(cdiv(V, BV), L.N * H)](
+        qf, kf, gf, w, dof, dd, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs,
+        L.cu_seqlens, L.chunk_offsets, float(scale), G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **c,
+        num_warps=4)
+    _dqk_kernel[(L.NC, H)](
+        qf, kf, gf, v_new, dof, hs, dq, dk_p, dG_p, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
+        G=G, SUB=SUB, **c, num_warps=4)
+    _wy_bwd_kernel[(L.NC, H)](
+        kf, vf, gf, bf, tm, v_new, hs, dhs, dd, dk_p, dG_p, dk, dv, dbeta, dg, L.cu_seqlens, L.chunk_indices,
+        L.chunk_offsets, SUB=SUB, **c, num_warps=4)
+    return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
+
+
+class KDAFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset):
+        o, ht = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
+        # no intermediate is kept: the backward recomputes T, W, U and the chunk states
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        ctx.scale = scale
+        ctx.offset_dtype = v_offset.dtype if v_offset is not None else None
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        dq, dk, dv, dg, dbeta, dh0 = kda_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=ctx.scale, initial_state=h0,
+                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens)
+        dvo = None
+        if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
+            B, T, HQ, V = do.shape
+            H = v.shape[2]
+            dvo = do.reshape(B, T, H, HQ // H, V).sum(3, dtype=torch.float32).to(ctx.offset_dtype)
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo
+
+
+def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
+               cu_seqlens=None, v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """KDA on the Triton kernels, differentiable (gradients of q, k, v, g, beta, the initial state and
+    v_offset); same contract as :func:`linearize.ops.gated_delta_rule` with a per-channel ``g [B, T, H, K]``
+    (inputs checked there), plus ``v_offset`` ``[B, T, H, V]`` or None, added to the output of every query head
+    of its KV head before the output's one rounding."""
+    if q.dtype not in DTYPES:
+        raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
+    if v_offset is not None and v_offset.shape != v.shape:
+        raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
+    return KDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens, v_offset)

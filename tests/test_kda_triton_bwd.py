@@ -1,0 +1,97 @@
+"""The Triton backward of KDA (ops/triton/kda_bwd.py): output, final state and the gradients of q, k, v, the
+per-channel g, beta, the initial state and v_offset against autograd through the float64 recurrent
+definition (``kda_reference``) — interpreted on the CPU (fp32; fp16: the interpreter's bf16 dots are wrong)
+and compiled on a CUDA GPU (``-m gpu``, NaN-poisoned buffers, fp32 and bf16)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from test_kda import kda_inputs
+from test_kda_triton import SHAPES, TOL, ids
+from test_linear_ops import rel
+
+from linearize.ops.kda import kda_reference
+
+f64 = torch.float64
+NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dv_offset"]
+
+
+def grads(fn, q, k, v, g, beta, h0, offset, cu, *, final=True, seed=11):
+    """Output, final state and every input's gradient under a random loss on both (None where not used).
+    ``fn`` None: the reference, with ``v_offset`` added after it."""
+    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, h0, offset)]
+    kw = dict(scale=0.7, initial_state=leaves[5], output_final_state=final, cu_seqlens=cu)
+    if fn is None:
+        o, h = kda_reference(*leaves[:5], **kw)
+        o = o + leaves[6].repeat_interleave(q.shape[2] // k.shape[2], 2)
+    else:
+        o, h = fn(*leaves[:5], v_offset=leaves[6], **kw)
+    gen = torch.Generator().manual_seed(seed)
+    loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=f64).to(o.device)).sum()
+    if final:
+        loss = loss + (h.double() * torch.randn(h.shape, generator=gen, dtype=f64).to(h.device)).sum()
+    loss.backward()
+    return [o.detach(), h.detach() if final else None] + [x.grad if x is not None else None for x in leaves]
+
+
+def check(dtype, device, B, T, H, G, K, V, cu, decay, *, h0=True, final=True, tol=None):
+    from linearize.ops.triton.kda_bwd import kda_triton
+
+    N = len(cu) - 1 if cu else B
+    q, k, v, g, beta = kda_inputs(B, T, H, G, K, V, seed=T + K + G, decay=decay)
+    gen = torch.Generator().manual_seed(1)
+    s0 = torch.randn(N, H, K, V, dtype=f64, generator=gen).float() if h0 else None
+    offset = torch.randn(B, T, H, V, dtype=f64, generator=gen)
+    cu_t = torch.tensor(cu) if cu else None
+    q, k, v, offset = (x.to(dtype) for x in (q, k, v, offset))  # the kernels' inputs; the reference sees the same values
+    g, beta = g.float(), beta.float()
+    ref = grads(None, *(x.double() if x is not None else None for x in (q, k, v, g, beta, s0, offset)), cu_t,
+                final=final)
+    dev = lambda x: x.to(device) if x is not None else None  # noqa: E731
+    got = grads(kda_triton, *map(dev, (q, k, v, g, beta, s0, offset, cu_t)), final=final)
+    tol = tol or TOL[dtype]
+    for name, a, b in zip(NAMES, got, ref):
+        a, b = (None if x is None or x.numel() == 0 else x for x in (a, b))  # no token: the loop leaves None
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        a = a.double().cpu()
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) <= tol, (name, rel(a, b))
+    assert got[2].dtype == dtype and got[5].dtype == torch.float32 and (not h0 or got[7].dtype == torch.float32)
+
+
+def interpreted():
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=ids)
+def test_kda_triton_grads_interpreted_equal_reference(shape):
+    interpreted()
+    check(torch.float32, "cpu", *shape)
+
+
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=ids)
+def test_kda_triton_grads_interpreted_fp16(shape):
+    interpreted()
+    check(torch.float16, "cpu", *shape)
+
+
+def test_kda_triton_grads_without_states():
+    """No initial state and no final state: dh0 is None, and the state's gradient starts from zero."""
+    interpreted()
+    check(torch.float32, "cpu", 1, 70, 1, 2, 16, 16, None, 3.0, h0=False, final=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES + [(2, 2048, 4, 4, 128, 128, None, 1.0),
+                                            (1, 3000, 2, 7, 64, 64, [0, 1000, 1001, 3000], 5.0),
+                                            (1, 700, 1, 4, 256, 256, None, 1.0)], ids=ids)
+def test_kda_triton_grads_gpu_equal_reference(dtype, shape, compiled):
+    check(dtype, "cuda", *shape)

@@ -108,10 +108,10 @@ def test_kda_chunk_is_stable_in_float32_under_strong_decays():
     assert (got.double() - want).abs().max() < 1e-4
 
 
-def test_triton_refuses_a_per_channel_decay():
+def test_decode_step_kernels_refuse_a_per_channel_decay():
+    """The decode-step kernels take one decay per head (the kda block steps through the torch body); the chunked
+    operator's kernels take a per-channel g (tests/test_kda_triton*.py), of k's shape only."""
     q, k, v, g, beta = kda_inputs(1, 8, 1, 1, 8, 8, seed=7, dtype=torch.float32)
-    with pytest.raises(ValueError, match="per-channel g .* use backend='torch'"):
-        gated_delta_rule(q, k, v, g, beta, backend="triton")
     with pytest.raises(ValueError, match="per-channel g must be"):
         gated_delta_rule(q, k, v, g[..., :4], beta)
     N, H, K = 2, 1, 8
@@ -250,9 +250,36 @@ def test_kda_saves_loads_and_generates(tmp_path):
     assert torch.equal(got[:, : want.shape[1]], want) and (got[:, want.shape[1]:] == 0).all()
 
 
-def test_kda_options_refuse_triton():
-    with pytest.raises(ValueError, match="backend='triton' has no kernels for the kda target"):
-        GDNOptions(target="kda", backend="triton")
+def test_kda_block_on_the_triton_kernels_equals_torch():
+    """A converted kda model (channels decaying each their own way) on the interpreted kernels: logits, prefill +
+    decode from the cache (the decode steps run the torch body), and every parameter's gradient."""
+    import os
+
+    from test_linear_ops import rel
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1")
+    teacher = tiny_model("llama", num_hidden_layers=2)
+    model = linearize.convert(teacher, to="kda", calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    perturb(model)
+    x = ids(model, B=1, T=40)
+    mask, pos = torch.ones_like(x), torch.arange(40)[None]
+
+    def run(backend):
+        for m in model.modules():
+            if isinstance(m, GDNAttention):
+                m.options.backend = backend
+        model.zero_grad()
+        logits = model(x).logits
+        logits.square().mean().backward()
+        return logits.detach(), torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+
+    want, want_grad = run("torch")
+    got, got_grad = run("triton")
+    assert rel(got, want) <= 1e-5 and rel(got_grad, want_grad) <= 1e-5, (rel(got, want), rel(got_grad, want_grad))
+    with torch.no_grad():
+        inc, _ = incremental_logits(model, x, mask, pos, prefill=36)
+    assert rel(inc, want) <= 1e-5
 
 
 def test_cli_convert_to_kda_and_recipe(tiny_dir, tmp_path):

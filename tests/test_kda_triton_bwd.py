@@ -87,6 +87,22 @@ def test_kda_triton_grads_without_states():
     check(torch.float32, "cpu", 1, 70, 1, 2, 16, 16, None, 3.0, h0=False, final=False)
 
 
+def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
+    """``gated_delta_rule(backend="triton")`` with a per-channel g differentiates through the KDA kernels
+    (equal to the chunkwise PyTorch form); ``"auto"`` keeps the PyTorch form until the kernels' GPU tests
+    have run."""
+    interpreted()
+    from linearize.ops import gated_delta_rule
+
+    q, k, v, g, beta = (x.float() for x in kda_inputs(1, 20, 2, 2, 8, 8, seed=0, decay=2.0))
+    q.requires_grad_(True)
+    o, _ = gated_delta_rule(q, k, v, g, beta, backend="triton")
+    assert type(o.grad_fn).__name__ == "KDAFunctionBackward"
+    want, _ = gated_delta_rule(q, k, v, g, beta)
+    assert type(want.grad_fn).__name__ != "KDAFunctionBackward"
+    assert rel(o.detach().double(), want.detach().double()) <= 1e-5
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

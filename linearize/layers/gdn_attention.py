@@ -334,6 +334,8 @@ class GDNAttention(nn.Module):
         proj = step_projections(self, hidden_states) if self.stacked_step else None  # one product for five
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past, projections=proj and proj[:3])
         dt, backend = h0.dtype, {"reference": "torch"}.get(self.options.backend, self.options.backend)
+        if self.per_channel:  # the decode-step kernels take one decay per head: kda's step is the torch body
+            backend = "torch"
         beta_factor, gate_factor = correction_factors(*self._logits(hidden_states, proj), dt)
         common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
         if buffers is not None:

@@ -81,9 +81,6 @@ class GDNOptions:
         r = self.decay_rank
         if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= 4096:
             raise ValueError(f"decay_rank must be a whole number from 1 to 4096; got {r!r}")
-        if self.target == "kda" and self.backend == "triton":
-            raise ValueError("backend='triton' has no kernels for the kda target's per-channel decay; "
-                             "use backend='auto' or 'torch' (or convert to gdn)")
         if not isinstance(self.calibrate_mix, bool):
             raise ValueError(f"calibrate_mix must be true or false; got {self.calibrate_mix!r}")
         if not isinstance(self.write_gate, bool):

@@ -12,7 +12,7 @@ import torch
 
 from .chunk import gated_delta_rule_chunk
 from .common import TRITON_MAX_K, check_inputs
-from .kda import kda_chunk, kda_reference, kda_step
+from .kda import check_kda_inputs, kda_chunk, kda_reference, kda_step
 from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
 from .taylor import (
@@ -65,8 +65,10 @@ def gated_delta_rule(
         q: ``[B, T, G·H, K]`` — G query heads read each KV head's state (GQA-native).
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
         g: ``[B, T, H]`` log-decay (``α_t = exp(g_t)``, finite), or ``[B, T, H, K]``: one per key channel
-            (KDA, ``h_t = (I − β_t k_t k_tᵀ) Diag(α_t) h_{t−1} + β_t k_t v_tᵀ``; :mod:`linearize.ops.kda`,
-            PyTorch only: ``"auto"`` takes ``"torch"``); beta: ``[B, T, H]``.
+            (KDA, ``h_t = (I − β_t k_t k_tᵀ) Diag(α_t) h_{t−1} + β_t k_t v_tᵀ``, ``g ≤ 0``;
+            :mod:`linearize.ops.kda`; its Triton kernels, ``ops/triton/kda_fwd.py`` and ``kda_bwd.py``, are
+            verified under the Triton interpreter but not yet run on a GPU, so ``"auto"`` takes ``"torch"``
+            for it and the kernels are opt-in, ``backend="triton"``); beta: ``[B, T, H]``.
         initial_state: ``[N, H, K, V]``, N = B or the number of packed documents.
         output_final_state: also return the ``[N, H, K, V]`` state after the last token.
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
@@ -91,18 +93,25 @@ def gated_delta_rule(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     per_channel = g.dim() == 4
-    if per_channel and backend == "triton":
-        raise ValueError(f"backend='triton' takes one log-decay per head, g [B, T, H]; got a per-channel g "
-                         f"{list(g.shape)} (the kda target), which has no Triton kernels: use backend='torch' or 'auto'")
     if backend == "auto":
         fits = q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K
+        # the per-channel (KDA) kernels are opt-in (backend="triton") until their GPU tests have run
+        # (tests/test_kda_triton.py, test_kda_triton_bwd.py -m gpu)
         backend = "triton" if fits and not per_channel else "torch"
     if backend == "triton":
-        check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        if per_channel:
+            check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+        else:
+            check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"the Triton backend takes float16, bfloat16 or float32; got {q.dtype} (use backend='torch')")
         if not _triton_usable(q):
             raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch'")
+        if per_channel:
+            from .triton.kda_bwd import kda_triton
+
+            return kda_triton(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
         from .triton import chunk_gated_delta_rule_triton
 
         return chunk_gated_delta_rule_triton(

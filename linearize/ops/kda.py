@@ -20,7 +20,8 @@ start of the query's sub-chunk, inside one it takes the pairwise decays as they 
 
 :func:`kda_step` is one decode step; :func:`kda_reference` the loop that defines the op; :func:`kda_chunk` the
 chunkwise form. The public :func:`linearize.ops.gated_delta_rule` takes a per-channel ``g [B, T, H, K]``
-and routes it here. There are no Triton kernels for it.
+and routes it here; with ``backend="triton"`` to the Triton forward and backward of ``ops/triton/kda_fwd.py`` and
+``kda_bwd.py`` (tested under the Triton interpreter, not yet on a GPU: ``"auto"`` keeps this module's form).
 """
 
 from __future__ import annotations

@@ -2,10 +2,14 @@
 
     python scripts/bench_kernels.py --output results/bench_kernels.json
     python scripts/bench_kernels.py --op linear --output results/bench_kernels_linear.json
+    python scripts/bench_kernels.py --op kda --output results/bench_kernels_kda.json
 
 ``--op linear`` times the ``linear`` (VaLA) target's operator instead (``linearize.ops.linear_attention``,
 decayed linear attention with a write weight, here 1) against fla's ``chunk_simple_gla``, the same
 recurrence ``h_t = exp(g_t) h_{t−1} + k_t v_tᵀ`` with a scalar log-decay per head.
+``--op kda`` times the gated delta rule with a log-decay per key channel (the ``kda`` target,
+``gated_delta_rule`` with ``g [B, T, H, K]`` on ``ops/triton/kda_fwd.py``/``kda_bwd.py``) against fla's
+``chunk_kda``, the same recurrence ``h_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) h_{t−1} + β_t k_t v_tᵀ``.
 
 Median ms (triton.testing.do_bench) of forward and forward+backward, and peak memory of
 forward+backward, at SPEC §7's standard shapes (bf16, H=16, K=V=128) and at GQA shapes of real
@@ -40,6 +44,8 @@ def load_fla(op: str = "gdn"):
         import fla.ops.common.chunk_o as chunk_o
         if op == "linear":
             from fla.ops.simple_gla import chunk_simple_gla as fn
+        elif op == "kda":
+            from fla.ops.kda import chunk_kda as fn
         else:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
     except Exception as e:  # not installed / fails to import
@@ -52,7 +58,8 @@ def load_fla(op: str = "gdn"):
 
 def operators(op: str, K: int):
     """``(ours, fla_call)`` for the operator timed: each takes (q, k, v, g, beta) (k, v, g, beta already
-    repeated to the query heads for fla); the linear operator ignores beta (a write weight of 1)."""
+    repeated to the query heads for fla); the linear operator ignores beta (a write weight of 1). For kda, g is
+    per key channel ``[B, T, H, K]`` (:func:`inputs`), so the same calls take the KDA kernels."""
     if op == "linear":
         def ours(q, k, v, g, beta):
             return linear_attention(q, k, v, g, torch.ones_like(g), scale=K**-0.5, backend="triton")[0]
@@ -69,6 +76,15 @@ def operators(op: str, K: int):
     return ours, fla_call
 
 
+NOTES = {  # what "ours backward" is, per operator
+    "gdn": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py): T = (I+A)^-1 kept from the forward, "
+           "the other intermediates recomputed",
+    "linear": "ours backward = Triton kernels (linearize/ops/triton/linear_bwd.py): the chunk states recomputed",
+    "kda": "ours backward = Triton kernels (linearize/ops/triton/kda_bwd.py): T, W, U and the chunk states recomputed; "
+           "launch settings untuned",
+}
+
+
 def bench(fn):
     return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
 
@@ -82,12 +98,14 @@ def peak(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16):
-    q = torch.randn(B, T, HQ, K, device="cuda", dtype=dtype).requires_grad_()
-    k = F.normalize(torch.randn(B, T, H, K, device="cuda"), dim=-1).to(dtype).requires_grad_()
-    v = torch.randn(B, T, H, V, device="cuda", dtype=dtype).requires_grad_()
-    g = (-torch.rand(B, T, H, device="cuda") * 0.1).requires_grad_()
-    beta = torch.rand(B, T, H, device="cuda", dtype=dtype).requires_grad_()
+def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda"):
+    """Random q, k (unit), v, log-decays in (−0.1, 0) — per head, or per key channel (``per_channel``: kda) —
+    and β, all requiring gradients."""
+    q = torch.randn(B, T, HQ, K, device=device, dtype=dtype).requires_grad_()
+    k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype).requires_grad_()
+    v = torch.randn(B, T, H, V, device=device, dtype=dtype).requires_grad_()
+    g = (-torch.rand(B, T, H, *((K,) if per_channel else ()), device=device) * 0.1).requires_grad_()
+    beta = torch.rand(B, T, H, device=device, dtype=dtype).requires_grad_()
     return q, k, v, g, beta
 
 
@@ -134,7 +152,7 @@ def measure(name, run, tensors, graph=False):
 
 def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False, op="gdn"):
     G = HQ // H
-    q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
+    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda")
     ts = (q, k, v, g, beta)
     rep = lambda x: x.repeat_interleave(G, dim=2)
     ours, fla_call = operators(op, K)
@@ -192,8 +210,9 @@ def main():
                    help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
-    p.add_argument("--op", choices=("gdn", "linear"), default="gdn",
-                   help="the operator timed: the gated delta rule, or the linear (VaLA) target's decayed linear attention")
+    p.add_argument("--op", choices=("gdn", "linear", "kda"), default="gdn",
+                   help="the operator timed: the gated delta rule, the linear (VaLA) target's decayed linear attention, "
+                        "or the gated delta rule with a decay per key channel (kda)")
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
     args = p.parse_args()
@@ -215,7 +234,7 @@ def main():
               ("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py): T = (I+A)^-1 kept from the forward, the other intermediates recomputed"}
+            "note": NOTES[args.op]}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

@@ -3,7 +3,8 @@
 # writing its files as it goes (a step cut short keeps what it measured). Steps:
 #   tests    the GPU tests (pytest -m gpu): kernels against float64 references; JUnit XML in OUT/gpu_tests.xml
 #   kernels  ours vs flash-linear-attention and SDPA, every shape (bench_kernels.json/.md); the linear target's
-#            operator vs fla's chunk_simple_gla (bench_kernels_linear.json/.md)
+#            operator vs fla's chunk_simple_gla (bench_kernels_linear.json/.md); the kda target's vs fla's
+#            chunk_kda (bench_kernels_kda.json/.md)
 #   profile  GPU time per kernel, ours and fla (profile_kernels.json)
 #   ncu      Nsight Compute on each forward kernel at 2x8192 (ncu_forward_2x8192.json)
 #   distill  align/distill throughput against the teacher, rows and packed, both fronts (bench_distill_variants.json)
@@ -23,7 +24,7 @@ recipe=recipes/smollm2-135m-gdn-gpu.yaml
 die() { echo "error: $1 (scripts/gpu_report.sh -h: usage)" >&2; exit 2; }
 while [ $# -gt 0 ]; do
     case $1 in
-        -h|--help) echo "$usage"; sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h|--help) echo "$usage"; sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         --only) [ $# -ge 2 ] || die "--only needs a list of steps ($all)"; only=$2; shift 2 ;;
         --recipe) [ $# -ge 2 ] || die "--recipe needs a recipe file"; recipe=$2; shift 2 ;;
         -*) die "unknown option $1" ;;
@@ -49,6 +50,8 @@ wanted tests && step 600 env TRITON_INTERPRET=0 python -m pytest -m gpu -q --jun
 wanted kernels && step 540 python scripts/bench_kernels.py --output "$out/bench_kernels.json" --markdown "$out/bench_kernels.md"
 wanted kernels && step 300 python scripts/bench_kernels.py --op linear --output "$out/bench_kernels_linear.json" \
     --markdown "$out/bench_kernels_linear.md"
+wanted kernels && step 300 python scripts/bench_kernels.py --op kda --output "$out/bench_kernels_kda.json" \
+    --markdown "$out/bench_kernels_kda.md"
 wanted profile && step 240 python scripts/profile_kernels.py --output "$out/profile_kernels.json"
 wanted ncu && step 200 python scripts/profile_ncu.py --output "$out/ncu_forward_2x8192.json"
 wanted distill && step 240 python scripts/bench_distill.py --variants --output "$out/bench_distill_variants.json"

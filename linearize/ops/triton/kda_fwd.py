@@ -140,6 +140,12 @@ def kda_bv(K: int, V: int) -> int:
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
 
 
+def chunk_warps(K: int) -> int:
+    """Warps of the per-chunk KDA kernels, which hold several (64, K) float32 tiles at once: 8 past K = 64
+    (the linear attention backward's rule); untuned."""
+    return 4 if block_k(K) <= 64 else 8
+
+
 def kda_prepare(*, layout: Layout, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: ``(T [tokens, H, BT], W like k, U like v)``; T in the dots' dtype (float32 for float32 inputs).
     Inputs flat (``Layout.flat``), g float32."""
@@ -149,7 +155,7 @@ def kda_prepare(*, layout: Layout, k, v, g, beta) -> tuple[torch.Tensor, torch.T
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
             k, v, g, beta, tm, w, u, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT,
-            BK=block_k(L.K), BV=kda_bv(L.K, L.V), SUB=SUB, IEEE=L.ieee, num_warps=4)
+            BK=block_k(L.K), BV=kda_bv(L.K, L.V), SUB=SUB, IEEE=L.ieee, num_warps=chunk_warps(L.K))
     return tm, w, u
 
 
@@ -190,5 +196,6 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     _output_kernel[(cdiv(L.V, BV), L.NC, HQ)](
         qf, kf, gf, v_new, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
-        K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, SUB=SUB, USE_OFFSET=v_offset is not None, IEEE=L.ieee, num_warps=4)
+        K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, SUB=SUB, USE_OFFSET=v_offset is not None, IEEE=L.ieee,
+        num_warps=chunk_warps(K))
     return o.view(B, T, HQ, L.V), ht

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import statistics
 import sys
 import time
 import warnings
@@ -93,52 +92,51 @@ def main(
 
 # --- output ------------------------------------------------------------------------------------
 
-def print_fidelity(rows: list[dict], title: str, inits=("uniform", "vala", "seed", "stable")):
-    """The per-layer table; a ``block`` column marks the layers kept softmax when rows say."""
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=title)
-    table.add_column("layer", justify="right")
-    blocks = any("block" in r for r in rows)
-    if blocks:
-        table.add_column("block", no_wrap=True)
-    for name in inits:
-        table.add_column(name, justify="right")
-    for r in rows:
-        best = min(inits, key=lambda n: r[n])
-        block = ["softmax (kept)" if r.get("block") == "softmax" else r.get("block", "")] if blocks else []
-        table.add_row(str(r["layer"]), *block,
-                      *[(f"[bold]{r[n]:.3g}[/bold]" if n == best else f"{r[n]:.3g}") for n in inits])
-    table.add_row("median", *([""] if blocks else []), *[f"{statistics.median(r[n] for r in rows):.3g}" for n in inits])
-    Console().print(table)
-
-
 # --- commands ------------------------------------------------------------------------------------
 
 @app.command()
 def fidelity(
     model: str = typer.Option("smollm2-135m", "--model", "-m", help="Alias, .gguf file, model directory or hub id."),
     tokens: int = typer.Option(256, "--tokens", "-t", help="Tokens of held-out built-in text."),
+    targets: str = typer.Option("gdn,deltanet,kda,linear", "--targets", help="Targets side by side ('': none)."),
+    window: int = typer.Option(64, "--window", help="The targets' window (linear has none); 0 = the pure blocks."),
+    sinks: int | None = typer.Option(None, "--sinks", help="With --window: sinks (default 4; 0 without a window)."),
+    fit_steps: int = typer.Option(0, "--fit-steps", help="Also fit each block's own parameters, N Adam steps a layer."),
+    calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, the fit)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the per-layer errors as JSON here."),
 ):
-    """Per-layer relative error of each linear initialization against the teacher's attention."""
+    """Per-layer error of each initialization and each target's block against the teacher's attention."""
 
     def go():
         checks.positive(tokens, "--tokens", 2)
         checks.builtin_tokens(tokens, "--tokens", "heldout")
+        checks.positive(fit_steps, "--fit-steps", 0)
+        checks.positive(calibration_tokens, "--calibration-tokens", 1)
+        checks.builtin_tokens(calibration_tokens, "--calibration-tokens", "train")
         checks.json_output(output)
+        from .layers.options import GDNOptions, check_target
+
+        names = [check_target(t.strip(), "--targets") for t in targets.split(",") if t.strip()]
+        try:
+            options = GDNOptions(window=window, sinks=(4 if window else 0) if sinks is None else sinks)
+        except ValueError as e:
+            raise UserError(f"--{str(e).replace('_', '-')}") from None
         src, _ = checks.inspect_model(model, needs_teacher="fidelity")
         from .eval import layer_fidelity, text_ids
+        from .fidelity import compare_targets, print_fidelity
         from .models import load_teacher
 
         lm, tok = checks.loaded(model, debug=DEBUG, fn=lambda: load_teacher(src))
-        rows = layer_fidelity(lm, text_ids(tok, tokens))
+        heldout = text_ids(tok, tokens)
+        rows = layer_fidelity(lm, heldout)
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens")
         wins = sum(r["stable"] < r["vala"] for r in rows)
         typer.echo(f"stable Taylor form beats VaLA on {wins} of {len(rows)} layers")
+        report = {"model": model, "tokens": tokens, "layers": rows}
+        if names:
+            report["targets"] = compare_targets(lm, tok, heldout, names, options, fit_steps, calibration_tokens, model)
         if output is not None:
-            checks.write_atomic(output, json.dumps({"model": model, "tokens": tokens, "layers": rows}, indent=1))
+            checks.write_atomic(output, json.dumps(report, indent=1))
             typer.echo(f"wrote {output}")
 
     run_guarded(go)
@@ -222,6 +220,8 @@ def convert(
         t_report = time.perf_counter()
         report.update(model=model, output=str(out), options=options.to_dict(), calibration_steps=calibrate_steps)
         rows = report["layers"]
+        from .fidelity import print_fidelity
+
         print_fidelity(rows, f"{model}: relative error vs teacher attention, {tokens} held-out tokens",
                        ("uniform", "vala", "seed", "stable") + (("converted",) if window or calibrate_steps or to == "linear" else ()))
         ppl = report["perplexity"]

@@ -468,7 +468,7 @@ ROWS = [{"layer": i, "block": b, "uniform": 0.9, "vala": 0.5 + i / 10, "seed": 3
 
 
 def test_print_fidelity_marks_kept_softmax(capsys):
-    from linearize.cli import print_fidelity
+    from linearize.fidelity import print_fidelity
 
     print_fidelity(ROWS, "t")
     table = capsys.readouterr().out

@@ -43,8 +43,8 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, tol=None):
     from linearize.ops.triton.kda_fwd import kda_fwd
 
     q, k, v, g, beta = map(dev, (*low, g, beta))
-    o, h = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=0.7, initial_state=dev(h0), output_final_state=True,
-                   cu_seqlens=None if cu_t is None else dev(cu_t), v_offset=dev(offset.float()))
+    o, h, _ = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=0.7, initial_state=dev(h0), output_final_state=True,
+                      cu_seqlens=None if cu_t is None else dev(cu_t), v_offset=dev(offset.float()))
     assert o.dtype == dtype and h.dtype == torch.float32
     tol = tol or TOL[dtype]
     for name, got, want in (("o", o, ref), ("final_state", h, h_ref)):

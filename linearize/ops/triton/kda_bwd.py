@@ -23,7 +23,8 @@ would cost precision under strong decays; ``dg`` is its reverse cumulative sum i
 terms are added already summed, grouped so that none cancels another:
 ``dg_t += γ_C⊙Σ_v(dh₁⊙h₀) + Σ_{j<t} k_j⊙dK̃_j⊙exp(G_C − G_j)``.
 
-Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: T, W, U, the states and Δ):
+Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: W and U from the forward's T, the
+states and Δ):
 ``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do``; ``_state_bwd_kernel`` per (V block,
 sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and ``dh₀``; ``_dqk_kernel`` per (chunk, KV
 head) dq and the scores' share of dk and of G's gradient; ``_wy_bwd_kernel`` per (chunk, KV head) the rest,
@@ -253,9 +254,10 @@ def _wy_bwd_kernel(
     tl.store(dbeta + rows * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
-def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens) -> tuple:
+def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens, tm=None) -> tuple:
     """``(dq, dk, dv, dg, dbeta, dh0)`` of :func:`kda_fwd`'s output and final state, each in its input's dtype
-    (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]`` or None."""
+    (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]`` or None;
+    ``tm`` the forward's T (:func:`kda_fwd`), or None to solve again."""
     B, T, HQ, K = q.shape
     L = Layout(q, v, cu_seqlens)
     H, V, G, ieee, dev = L.H, L.V, L.G, L.ieee, q.device
@@ -270,7 +272,7 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
-    tm, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf)
+    tm, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
     hs, v_new = kda_states(layout=L, k=kf, g=gf, w=w, u=u, h0=h0)
     dhs = torch.empty_like(hs)
     dd = torch.empty(L.tokens, H, V, dtype=torch.float32, device=dev)
@@ -297,19 +299,19 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
 class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset):
-        o, ht = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
-        # no intermediate is kept: the backward recomputes T, W, U and the chunk states
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+        o, ht, tm = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
+        # of the intermediates only T is kept (the costly solve); the backward recomputes W, U and the states
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm)
         ctx.scale = scale
         ctx.offset_dtype = v_offset.dtype if v_offset is not None else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, tm = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = kda_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=ctx.scale, initial_state=h0,
-                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens)
+                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, tm=tm)
         dvo = None
         if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
             B, T, HQ, V = do.shape

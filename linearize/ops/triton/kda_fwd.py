@@ -11,7 +11,7 @@ its docstring first), chunk 64, GQA-native and varlen. Three kernel stages, each
 
 Every exponent is ≤ 0 (``g ≤ 0``): the pairwise decays go through :mod:`kda_tiles`. G is recomputed from g
 by each kernel (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1 and 2
-again. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
+again, the first on the forward's T. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_t
 def _prepare_kernel(
     k, v, g, beta, tm, w, u, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SUB: tl.constexpr, IEEE: tl.constexpr,
+    SUB: tl.constexpr, LOAD_T: tl.constexpr, IEEE: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -46,15 +46,19 @@ def _prepare_kernel(
     b_G = chunk_log_decay(g, p_k, m_tk)
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
-    b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE) * b_beta[:, None]
-    # T = (I + A)⁻¹, row i = e_i − Σ_{j<i} A_ij T_j, one row at a time (rows taken out with a masked sum)
-    b_T = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-    for i in range(1, n):
-        sel = (o_r == i)[:, None]
-        a_i = tl.sum(tl.where(sel, b_A, 0.0), 0)
-        b_T = tl.where(sel, b_T - tl.sum(a_i[:, None] * b_T, 0)[None, :], b_T)
-    tl.store(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], b_T.to(tm.dtype.element_ty), mask=m_t[:, None])
+    p_t = (rows * H + i_h)[:, None] * BT + o_r[None, :]
+    if LOAD_T:  # the backward: T as the forward stored it (the dots below read it in that dtype either way)
+        b_T = tl.load(tm + p_t, mask=m_t[:, None], other=0.0).to(tl.float32)
+    else:
+        p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+        b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE) * b_beta[:, None]
+        # T = (I + A)⁻¹, row i = e_i − Σ_{j<i} A_ij T_j, one row at a time (rows taken out with a masked sum)
+        b_T = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
+        for i in range(1, n):
+            sel = (o_r == i)[:, None]
+            a_i = tl.sum(tl.where(sel, b_A, 0.0), 0)
+            b_T = tl.where(sel, b_T - tl.sum(a_i[:, None] * b_T, 0)[None, :], b_T)
+        tl.store(tm + p_t, b_T.to(tm.dtype.element_ty), mask=m_t[:, None])
     b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # β γ⊙k
     tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
@@ -146,16 +150,19 @@ def chunk_warps(K: int) -> int:
     return 4 if block_k(K) <= 64 else 8
 
 
-def kda_prepare(*, layout: Layout, k, v, g, beta) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: ``(T [tokens, H, BT], W like k, U like v)``; T in the dots' dtype (float32 for float32 inputs).
-    Inputs flat (``Layout.flat``), g float32."""
+    Inputs flat (``Layout.flat``), g float32. Given ``tm`` (the backward: the forward's T), only W and U are
+    computed, from it: the same values as in the forward."""
     L = layout
-    tm = torch.empty(L.tokens, L.H, BT, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
+    load = tm is not None
+    if not load:
+        tm = torch.empty(L.tokens, L.H, BT, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
     w, u = torch.empty_like(k), torch.empty_like(v)
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
             k, v, g, beta, tm, w, u, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT,
-            BK=block_k(L.K), BV=kda_bv(L.K, L.V), SUB=SUB, IEEE=L.ieee, num_warps=chunk_warps(L.K))
+            BK=block_k(L.K), BV=kda_bv(L.K, L.V), SUB=SUB, LOAD_T=load, IEEE=L.ieee, num_warps=chunk_warps(L.K))
     return tm, w, u
 
 
@@ -175,8 +182,9 @@ def kda_states(*, layout: Layout, k, g, w, u, h0=None, ht=None) -> tuple[torch.T
 
 
 def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-            v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Host pipeline: ``(o [B, T, G·H, V] in v's dtype, final float32 state [N, H, K, V] or None)``. Inputs
+            v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Host pipeline: ``(o [B, T, G·H, V] in v's dtype, final float32 state [N, H, K, V] or None, T)``, T the
+    ``(I + A)⁻¹`` of every chunk (:func:`kda_prepare`; None without tokens), which the backward reuses. Inputs
     as :func:`linearize.ops.gated_delta_rule` with a per-channel ``g [B, T, H, K]`` (checked there);
     ``v_offset`` ``[B, T, H, V]`` or None is added to every query head's output of its KV head."""
     B, T, HQ, K = q.shape
@@ -189,8 +197,8 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
     if L.NC == 0:  # no tokens: the state passes through
         if ht is not None:
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return o.view(B, T, HQ, L.V), ht
-    _, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf)
+        return o.view(B, T, HQ, L.V), ht, None
+    tm, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf)
     hs, v_new = kda_states(layout=L, k=kf, g=gf, w=w, u=u, h0=h0, ht=ht)
     BV = kda_bv(K, L.V)
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
@@ -198,4 +206,4 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
         qf, kf, gf, v_new, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
         K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, SUB=SUB, USE_OFFSET=v_offset is not None, IEEE=L.ieee,
         num_warps=chunk_warps(K))
-    return o.view(B, T, HQ, L.V), ht
+    return o.view(B, T, HQ, L.V), ht, tm

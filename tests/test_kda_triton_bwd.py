@@ -22,7 +22,8 @@ NAMES = ["o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0", "dv_offset"
 def grads(fn, q, k, v, g, beta, h0, offset, cu, *, final=True, seed=11):
     """Output, final state and every input's gradient under a random loss on both (None where not used).
     ``fn`` None: the reference, with ``v_offset`` added after it."""
-    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None for x in (q, k, v, g, beta, h0, offset)]
+    leaves = [x.detach().clone().requires_grad_(True) if x is not None else None
+              for x in (q, k, v, g, beta, h0, offset)]
     kw = dict(scale=0.7, initial_state=leaves[5], output_final_state=final, cu_seqlens=cu)
     if fn is None:
         o, h = kda_reference(*leaves[:5], **kw)
@@ -46,7 +47,7 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, *, h0=True, final=True, to
     s0 = torch.randn(N, H, K, V, dtype=f64, generator=gen).float() if h0 else None
     offset = torch.randn(B, T, H, V, dtype=f64, generator=gen)
     cu_t = torch.tensor(cu) if cu else None
-    q, k, v, offset = (x.to(dtype) for x in (q, k, v, offset))  # the kernels' inputs; the reference sees the same values
+    q, k, v, offset = (x.to(dtype) for x in (q, k, v, offset))  # the kernels' inputs, the reference's values
     g, beta = g.float(), beta.float()
     ref = grads(None, *(x.double() if x is not None else None for x in (q, k, v, g, beta, s0, offset)), cu_t,
                 final=final)

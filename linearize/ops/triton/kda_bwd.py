@@ -3,21 +3,22 @@
 Per chunk, with ``q̃ = scale·q``, ``G`` the in-chunk cumulative log-decay per channel, ``γ = exp(G)``,
 ``D_rj = exp(G_r − G_j)`` per channel (j ≤ r), ``h₀``/``h₁`` the states entering/leaving the chunk:
 
-    A = strictly-lower(β_r Σ_i k_ri k_ji D_rj,i),  T = (I + A)⁻¹,  W = T (β γ⊙k),  U = T (β v),  Δ = U − W h₀
+    A = strictly-lower(β_r Σ_i k_ri k_ji D_rj,i),  T = (I + A)⁻¹,  W = T (βγ⊙k),  U = T (βv),  Δ = U − W h₀
     o_r = (γ_r⊙q̃_r)ᵀ h₀ + Σ_{j≤r} P_rj Δ_j,  P_rj = Σ_i q̃_ri k_ji D_rj,i
     h₁ = Diag(γ_C) h₀ + K̃ᵀ Δ,  K̃_j = k_j ⊙ exp(G_C − G_j)
 
-Backward (the GDN derivation of ``linearize/ops/chunk_bwd.py`` with the decays per channel): in reverse over
-the chunks ``dΔ = Σ_g Pᵀ do + K̃ dh₁`` and ``dh₀ = Diag(γ_C) dh₁ + Σ_g (γ⊙q̃)ᵀ do − Wᵀ dΔ``; then per chunk,
-with ``dP_rj = do_r·Δ_j``, ``dW = −dΔ h₀ᵀ``, ``dT = dΔ (βv)ᵀ + dW (βγ⊙k)ᵀ``, ``dA = −Tᵀ dT Tᵀ`` (strictly lower):
+Backward (the GDN derivation of ``linearize/ops/chunk_bwd.py`` with the decays per channel): in reverse
+over the chunks ``dΔ = Σ_g Pᵀ do + K̃ dh₁`` and ``dh₀ = Diag(γ_C) dh₁ + Σ_g (γ⊙q̃)ᵀ do − Wᵀ dΔ``; then per
+chunk, with ``dP_rj = do_r·Δ_j``, ``dW = −dΔ h₀ᵀ``, ``dT = dΔ (βv)ᵀ + dW (βγ⊙k)ᵀ`` and
+``dA = −Tᵀ dT Tᵀ`` (strictly lower):
 
-    dq̃ = γ⊙(do h₀ᵀ) + Σ_j dP_rj k_j⊙D_rj                       dv = β ⊙ Tᵀ dΔ
-    dk = Σ_r dP_rj q̃_r⊙D_rj + dK̃⊙exp(G_C − G) + βγ⊙TᵀdW + β X + Y,   dK̃ = Δ dh₁ᵀ
+    dq̃ = γ⊙(do h₀ᵀ) + Σ_j dP_rj k_j⊙D_rj,   dv = β ⊙ Tᵀ dΔ,   dK̃ = Δ dh₁ᵀ
+    dk = Σ_r dP_rj q̃_r⊙D_rj + dK̃⊙exp(G_C − G) + βγ⊙TᵀdW + β X + Y
     X_r = Σ_j dA_rj k_j⊙D_rj,   Y_j = Σ_r β_r dA_rj k_r⊙D_rj
     dβ = (TᵀdΔ)·v + (TᵀdW)·(γ⊙k) + k·X
 
-The decay: G enters through q̃⊙e^G, k⊙e^G (the rows of P, A, W) and k⊙e^−G (their columns), and through
-``γ_C``, so the gradient of ``G_r`` is ``q̃⊙dq̃ + βγk⊙TᵀdW + βk⊙X − k⊙dk_P − k⊙Y`` with the scores' diagonal
+The decay: G enters through q̃⊙e^G, k⊙e^G (the rows of P, A, W) and k⊙e^−G (their columns), and
+through ``γ_C``, so the gradient of ``G_r`` is ``q̃⊙dq̃ + βγk⊙TᵀdW + βk⊙X − k⊙dk_P − k⊙Y`` with the scores' diagonal
 (``D_rr = 1``, no decay) left out of ``dq̃`` and ``dk_P`` — it cancels between them exactly, and summed it
 would cost precision under strong decays; ``dg`` is its reverse cumulative sum in the chunk. The state's
 terms are added already summed, grouped so that none cancels another:

@@ -13,7 +13,9 @@ through the log-decay at the start of the row's sub-chunk, ``exp(G_r − G_s)·e
 sub-diagonal ``d`` at a time (``SUB − 1`` steps, the rows ``d`` away read again from memory), with the decay
 between the two rows summed from the ``d`` log-decays between them rather than taken as a difference of
 cumulative sums. Only the ``n`` rows inside the document are read; every exponent is masked before ``exp``,
-so nothing overflows where a mask drops it. Tiles: (BT, BK) rows of a chunk, G float32; products in float32 (the dots in the inputs' dtype, or IEEE fp32).
+so nothing overflows where a mask drops it.
+
+Tiles: (BT, BK) rows of a chunk, G float32; products in float32 (the dots in the inputs' dtype, or IEEE fp32).
 """
 
 from __future__ import annotations

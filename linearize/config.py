@@ -95,6 +95,7 @@ class OutputConfig:
     eval_every: int = 25
     log_every: int = 1
     keep_adapter: bool = False  # LoRA: also save the adapter (the model is always saved merged)
+    save_stages: bool = False  # also save the student after every stage but the last, as model-<stage>/
 
 
 @dataclass
@@ -315,6 +316,9 @@ def validate(cfg: RecipeConfig) -> None:
     _need(str(out.dir).strip() != "", "output.dir", "a folder path", out.dir)
     for key in ("checkpoint_every", "keep_last", "eval_every", "log_every"):
         _need(getattr(out, key) >= 1, f"output.{key}", "at least 1", getattr(out, key))
+    if out.save_stages and cfg.parallel == "fsdp":
+        raise RecipeError("output.save_stages is not supported with parallel: fsdp (only the final model is "
+                          "gathered); drop it, or train with parallel: ddp")
     _need(cfg.seed >= 0, "seed", ">= 0", cfg.seed)
     _need(cfg.precision in ("fp32", "bf16"), "precision", "'fp32' or 'bf16'", cfg.precision)
     _need(cfg.parallel in ("ddp", "fsdp"), "parallel", "'ddp' or 'fsdp'", cfg.parallel)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The SmolLM2 recovery runs on one GPU machine: both 25M-token recipes at once (every layer converted, L;
 # hybrid, 8 of 30 layers softmax, H), each trained model then measured by `linearize eval` (the six
-# zero-shot tasks, per-domain perplexity, passkey; then MMLU) and the teacher measured beside them on the
+# zero-shot tasks, per-domain perplexity, passkey; then the model after align, saved by output.save_stages,
+# into quality_align.json; then MMLU) and the teacher measured beside them on the
 # same rows. Resumable: rerun it and a trained model is not trained again, a measured one not measured.
 #   W    a folder holding smollm2.gguf and corpus/, the parts scripts/device_carry.sh makes, joined there;
 #        the task data may come later: when training ends without W/ev/hf_datasets, each run waits for it
@@ -63,11 +64,20 @@ mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and 
         --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
         --dtype bfloat16 -o "$2"
 }
+after_align() {  # RUN_DIR: the model the align stage ended with (output.save_stages), measured the same way
+    # shellcheck disable=SC2086  # the options are words
+    [ ! -f "$1/model-align/config.json" ] || [ -f "$1/quality_align.json" ] || [ "$(left)" -lt 120 ] || timeout \
+        --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$1/model-align" --teacher none \
+        $eval_options -o "$1/quality_align.json"
+}
 recover() {  # NAME RECIPE [OVERRIDES]
-    bash scripts/ablate.sh "$2" "$w/runs" "$1=${3:-}" || true
+    local keys="output.save_stages=true ${3:-}"  # model-align/ too, for the after-align column
+    bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
     records "$w" "$out"
     wait_ev || return 0
-    EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=${3:-}" || true
+    EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
+    records "$w" "$out"
+    after_align "$w/runs/$1"
     records "$w" "$out"
     mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"
     records "$w" "$out"

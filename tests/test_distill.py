@@ -731,6 +731,42 @@ def test_distill_fsdp_two_processes_match_one_process_and_resume(tiny_dir, tmp_p
     assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
 
 
+def test_save_stages_keeps_the_model_after_align_and_changes_nothing(tiny_dir, tmp_path):
+    """output.save_stages: model-align/ is the model an align-only run ends with, and the run itself (its
+    losses, its final model) is the same as without it."""
+    from transformers import AutoModelForCausalLM
+
+    import linearize  # noqa: F401  (registers the Linearized* classes)
+
+    two = ("stages:\n  - {name: align, steps: 3, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
+           "  - {name: distill, steps: 2, batch_size: 2, lr: 0.01, trainable: all}\nseed: 0\n")
+    one = "stages:\n  - {name: align, steps: 3, batch_size: 2, lr: 0.01, trainable: self_attn}\nseed: 0\n"
+    runs = {}
+    for name, text, extra in (("saved", two, {"output.save_stages": "true"}), ("plain", two, {}), ("align", one, {})):
+        recipe = tmp_path / f"{name}.yaml"
+        recipe.write_text(text)
+        runs[name] = tmp_path / name
+        run_recipe(load_recipe(recipe, overrides(tiny_dir, runs[name], **{"stages.0.steps": 3, **extra})))
+    assert sorted(p.name for p in runs["saved"].glob("model*")) == ["model", "model-align"]
+    assert not (runs["plain"] / "model-align").exists()
+    assert losses(runs["saved"]) == losses(runs["plain"])
+    summary = json.loads((runs["saved"] / "model-align" / "stage_summary.json").read_text())
+    assert summary["stage"] == "align" and summary["step"] == 3 and "ppl_student" in summary["eval"]
+    ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
+    load = lambda d: AutoModelForCausalLM.from_pretrained(d)  # noqa: E731
+    with torch.no_grad():
+        after_align = load(runs["saved"] / "model-align")(ids).logits
+        torch.testing.assert_close(after_align, load(runs["align"] / "model")(ids).logits, rtol=0, atol=0)
+        final = load(runs["saved"] / "model")(ids).logits
+        torch.testing.assert_close(final, load(runs["plain"] / "model")(ids).logits, rtol=0, atol=0)
+        assert not torch.equal(final, after_align)
+
+
+def test_save_stages_refused_with_fsdp():
+    with pytest.raises(RecipeError, match="output.save_stages is not supported with parallel: fsdp"):
+        load_recipe(None, ["output.save_stages=true", "parallel=fsdp"])
+
+
 def test_distill_fsdp_bf16_keeps_float32_masters(tiny_dir, tmp_path):
     """FSDP2 with bf16 compute and the float32 master parametrization (the Llama-3-8B recipe's setup):
     trains like one bf16 process (bf16 rounding differs with sharding, hence the loose tolerance)

@@ -21,6 +21,7 @@ from ..config import RecipeError, stage_seq_len
 from . import checkpoint
 from .batches import batch_positions, batch_rows, rows_of_length
 from .evaluation import evaluate
+from .export import save_stage_model, stage_label
 from .losses import objective_for, per_layer_values
 from .metrics import MetricLogger, truncate_metrics
 from .optim import make_optimizer, trainable_names
@@ -110,6 +111,9 @@ def train(run, resume: bool, progress=None) -> dict:
                     logger.log(rec)
                 if progress is not None and is_main():
                     progress(rec, step)
+                if s + 1 == st.steps and cfg.output.save_stages and si + 1 < len(cfg.stages):
+                    save_stage_model(run, stage_label(cfg.stages, si), step, last_eval)  # before the stage's last checkpoint: a kill
+                    barrier()  # between the two redoes the stage's last steps from the one before, and saves again
                 if step % cfg.output.checkpoint_every == 0 or s + 1 == st.steps:
                     nxt = (si, s + 1) if s + 1 < st.steps else (si + 1, 0)
                     last_ckpt = checkpoint.save(run, step, *nxt, opt, sched, si, names) or last_ckpt

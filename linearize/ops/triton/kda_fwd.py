@@ -1,9 +1,10 @@
 """Triton forward of KDA, the gated delta rule with one decay per key channel (:mod:`linearize.ops.kda`: read
-its docstring first), chunk 64, GQA-native and varlen. Three kernel stages, each with its launcher:
+its docstring first), chunk 64, GQA-native and varlen. Four kernel stages (two launchers for the first two):
 
-1. ``_prepare_kernel``  per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel,
-   ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (:func:`kda_tiles.decayed_scores`),
-   ``T = (I + A)⁻¹`` by forward substitution in registers, ``W = T (β γ⊙k)`` and ``U = T (β v)``.
+0. ``_solve_kernel``    per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel,
+   ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` in 16-row bands, ``T = (I + A)⁻¹`` as the GDN
+   solve inverts it (:func:`solve.store_inverse`); T is kept for the backward.
+1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)`` and ``U = T (βv)``.
 2. ``_state_kernel``    per (V block, sequence × KV head), over the chunks in order — the only sequential part:
    stores the state entering each chunk, ``Δ = U − W h``, then ``h ← Diag(γ_C) h + (k ⊙ exp(G_C − G))ᵀ Δ``.
 3. ``_output_kernel``   per (V block, chunk, query head):
@@ -11,7 +12,7 @@ its docstring first), chunk 64, GQA-native and varlen. Three kernel stages, each
 
 Every exponent is ≤ 0 (``g ≤ 0``): the pairwise decays go through :mod:`kda_tiles`. G is recomputed from g
 by each kernel (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1 and 2
-again, the first on the forward's T. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
+again, on the forward's T. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
 """
 
 from __future__ import annotations
@@ -24,16 +25,81 @@ from ..common import cdiv, next_pow2
 from .kda_tiles import chunk_log_decay, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
+from .solve import store_inverse
 from .tiles import mm
 
 SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_tiles)
 
 
 @triton.jit
+def _band(k, g, beta, r, m, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
+    """``(k, g, β)`` of one band of ``BT/4`` rows (token indices ``r``, ``m`` inside the document): k in its
+    dtype, g and β as float32, 0 past the document's end."""
+    o_k = tl.arange(0, BK)
+    p = (r * H + i_h)[:, None] * K + o_k[None, :]
+    m_k = m[:, None] & (o_k < K)[None, :]
+    return (tl.load(k + p, mask=m_k, other=0.0), tl.load(g + p, mask=m_k, other=0.0).to(tl.float32),
+            tl.load(beta + r * H + i_h, mask=m, other=0.0).to(tl.float32))
+
+
+@triton.jit
+def _cross(ka, Ga, ba, kb, Gb, IEEE: tl.constexpr):
+    """The block of ``A`` between two bands, rows of band a after those of band b:
+    ``β_r Σ_i k_ri k_ji exp(G_ri − G_ji)``, through the log-decay at band a's first row (both factors ≤ 1)."""
+    ref = row_of(Ga, 0)
+    ea = tl.exp(Ga - ref[None, :])
+    fb = tl.exp(ref[None, :] - Gb)
+    return mm(ka.to(tl.float32) * ea, tl.trans(kb.to(tl.float32) * fb), ka, IEEE) * ba[:, None]
+
+
+@triton.jit
+def _solve_kernel(
+    k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``, in
+    four bands of ``BT/4`` rows as the GDN solve holds it (:func:`solve.store_inverse`): the six blocks between
+    bands by :func:`_cross`, the four inside one by :func:`kda_tiles.decayed_scores` on the band."""
+    BC: tl.constexpr = BT // 4
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    n = tl.minimum(T - i_c * BT, BT)
+    o_c = tl.arange(0, BC)
+    r0 = bos + i_c * BT + o_c
+    r1, r2, r3 = r0 + BC, r0 + 2 * BC, r0 + 3 * BC
+    m0, m1, m2, m3 = o_c < n, o_c + BC < n, o_c + 2 * BC < n, o_c + 3 * BC < n
+    k0, x0, b0 = _band(k, g, beta, r0, m0, i_h, H, K, BK)
+    k1, x1, b1 = _band(k, g, beta, r1, m1, i_h, H, K, BK)
+    k2, x2, b2 = _band(k, g, beta, r2, m2, i_h, H, K, BK)
+    k3, x3, b3 = _band(k, g, beta, r3, m3, i_h, H, K, BK)
+    # the cumulative log-decay per channel, band by band
+    G0 = tl.cumsum(x0, 0)
+    G1 = tl.cumsum(x1, 0) + row_of(G0, BC - 1)[None, :]
+    G2 = tl.cumsum(x2, 0) + row_of(G1, BC - 1)[None, :]
+    G3 = tl.cumsum(x3, 0) + row_of(G2, BC - 1)[None, :]
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    A00 = decayed_scores(k0, k0, k + p0, g + p0, H * K, G0, n, K, True, BC, IEEE) * b0[:, None]
+    p1 = p0 + BC * H * K
+    A11 = decayed_scores(k1, k1, k + p1, g + p1, H * K, G1, n - BC, K, True, BC, IEEE) * b1[:, None]
+    p2 = p1 + BC * H * K
+    A22 = decayed_scores(k2, k2, k + p2, g + p2, H * K, G2, n - 2 * BC, K, True, BC, IEEE) * b2[:, None]
+    p3 = p2 + BC * H * K
+    A33 = decayed_scores(k3, k3, k + p3, g + p3, H * K, G3, n - 3 * BC, K, True, BC, IEEE) * b3[:, None]
+    A10 = _cross(k1, G1, b1, k0, G0, IEEE)
+    A20 = _cross(k2, G2, b2, k0, G0, IEEE)
+    A21 = _cross(k2, G2, b2, k1, G1, IEEE)
+    A30 = _cross(k3, G3, b3, k0, G0, IEEE)
+    A31 = _cross(k3, G3, b3, k1, G1, IEEE)
+    A32 = _cross(k3, G3, b3, k2, G2, IEEE)
+    store_inverse(tm, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, r0, r1, r2, r3, m0, m1, m2, m3, i_h, H, BT,
+                  IEEE)
+
+
+@triton.jit
 def _prepare_kernel(
     k, v, g, beta, tm, w, u, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SUB: tl.constexpr, LOAD_T: tl.constexpr, IEEE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -46,20 +112,8 @@ def _prepare_kernel(
     b_G = chunk_log_decay(g, p_k, m_tk)
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p_t = (rows * H + i_h)[:, None] * BT + o_r[None, :]
-    if LOAD_T:  # the backward: T as the forward stored it (the dots below read it in that dtype either way)
-        b_T = tl.load(tm + p_t, mask=m_t[:, None], other=0.0).to(tl.float32)
-    else:
-        p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
-        b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE) * b_beta[:, None]
-        # T = (I + A)⁻¹, row i = e_i − Σ_{j<i} A_ij T_j, one row at a time (rows taken out with a masked sum)
-        b_T = tl.where(o_r[:, None] == o_r[None, :], 1.0, 0.0)
-        for i in range(1, n):
-            sel = (o_r == i)[:, None]
-            a_i = tl.sum(tl.where(sel, b_A, 0.0), 0)
-            b_T = tl.where(sel, b_T - tl.sum(a_i[:, None] * b_T, 0)[None, :], b_T)
-        tl.store(tm + p_t, b_T.to(tm.dtype.element_ty), mask=m_t[:, None])
-    b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # β γ⊙k
+    b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # βγ⊙k
     tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -155,14 +209,16 @@ def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor
     Inputs flat (``Layout.flat``), g float32. Given ``tm`` (the backward: the forward's T), only W and U are
     computed, from it: the same values as in the forward."""
     L = layout
-    load = tm is not None
-    if not load:
+    if tm is None:
         tm = torch.empty(L.tokens, L.H, BT, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
+        if L.NC:
+            _solve_kernel[(L.NC, L.H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K,
+                                       BT=BT, BK=block_k(L.K), IEEE=L.ieee, num_warps=chunk_warps(L.K) // 2)
     w, u = torch.empty_like(k), torch.empty_like(v)
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
             k, v, g, beta, tm, w, u, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT,
-            BK=block_k(L.K), BV=kda_bv(L.K, L.V), SUB=SUB, LOAD_T=load, IEEE=L.ieee, num_warps=chunk_warps(L.K))
+            BK=block_k(L.K), BV=kda_bv(L.K, L.V), IEEE=L.ieee, num_warps=chunk_warps(L.K))
     return tm, w, u
 
 

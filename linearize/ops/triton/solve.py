@@ -46,11 +46,9 @@ def _solve_kernel(
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``, held in registers
-    as 4×4 blocks of 16×16 (BC) rows: the ten lower blocks of ``k kᵀ`` as (BC, BKB)·(BKB, BC) products; the
-    four diagonal blocks inverted by forward substitution side by side (row i of T_dd = e_i − Σ_{j<i} A_ij T_j,
-    rows taken out of the register tile with a masked sum); the off-diagonal blocks from
-    T_ij = −T_ii Σ_{j≤m<i} A_im T_mj. T goes to ``tm[token, head, 0:BT]`` (the dots' dtype: it is only ever a
-    dot operand). Small tiles: meant for 1–2 warps."""
+    as 4×4 blocks of 16×16 (BC) rows: the ten lower blocks of ``k kᵀ`` as (BC, BKB)·(BKB, BC) products, then
+    :func:`store_inverse`. T goes to ``tm[token, head, 0:BT]`` (the dots' dtype: it is only ever a dot
+    operand). Small tiles: meant for 1–2 warps."""
     BC: tl.constexpr = BT // 4
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -84,6 +82,20 @@ def _solve_kernel(
     A31 = _scale_block(_gram_block(k, r3, m3, r1, m1, i_h, H, K, BC, BKB, IEEE), g3, g1, b3, m3, False)
     A32 = _scale_block(_gram_block(k, r3, m3, r2, m2, i_h, H, K, BC, BKB, IEEE), g3, g2, b3, m3, False)
 
+    store_inverse(tm, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, r0, r1, r2, r3, m0, m1, m2, m3, i_h, H, BT,
+                  IEEE)
+
+
+@triton.jit
+def store_inverse(tm, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, r0, r1, r2, r3, m0, m1, m2, m3, i_h,
+                  H: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
+    """``T = (I + A)⁻¹`` of a strictly lower (BT, BT) A held as its ten lower (BT/4)² blocks ``A_ij``, stored to
+    ``tm[token, head, 0:BT]`` (rows ``r0 … r3`` of the four bands, ``m0 … m3`` inside the document): the four
+    diagonal blocks by forward substitution side by side (row i of T_dd = e_i − Σ_{j<i} A_ij T_j, rows taken
+    out of the register tile with a masked sum); the off-diagonal blocks from T_ij = −T_ii Σ_{j≤m<i} A_im T_mj.
+    Shared by the GDN and KDA solves."""
+    BC: tl.constexpr = BT // 4
+    o_c = tl.arange(0, BC)
     eye = o_c[:, None] == o_c[None, :]
     T00 = tl.where(eye, 1.0, 0.0)
     T11 = tl.where(eye, 1.0, 0.0)

@@ -35,7 +35,7 @@ def target_options(base, target: str):
 
 def target_fidelity(model, calibration_ids, heldout_ids, targets: Sequence[str] = TARGETS, options=None,
                     fit_steps: int = 0, lr: float = 1e-3, hybrid: int | None = None,
-                    progress: Callable[[str], None] | None = None) -> dict:
+                    progress: Callable[[str], None] | None = None, layers: Sequence[int] | None = None) -> dict:
     """Per layer and target, the held-out error of the target's block as converted (``row[target]``) and,
     with ``fit_steps``, after fitting its own parameters on the calibration rows (``row[target + "_fit"]``,
     and the error on the calibration rows themselves, ``row[target + "_fit_calibration"]``).
@@ -43,7 +43,8 @@ def target_fidelity(model, calibration_ids, heldout_ids, targets: Sequence[str] 
     ``model``: the softmax teacher (unchanged); ``calibration_ids`` / ``heldout_ids`` ``(B, T)``: disjoint
     rows; ``options``: the block's options (default: the CLI's, window 64 and 4 sinks). ``hybrid``: also
     name, per target, the ``hybrid`` layers ``--keep-softmax N`` would keep (its worst ones, ranked as
-    ``convert`` ranks them: on the calibration rows, after the fit when there is one).
+    ``convert`` ranks them: on the calibration rows, after the fit when there is one). ``layers``: only these
+    (default every layer).
     Returns ``{"layers": rows, "median": {column: median}, "keep_softmax": {target: layers}}``."""
     from .calibration import fit_block
     from .conversion import linearize_layer
@@ -53,8 +54,8 @@ def target_fidelity(model, calibration_ids, heldout_ids, targets: Sequence[str] 
     for t in targets:
         check_target(t)
     options = options or GDNOptions(window=64, sinks=4)
-    cal = capture_attention(model, calibration_ids)
-    held = capture_attention(model, heldout_ids)
+    cal = capture_attention(model, calibration_ids, layers)
+    held = capture_attention(model, heldout_ids, layers)
     mods = attention_modules(model)
     rows, ranking = [], {t: {} for t in targets}
     for i in sorted(held):

@@ -204,6 +204,14 @@ def chunk_warps(K: int) -> int:
     return 4 if block_k(K) <= 64 else 8
 
 
+def kda_stages(K: int, ieee: bool) -> int:
+    """Pipelining stages of the kernels that loop over whole (64, K) or (K, BV) tiles: the state kernels and
+    the WY backward. At Triton's default 3, IEEE fp32 tiles need more shared memory than the H200's 227 KB
+    (compiled for sm_90: the state kernel 257 KB at K = 128 and 465 KB at K = 256, the WY backward 256 KB
+    and 240 KB), so 2, and 1 for 256-wide keys; 16-bit inputs keep 3."""
+    return (1 if block_k(K) > 128 else 2) if ieee else 3
+
+
 def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Stage 1: ``(T [tokens, H, BT], W like k, U like v)``; T in the dots' dtype (float32 for float32 inputs).
     Inputs flat (``Layout.flat``), g float32. Given ``tm`` (the backward: the forward's T), only W and U are
@@ -233,7 +241,7 @@ def kda_states(*, layout: Layout, k, g, w, u, h0=None, ht=None) -> tuple[torch.T
     _state_kernel[(cdiv(L.V, BV), L.N * L.H)](
         k, g, w, u, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
         L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None,
-        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4)
+        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4, num_stages=kda_stages(L.K, L.ieee))
     return hs, v_new
 
 

@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-TARGETS = ("gdn", "deltanet", "kda", "linear")
+from .layers.options import TARGETS
 
 
 def target_options(base, target: str):
@@ -46,6 +46,8 @@ def target_fidelity(model, calibration_ids, heldout_ids, targets: Sequence[str] 
     ``convert`` ranks them: on the calibration rows, after the fit when there is one). ``layers``: only these
     (default every layer).
     Returns ``{"layers": rows, "median": {column: median}, "keep_softmax": {target: layers}}``."""
+    import torch
+
     from .calibration import fit_block
     from .conversion import linearize_layer
     from .eval import attention_modules, capture_attention, relative_error
@@ -65,8 +67,6 @@ def target_fidelity(model, calibration_ids, heldout_ids, targets: Sequence[str] 
             block.eval()
 
             def error(cap, block=block):
-                import torch
-
                 with torch.no_grad():
                     return relative_error(block.attention_output(cap.hidden_states, cap.position_embeddings), cap.output)
 
@@ -117,8 +117,8 @@ def print_targets(report: dict, title: str) -> None:
     print_fidelity([{**r, **{named[c]: r[c] for c in columns}} for r in rows], title, tuple(named[c] for c in columns))
 
 
-def compare_targets(model, tokenizer, heldout_ids, names, options, fit_steps: int, calibration_tokens: int, label: str,
-                    echo: Callable[[str], None] | None = None) -> dict:
+def compare_targets(model, tokenizer, heldout_ids, names, options, fit_steps: int, calibration_tokens: int,
+                    label: str) -> dict:
     """What ``linearize fidelity`` prints of the targets: :func:`target_fidelity` on ``calibration_tokens`` of the
     built-in train text and ``heldout_ids``, its table, and the layers a quarter-softmax hybrid of each target
     would keep. Returns the report's ``targets`` section."""
@@ -131,7 +131,6 @@ def compare_targets(model, tokenizer, heldout_ids, names, options, fit_steps: in
     fitted = f", fitted {fit_steps} steps a layer on {calibration_tokens} calibration tokens" if fit_steps else ""
     print_targets(found, f"{label}: each target's block{fitted} (window {options.window}, sinks {options.sinks})")
     for t, kept in found["keep_softmax"].items():
-        (echo or print)(f"{t}: --keep-softmax {quarter} keeps layers {','.join(map(str, kept))}")
+        print(f"{t}: --keep-softmax {quarter} keeps layers {','.join(map(str, kept))}")
     return {"names": list(names), "options": options.to_dict(), "fit_steps": fit_steps,
             "calibration_tokens": calibration_tokens, **found}
-

@@ -65,5 +65,4 @@ def save_stage_model(run, stage: str, step: int, stage_eval: dict | None) -> Pat
                                                               indent=1))
 
     save(model, run.tokenizer, path, force=True, extra=extra)
-    del model
     return path

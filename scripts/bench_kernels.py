@@ -3,6 +3,7 @@
     python scripts/bench_kernels.py --output results/bench_kernels.json
     python scripts/bench_kernels.py --op linear --output results/bench_kernels_linear.json
     python scripts/bench_kernels.py --op kda --output results/bench_kernels_kda.json
+    python scripts/bench_kernels.py --op deltanet --output results/bench_kernels_deltanet.json
 
 ``--op linear`` times the ``linear`` (VaLA) target's operator instead (``linearize.ops.linear_attention``,
 decayed linear attention with a write weight, here 1) against fla's ``chunk_simple_gla``, the same
@@ -10,6 +11,8 @@ recurrence ``h_t = exp(g_t) h_{t−1} + k_t v_tᵀ`` with a scalar log-decay per
 ``--op kda`` times the gated delta rule with a log-decay per key channel (the ``kda`` target,
 ``gated_delta_rule`` with ``g [B, T, H, K]`` on ``ops/triton/kda_fwd.py``/``kda_bwd.py``) against fla's
 ``chunk_kda``, the same recurrence ``h_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) h_{t−1} + β_t k_t v_tᵀ``.
+``--op deltanet`` times the delta rule without a decay (the ``deltanet`` target: ``gated_delta_rule`` with
+``g = 0``, no gradient for g, on the GDN kernels) against fla's ``chunk_delta_rule``.
 
 Median ms (triton.testing.do_bench) of forward and forward+backward, and peak memory of
 forward+backward, at SPEC §7's standard shapes (bf16, H=16, K=V=128) and at GQA shapes of real
@@ -46,6 +49,8 @@ def load_fla(op: str = "gdn"):
             from fla.ops.simple_gla import chunk_simple_gla as fn
         elif op == "kda":
             from fla.ops.kda import chunk_kda as fn
+        elif op == "deltanet":
+            from fla.ops.delta_rule import chunk_delta_rule as fn
         else:
             from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
     except Exception as e:  # not installed / fails to import
@@ -72,6 +77,8 @@ def operators(op: str, K: int):
         return gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]
 
     def fla_call(fla, q, k, v, g, beta):
+        if op == "deltanet":  # no decay argument: g is the zero the ours call gets
+            return fla(q, k, v, beta, scale=K**-0.5)[0]
         return fla(q, k, v, g, beta, scale=K**-0.5)[0]
     return ours, fla_call
 
@@ -80,6 +87,7 @@ NOTES = {  # what "ours backward" is, per operator
     "gdn": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py): T = (I+A)^-1 kept from the forward, "
            "the other intermediates recomputed",
     "linear": "ours backward = Triton kernels (linearize/ops/triton/linear_bwd.py): the chunk states recomputed",
+    "deltanet": "ours = the GDN kernels with g = 0 (no gradient for g); fla = chunk_delta_rule",
     "kda": "ours backward = Triton kernels (linearize/ops/triton/kda_bwd.py): T, W, U and the chunk states recomputed; "
            "launch settings untuned",
 }
@@ -98,13 +106,15 @@ def peak(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda"):
+def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True):
     """Random q, k (unit), v, log-decays in (−0.1, 0) — per head, or per key channel (``per_channel``: kda) —
-    and β, all requiring gradients."""
+    and β, all requiring gradients; without ``decay`` (deltanet) g is zero and needs no gradient."""
     q = torch.randn(B, T, HQ, K, device=device, dtype=dtype).requires_grad_()
     k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype).requires_grad_()
     v = torch.randn(B, T, H, V, device=device, dtype=dtype).requires_grad_()
-    g = (-torch.rand(B, T, H, *((K,) if per_channel else ()), device=device) * 0.1).requires_grad_()
+    g = (-torch.rand(B, T, H, *((K,) if per_channel else ()), device=device) * 0.1).requires_grad_(decay)
+    if not decay:
+        g = torch.zeros_like(g)
     beta = torch.rand(B, T, H, device=device, dtype=dtype).requires_grad_()
     return q, k, v, g, beta
 
@@ -152,8 +162,8 @@ def measure(name, run, tensors, graph=False):
 
 def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False, op="gdn"):
     G = HQ // H
-    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda")
-    ts = (q, k, v, g, beta)
+    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda", decay=op != "deltanet")
+    ts = tuple(t for t in (q, k, v, g, beta) if t.requires_grad)
     rep = lambda x: x.repeat_interleave(G, dim=2)
     ours, fla_call = operators(op, K)
     row = {"shape": kind, "op": op, "B": B, "T": T, "q_heads": HQ, "kv_heads": H, "K": K, "V": V}
@@ -210,9 +220,9 @@ def main():
                    help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
-    p.add_argument("--op", choices=("gdn", "linear", "kda"), default="gdn",
+    p.add_argument("--op", choices=("gdn", "linear", "kda", "deltanet"), default="gdn",
                    help="the operator timed: the gated delta rule, the linear (VaLA) target's decayed linear attention, "
-                        "or the gated delta rule with a decay per key channel (kda)")
+                        "the gated delta rule with a decay per key channel (kda), or the delta rule (deltanet, g = 0)")
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
     args = p.parse_args()

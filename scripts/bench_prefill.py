@@ -71,6 +71,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--backend", default="auto", choices=("auto", "triton"),
+                   help="the converted block's backend: triton also runs the window part through its Triton forward")
     p.add_argument("--profile", default=None, metavar="CxB", help="also list the kernels of this context x batch")
     p.add_argument("--top", type=int, default=25, help="kernels listed per model with --profile")
     p.add_argument("--output", type=Path, default=None)
@@ -88,7 +90,7 @@ def main():
     teacher = build_teacher(args.model, torch.bfloat16).cuda()
     vocab = teacher.config.vocab_size
     calib = torch.randint(0, vocab, (1, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    options = GDNOptions(window=args.window, sinks=args.sinks)
+    options = GDNOptions(window=args.window, sinks=args.sinks, backend=args.backend)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",

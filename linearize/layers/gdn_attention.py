@@ -35,7 +35,8 @@ from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
-from ..ops.window import first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax
+from ..ops.window import (first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax,
+                          window_triton_usable)
 from ..ops.window_inputs import WindowBuffers, cached_inputs, fresh_inputs
 from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer
@@ -274,6 +275,13 @@ class GDNAttention(nn.Module):
             inp, buffers = cached_inputs(k, v, past, W, S, mask)
         if flex:
             o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
+        elif window_triton_usable(q, self.options.backend):  # a prefill or scoring: one kernel, q in the keys' dtype
+            from ..ops.triton.window_fwd import sink_window_triton
+
+            kd = inp.k.dtype
+            o_exact, lse = sink_window_triton(q.to(kd), inp.k, inp.v, inp.key_doc, inp.query_doc, W,
+                                              *(None if x is None else x.to(kd) for x in (inp.sink_k, inp.sink_v)),
+                                              inp.sink_ok)
         else:
             o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
                                                inp.sink_ok)

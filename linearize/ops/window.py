@@ -168,6 +168,16 @@ def flex_usable(x: torch.Tensor) -> bool:
     return x.is_cuda and torch.is_grad_enabled()
 
 
+def window_triton_usable(x: torch.Tensor, backend: str = "auto") -> bool:
+    """Whether the exact part runs through the Triton forward kernel (``ops/triton/window_fwd.py``): on
+    CUDA where no gradient is wanted (a prefill, scoring, evaluation; it has no backward), and for now only
+    with ``backend="triton"``: it has been checked under the Triton interpreter, not yet on a GPU
+    (``tests/test_window_triton.py -m gpu``)."""
+    from . import _triton_usable  # CUDA, or the interpreter (the CPU tests)
+
+    return backend == "triton" and not torch.is_grad_enabled() and _triton_usable(x)
+
+
 def _flex_attention():
     """``flex_attention`` compiled once (on CUDA it becomes one Triton kernel each way); eager elsewhere."""
     if "fn" not in _FLEX:

@@ -151,7 +151,7 @@ def convert(
     layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all)."),
     keep_softmax: str | None = typer.Option(
         None, "--keep-softmax",
-        help="Layers to keep as softmax: indices (e.g. '3,7' or '5,'), or a count N: the N worst-initialized."),
+        help="Keep as softmax: indices ('3,7' or '5,'), N (the N worst-initialized) or N:induction (strongest induction heads)."),
     form: str = typer.Option("stable", "--form", help="Taylor form: 'stable', or 'seed' (the literal seed form; diverges; for study)."),
     beta_max: float = typer.Option(1.0, "--beta-max", help="Upper bound of β in the stable form."),
     short_conv: int = typer.Option(0, "--short-conv", help="Kernel size (2-8) of a learnable causal conv on q, k, v; 0 = off."),

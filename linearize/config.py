@@ -27,7 +27,7 @@ class ConvertConfig:
     # decay per key channel, the gdn block at init)
     to: str = "gdn"
     layers: str | None = None  # e.g. "0-11,14"; default all
-    keep_softmax: str | None = None  # "3,7" (indices) or "2" (count of worst layers)
+    keep_softmax: str | None = None  # "3,7" (indices), "2" (count of worst layers) or "2:induction" (linearize.retrieval)
     form: str = "stable"
     beta_max: float = 1.0
     short_conv: int = 0  # kernel size of a learnable causal conv on q, k, v (identity at init); 0 = off
@@ -227,8 +227,15 @@ def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: i
         cand = list(range(num_layers))
     if keep_softmax is None:
         return
+    from .layers.options import KEEP_RULES
+
     ks = str(keep_softmax).strip()
-    if ks.isdigit():  # a count of the worst layers; indices come as "3,7" or "5,"
+    count, colon, rule = ks.partition(":")
+    if count.strip().isdigit():  # a count of layers, with the rule that picks them; indices come as "3,7" or "5,"
+        ks = count.strip()
+        if colon and rule.strip() not in KEEP_RULES:
+            raise RecipeError(f"{where[1]} {keep_softmax}: the rule after ':' must be one of {', '.join(KEEP_RULES)} "
+                              f"(e.g. '{ks}:induction')")
         if cand is not None and int(ks) >= len(cand):
             raise RecipeError(f"{where[1]} {ks} keeps every one of the {len(cand)} layers to convert, so nothing "
                               f"would be converted; give a count below {len(cand)}")

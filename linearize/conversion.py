@@ -19,7 +19,7 @@ import torch
 
 from .calibration import NEW_PARAMETERS, fit_block
 from .layers.gdn_attention import GDNAttention
-from .layers.options import GDNOptions, check_target
+from .layers.options import KEEP_RULES, GDNOptions, check_target
 from .models.adapters import decoder_layers
 from .models.families import FAMILIES, PREFIX, Family, family_of
 
@@ -136,7 +136,8 @@ def convert(
             ``options.target``.
         layers: which layers may be converted (indices/ranges; default all).
         keep_softmax: layers to keep as softmax: a list of indices, or a count N — keep the N
-            layers whose stable-form error on calibration text is worst.
+            layers whose stable-form error on calibration text is worst — or ``"N:induction"``: the N layers
+            with the strongest long-range induction heads (:mod:`linearize.retrieval`; no calibration text).
         tokenizer / calibration_ids: calibration text (default: ``calibration_tokens`` tokens of
             the built-in train split) used to set ρ per head and to rank layers for ``keep_softmax``.
         options: :class:`GDNOptions` (form, β bound, operator backend).
@@ -154,8 +155,12 @@ def convert(
     family = family_of(model.config)
     n = len(decoder_layers(model))
     candidates = parse_layers(layers, n) if layers is not None else list(range(n))
-    if isinstance(keep_softmax, str) and keep_softmax.strip().isdigit():
-        keep_softmax = int(keep_softmax)  # a count; indices come as "3,7" or "5,"
+    rule = "error"
+    if isinstance(keep_softmax, str) and keep_softmax.strip().partition(":")[0].strip().isdigit():
+        count, _, rule = keep_softmax.strip().partition(":")  # a count and its rule; indices come as "3,7" or "5,"
+        keep_softmax, rule = int(count), rule.strip() or "error"
+        if rule not in KEEP_RULES:
+            raise ValueError(f"--keep-softmax {count}:{rule}: the rule must be one of {', '.join(KEEP_RULES)}")
     if isinstance(keep_softmax, int):
         if not 0 <= keep_softmax <= len(candidates):
             raise ValueError(f"--keep-softmax {keep_softmax}: must be between 0 and {len(candidates)} (the layers to convert)")
@@ -173,7 +178,11 @@ def convert(
            for i in candidates}
     for i in candidates if calibration_steps else []:
         fit_block(gdn[i], caps[i].hidden_states, caps[i].position_embeddings, caps[i].output, calibration_steps)
-    if isinstance(keep_softmax, int) and keep_softmax > 0:
+    if isinstance(keep_softmax, int) and keep_softmax > 0 and rule == "induction":
+        from .retrieval import retrieval_layers
+
+        kept = retrieval_layers(model, candidates, keep_softmax)
+    elif isinstance(keep_softmax, int) and keep_softmax > 0:
         err = {i: relative_error(gdn[i].attention_output(caps[i].hidden_states, caps[i].position_embeddings), caps[i].output)
                for i in candidates}
         kept = sorted(sorted(candidates, key=lambda i: -err[i])[:keep_softmax])

@@ -159,6 +159,7 @@ CONVERT = [
     ("keep-softmax-garbage", "convert -m {tiny} -o out --keep-softmax abc", r"--keep-softmax: cannot read 'abc'"),
     ("keep-softmax-out-of-range", "convert -m {tiny} -o out --keep-softmax 5,", r"--keep-softmax: layer 5 is out"),
     ("keep-softmax-count-all", "convert -m {tiny} -o out --keep-softmax 3", r"nothing would be converted"),
+    ("keep-softmax-rule", "convert -m {tiny} -o out --keep-softmax 2:best", r"the rule after ':' must be one of error"),
     ("keep-softmax-all-allowed", "convert -m {tiny} -o out --layers 0-1 --keep-softmax 0,1", r"nothing would be"),
     ("keep-softmax-count-vs-layers", "convert -m {tiny} -o out --layers 1- --keep-softmax 2", r"nothing would be"),
     ("output-cwd", "convert -m {tiny} -o .", r"--output \. is the working directory"),

@@ -141,13 +141,13 @@ def test_window_block_on_the_kernel_equals_the_banded_form(monkeypatch):
     """A converted model whose window part runs on the kernel (``backend="triton"``, no gradient): a left-padded
     prefill longer than window + sinks, decoding after it, and scoring a padded batch give the logits of the same
     model on the banded PyTorch form."""
-    import linearize.ops.triton.window_fwd as window_fwd
     import copy
 
     from conftest import tiny_model
     from test_convert import calib, ids, incremental_logits
 
     import linearize
+    import linearize.ops.triton.window_fwd as window_fwd
     from linearize.layers import GDNAttention, GDNOptions
 
     teacher = tiny_model("llama")

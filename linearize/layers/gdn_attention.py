@@ -35,8 +35,14 @@ from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
-from ..ops.window import (first_order_gap, flex_usable, mix_by_mass, sink_window_flex, sink_window_softmax,
-                          window_triton_usable)
+from ..ops.window import (
+    first_order_gap,
+    flex_usable,
+    mix_by_mass,
+    sink_window_flex,
+    sink_window_softmax,
+    window_triton_usable,
+)
 from ..ops.window_inputs import WindowBuffers, cached_inputs, fresh_inputs
 from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer

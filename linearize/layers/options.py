@@ -14,6 +14,9 @@ FORMS = ("stable", "seed")
 # seed 000 with a learnable decay correction (linearize.layers.vala_attention), or KDA, the gated delta rule
 # with one decay per key channel (linearize.layers.channel_decay; the gdn block exactly at init)
 TARGETS = ("gdn", "deltanet", "linear", "kda")
+# how `--keep-softmax N` picks its N layers: the worst-initialized ("error"), or the strongest long-range
+# induction heads ("induction", linearize.retrieval)
+KEEP_RULES = ("error", "induction")
 BACKENDS = ("auto", "torch", "triton", "reference")
 DEFAULT_BETA_MAX = 1.0
 

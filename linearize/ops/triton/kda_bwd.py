@@ -287,13 +287,13 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     _state_bwd_kernel[(cdiv(V, BV), L.N * H)](
         qf, kf, gf, w, dof, dd, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs,
         L.cu_seqlens, L.chunk_offsets, float(scale), G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **c,
-        num_warps=4, num_stages=kda_stages(K, ieee))
+        num_warps=4, num_stages=kda_stages(K, ieee, "state_bwd", G))
     _dqk_kernel[(L.NC, H)](
         qf, kf, gf, v_new, dof, hs, dq, dk_p, dG_p, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
         G=G, SUB=SUB, **c, num_warps=chunk_warps(K))
     _wy_bwd_kernel[(L.NC, H)](
         kf, vf, gf, bf, tm, v_new, hs, dhs, dd, dk_p, dG_p, dk, dv, dbeta, dg, L.cu_seqlens, L.chunk_indices,
-        L.chunk_offsets, SUB=SUB, **c, num_warps=chunk_warps(K), num_stages=kda_stages(K, ieee))
+        L.chunk_offsets, SUB=SUB, **c, num_warps=chunk_warps(K), num_stages=kda_stages(K, ieee, "wy_bwd"))
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
 
 

@@ -204,12 +204,26 @@ def chunk_warps(K: int) -> int:
     return 4 if block_k(K) <= 64 else 8
 
 
-def kda_stages(K: int, ieee: bool) -> int:
-    """Pipelining stages of the kernels that loop over whole (64, K) or (K, BV) tiles: the state kernels and
-    the WY backward. At Triton's default 3, IEEE fp32 tiles need more shared memory than the H200's 227 KB
-    (compiled for sm_90: the state kernel 257 KB at K = 128 and 465 KB at K = 256, the WY backward 256 KB
-    and 240 KB), so 2, and 1 for 256-wide keys; 16-bit inputs keep 3."""
-    return (1 if block_k(K) > 128 else 2) if ieee else 3
+def kda_stages(K: int, ieee: bool, kernel: str, G: int = 1) -> int:
+    """Pipelining stages of the kernels that loop over whole (64, K) or (K, BV) tiles: ``kernel`` "state" (the
+    forward state kernel), "state_bwd" (the backward one, ``G`` query heads per KV head) or "wy_bwd". A block
+    gets 232,448 B of shared memory on the H200; compiled for sm_90 as the launchers launch them (Triton 3.6,
+    ``scripts/kernel_resources.py --launchers``), at Triton's default 3 stages:
+
+    - IEEE fp32 tiles are twice as wide: 2 stages (at K = 128 the state kernel 164,352 B, the backward one
+      180,224 at G = 1), 1 for 256-wide keys;
+    - 256-wide keys: the forward state kernel needs 372,736 B for 16-bit inputs (237,568 at 2 stages, 69,632 at 1),
+      so 1 stage for every dtype; the 16-bit WY backward (114,688 B) keeps 3;
+    - at G = 1 the backward state kernel's loop over the query heads folds away and q and do are pipelined with
+      k, w and dΔ: 245,760 B for 16-bit K = 128 (155,648 at 2 stages), 286,720 for K = 256 at 2 (81,920 at 1),
+      so at most 2 stages at K = 128 and 1 at K = 256 there; K = 64 (139,264 B) keeps 3."""
+    wide = block_k(K) > 128
+    stages = (1 if wide else 2) if ieee else 3
+    if kernel == "state" and wide:
+        return 1
+    if kernel == "state_bwd" and G == 1 and block_k(K) > 64:
+        return min(stages, 1 if wide else 2)
+    return stages
 
 
 def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -241,7 +255,7 @@ def kda_states(*, layout: Layout, k, g, w, u, h0=None, ht=None) -> tuple[torch.T
     _state_kernel[(cdiv(L.V, BV), L.N * L.H)](
         k, g, w, u, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
         L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None,
-        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4, num_stages=kda_stages(L.K, L.ieee))
+        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4, num_stages=kda_stages(L.K, L.ieee, "state"))
     return hs, v_new
 
 

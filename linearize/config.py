@@ -227,16 +227,16 @@ def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: i
         cand = list(range(num_layers))
     if keep_softmax is None:
         return
-    from .layers.options import KEEP_RULES
+    from .layers.options import keep_count
 
     ks = str(keep_softmax).strip()
-    count, colon, rule = ks.partition(":")
-    if count.strip().isdigit():  # a count of layers, with the rule that picks them; indices come as "3,7" or "5,"
-        ks = count.strip()
-        if colon and rule.strip() not in KEEP_RULES:
-            raise RecipeError(f"{where[1]} {keep_softmax}: the rule after ':' must be one of {', '.join(KEEP_RULES)} "
-                              f"(e.g. '{ks}:induction')")
-        if cand is not None and int(ks) >= len(cand):
+    try:
+        counted = keep_count(ks)  # a count of layers and the rule that picks them; None: indices
+    except ValueError as e:
+        raise RecipeError(f"{where[1]} {keep_softmax}: {e}") from None
+    if counted is not None:
+        ks = str(counted[0])
+        if cand is not None and counted[0] >= len(cand):
             raise RecipeError(f"{where[1]} {ks} keeps every one of the {len(cand)} layers to convert, so nothing "
                               f"would be converted; give a count below {len(cand)}")
         return

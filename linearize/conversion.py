@@ -19,7 +19,7 @@ import torch
 
 from .calibration import NEW_PARAMETERS, fit_block
 from .layers.gdn_attention import GDNAttention
-from .layers.options import KEEP_RULES, GDNOptions, check_target
+from .layers.options import GDNOptions, check_target, keep_count
 from .models.adapters import decoder_layers
 from .models.families import FAMILIES, PREFIX, Family, family_of
 
@@ -156,11 +156,12 @@ def convert(
     n = len(decoder_layers(model))
     candidates = parse_layers(layers, n) if layers is not None else list(range(n))
     rule = "error"
-    if isinstance(keep_softmax, str) and keep_softmax.strip().partition(":")[0].strip().isdigit():
-        count, _, rule = keep_softmax.strip().partition(":")  # a count and its rule; indices come as "3,7" or "5,"
-        keep_softmax, rule = int(count), rule.strip() or "error"
-        if rule not in KEEP_RULES:
-            raise ValueError(f"--keep-softmax {count}:{rule}: the rule must be one of {', '.join(KEEP_RULES)}")
+    try:
+        counted = keep_count(keep_softmax) if keep_softmax is not None else None
+    except ValueError as e:
+        raise ValueError(f"--keep-softmax {keep_softmax}: {e}") from None
+    if counted is not None:
+        keep_softmax, rule = counted  # a count and its rule; indices come as "3,7" or "5,"
     if isinstance(keep_softmax, int):
         if not 0 <= keep_softmax <= len(candidates):
             raise ValueError(f"--keep-softmax {keep_softmax}: must be between 0 and {len(candidates)} (the layers to convert)")

@@ -24,7 +24,6 @@ def induction_scores(model, rows: int = PROBE_ROWS, length: int = PROBE_LENGTH, 
     second copy puts on the token after its earlier occurrence. ``model``: the softmax teacher (its attention
     recomputed from its own q and k, after RoPE); ``layers``: these only (default every layer), in that order."""
     from .eval import attention_modules, capture_attention
-    from .models.adapters import project_qkv
 
     mods = attention_modules(model)
     layers = list(range(len(mods))) if layers is None else list(layers)
@@ -34,24 +33,32 @@ def induction_scores(model, rows: int = PROBE_ROWS, length: int = PROBE_LENGTH, 
     half = torch.randint(min(100, vocab // 2), vocab, (rows, length), generator=g)  # past the special tokens
     ids = torch.cat([half, half], dim=1).to(device)
     caps = capture_attention(model, ids, layers)
-    T = ids.shape[1]
-    t = torch.arange(length, T - 1, device=device)  # queries of the second copy (its last has no next token)
+    t = torch.arange(length, ids.shape[1] - 1, device=device)  # queries of the second copy (its last has no next)
     target = t - length + 1  # the token after the earlier occurrence of token t
-    future = torch.arange(T, device=device)[None] > t[:, None]
     out = []
     for i in layers:
-        m = mods[i]
-        q, k, _ = project_qkv(m, caps[i].hidden_states, caps[i].position_embeddings, with_v=False)
-        H, Hq = k.shape[2], q.shape[2]
-        qq = q[:, t].double().view(rows, len(t), H, Hq // H, -1)
-        logits = torch.einsum("bqhgd,bshd->bhgqs", qq, k.double()) * float(m.scaling)
-        hidden = future
-        if getattr(m, "sliding_window", None):  # a local layer (Gemma 3) sees its window only
-            hidden = hidden | (torch.arange(T, device=device)[None] <= t[:, None] - m.sliding_window)
-        p = logits.masked_fill(hidden, float("-inf")).softmax(-1)  # (rows, H, G, queries, T)
+        p = attention_rows(mods[i], caps[i], t)  # (rows, H, G, queries, T)
         mass = p.gather(-1, target.view(1, 1, 1, -1, 1).expand(*p.shape[:-1], 1))[..., 0]
-        out.append(mass.mean(dim=(0, 3)).reshape(Hq))
+        out.append(mass.mean(dim=(0, 3)).flatten())
     return torch.stack(out)
+
+
+def attention_rows(module, capture, t: torch.Tensor) -> torch.Tensor:
+    """``(B, H, G, len(t), T)`` float64: the softmax attention of the queries at positions ``t`` of a teacher's
+    attention ``module``, recomputed from its own q and k (after RoPE) on its captured input
+    (:func:`linearize.eval.capture_attention`): causal, and a local layer (Gemma 3) sees its window only."""
+    from .models.adapters import project_qkv
+
+    q, k, _ = project_qkv(module, capture.hidden_states, capture.position_embeddings, with_v=False)
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    qq = q[:, t].double().view(B, len(t), H, Hq // H, D)
+    logits = torch.einsum("bqhgd,bshd->bhgqs", qq, k.double()) * float(module.scaling)
+    s = torch.arange(T, device=q.device)[None]
+    hidden = s > t[:, None]
+    if getattr(module, "sliding_window", None):
+        hidden = hidden | (s <= t[:, None] - module.sliding_window)
+    return logits.masked_fill(hidden, float("-inf")).softmax(-1)
 
 
 def retrieval_layers(model, candidates: list[int], count: int) -> list[int]:

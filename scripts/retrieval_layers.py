@@ -29,9 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.eval import capture_attention  # noqa: E402
-from linearize.models.adapters import project_qkv  # noqa: E402
 from linearize.quality.passkey import NEEDLE, keys, make_prompt, run_passkey  # noqa: E402
-from linearize.retrieval import induction_scores  # noqa: E402
+from linearize.retrieval import attention_rows, induction_scores  # noqa: E402
 
 
 @torch.no_grad()
@@ -47,18 +46,9 @@ def retrieval_scores(model, tokenizer, length: int, depths, prompts_per_depth: i
             needle = len(tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids)
             ids = torch.tensor([p.ids])
             caps = capture_attention(model, ids)
-            rows = []
-            for i, m in enumerate(mods):
-                q, k, _ = project_qkv(m, caps[i].hidden_states, caps[i].position_embeddings, with_v=False)
-                T, H, Hq = q.shape[1], k.shape[2], q.shape[2]
-                qq = q[0, T - queries:].double().view(queries, H, Hq // H, -1)  # (Q, H, G, D)
-                logits = torch.einsum("qhgd,shd->hgqs", qq, k[0].double()) * m.scaling
-                t = torch.arange(T - queries, T)[:, None]
-                logits = logits.masked_fill(torch.arange(T)[None] > t, float("-inf"))
-                p_attn = logits.softmax(-1)
-                mass = p_attn[..., p.key_at:p.key_at + needle].sum(-1).mean(-1)  # (H, G)
-                rows.append(mass.reshape(Hq))
-            s = torch.stack(rows)
+            t = torch.arange(ids.shape[1] - queries, ids.shape[1])
+            s = torch.stack([attention_rows(m, caps[i], t)[0, ..., p.key_at:p.key_at + needle].sum(-1).mean(-1).flatten()
+                             for i, m in enumerate(mods)])  # (layers, q_heads)
             total = s if total is None else total + s
             count += 1
     return total / count

@@ -17,6 +17,20 @@ TARGETS = ("gdn", "deltanet", "linear", "kda")
 # how `--keep-softmax N` picks its N layers: the worst-initialized ("error"), or the strongest long-range
 # induction heads ("induction", linearize.retrieval)
 KEEP_RULES = ("error", "induction")
+
+
+def keep_count(spec) -> tuple[int, str] | None:
+    """``(N, rule)`` of a ``--keep-softmax`` count, ``"N"`` or ``"N:rule"`` (an int: rule "error"); None for
+    indices (``"3,7"``, ``"5,"``). Raises ValueError for a rule not in :data:`KEEP_RULES`."""
+    if isinstance(spec, int):
+        return spec, "error"
+    count, colon, rule = str(spec).strip().partition(":")
+    if not count.strip().isdigit():
+        return None
+    rule = rule.strip() if colon else "error"
+    if rule not in KEEP_RULES:
+        raise ValueError(f"the rule after ':' must be one of {', '.join(KEEP_RULES)} (e.g. '{count.strip()}:induction')")
+    return int(count), rule
 BACKENDS = ("auto", "torch", "triton", "reference")
 DEFAULT_BETA_MAX = 1.0
 

@@ -1,7 +1,7 @@
 """The exact part of a sink + sliding-window block as one Triton forward kernel (inference only).
 
-When it applies: ``q.is_cuda and not torch.is_grad_enabled()`` (a prefill, scoring); training keeps FlexAttention
-or the banded PyTorch form, which differentiate. Same arguments and results as
+When it applies: where no gradient is wanted (a prefill, scoring), as :func:`linearize.ops.window.window_triton_usable`
+decides; training keeps FlexAttention or the banded PyTorch form, which differentiate. Same arguments and results as
 :func:`linearize.ops.window.sink_window_softmax`, which is its reference (``tests/test_window_triton.py``).
 
 Per (query block, sequence, KV head) one program, whose ``BR`` rows are the ``G`` query heads of ``QB = BR // G``

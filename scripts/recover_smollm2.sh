@@ -14,7 +14,8 @@
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
 # INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
-# block options into W/runs/L_init, H_init), beside the teacher; EXTRA="key=value ..." adds overrides to
+# block options into W/runs/L_init, H_init — H_8_induction_init for EXTRA=convert.keep_softmax=8:induction),
+# beside the teacher; INIT=L, H or LH names the conversions whatever ONLY runs; EXTRA="key=value ..." adds overrides to
 # both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg);
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
 # precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU.
@@ -115,9 +116,13 @@ for run in L:recipes/smollm2-135m-gdn-25m.yaml H:recipes/smollm2-135m-hybrid-25m
 done
 teacher > "$w/teacher.log" 2>&1 &
 pids+=($!)
-if [ -n "${INIT:-}" ]; then  # one after the other, beside the training
-    ( { [ "${ONLY:-L}" != L ] || at_init L --window 64 --sinks 4; }
-      { [ "${ONLY:-H}" != H ] || at_init H --window 64 --sinks 4 --keep-softmax 8; } ) > "$w/init.log" 2>&1 &
+init=${INIT:-}
+[ "$init" != 1 ] || init=${ONLY:-LH}
+keep=$(sed -n 's/.*convert\.keep_softmax=\([^ ]*\).*/\1/p' <<< "$extra")  # the hybrid's rule, as trained
+if [ -n "$init" ]; then  # one after the other, beside the training
+    ( case $init in *L*) at_init L --window 64 --sinks 4 ;; esac
+      case $init in *H*) at_init "H${keep:+_$(tr -c 'a-z0-9\n' _ <<< "$keep")}" --window 64 --sinks 4 \
+          --keep-softmax "${keep:-8}" ;; esac ) > "$w/init.log" 2>&1 &
     pids+=($!)
 fi
 wait "${pids[@]}"  # their own PIDs: a pgrep -f on a path would also match the shell running this line

@@ -929,3 +929,33 @@ def test_float32_masters_keep_tied_weights_tied():
     assert torch.equal(model.lm_head.weight, model.model.embed_tokens.weight)  # the head follows its master
     remove_casts(model)
     assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.dtype == torch.bfloat16
+
+
+def test_removing_the_casts_of_a_copy_leaves_the_training_model_whole():
+    """``output.save_stages`` saves a deep copy with its float32 casts removed; the copy shares its modules'
+    parametrized classes with the training model, so the removal must not delete the training model's
+    properties (on the GPU the first distill step after a saved align stage failed: 'ParametrizedEmbedding'
+    object has no attribute 'weight')."""
+    import copy
+
+    from conftest import tiny_model
+    from torch.nn.utils import parametrize
+
+    from linearize.distill.precision import float32_trainables, remove_casts
+
+    model = tiny_model("llama").to(torch.bfloat16)
+    model.config.tie_word_embeddings = True
+    model.lm_head.weight = model.model.embed_tokens.weight
+    float32_trainables(model, {n for n, _ in model.named_parameters()}, torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        saved = copy.deepcopy(model)
+        remove_casts(saved)
+        after = model(ids).logits
+        copied = saved(ids).logits
+    assert parametrize.is_parametrized(model.model.embed_tokens, "weight")
+    assert not any(parametrize.is_parametrized(m) for m in saved.modules())
+    assert saved.lm_head.weight is saved.model.embed_tokens.weight and saved.lm_head.weight.dtype == torch.bfloat16
+    torch.testing.assert_close(after, before, rtol=0, atol=0)
+    torch.testing.assert_close(copied, before, rtol=0, atol=0)

@@ -61,6 +61,11 @@ def remove_casts(model) -> None:
     done: dict[int, torch.nn.Parameter] = {}
     for mod in list(model.modules()):
         if parametrize.is_parametrized(mod):
+            # removal deletes the tensor's property from the module's class, which a deep copy shares with its
+            # original: give the module a class of its own first, so a copy's removal leaves the original whole
+            cls = type(mod)
+            mod.__class__ = type(cls.__name__, cls.__bases__,
+                                 {k: v for k, v in vars(cls).items() if k not in ("__dict__", "__weakref__")})
             for attr in list(mod.parametrizations):
                 master = mod.parametrizations[attr].original
                 if id(master) not in done:  # the float32 original, cast; one tensor for all its holders

@@ -122,7 +122,7 @@ keep=$(sed -n 's/.*convert\.keep_softmax=\([^ ]*\).*/\1/p' <<< "$extra")  # the 
 if [ -n "$init" ]; then  # one after the other, beside the training
     ( case $init in *L*) at_init L --window 64 --sinks 4 ;; esac
       case $init in *H*) at_init "H${keep:+_$(tr -c 'a-z0-9\n' _ <<< "$keep")}" --window 64 --sinks 4 \
-          --keep-softmax "${keep:-8}" ;; esac ) > "$w/init.log" 2>&1 &
+          --keep-softmax "${keep:-8:induction}" ;; esac ) > "$w/init.log" 2>&1 &
     pids+=($!)
 fi
 wait "${pids[@]}"  # their own PIDs: a pgrep -f on a path would also match the shell running this line

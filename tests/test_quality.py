@@ -260,6 +260,55 @@ def test_domain_perplexity_is_exp_mean_nll(world):
     assert got["ppl"] == pytest.approx(math.exp(sum(nll) / len(nll)), rel=1e-5)
 
 
+def test_perplexity_by_context_length_splits_the_same_nll(world):
+    """``by_context``: the mean NLL of the tokens predicted from 1-64 earlier tokens of their row, and from
+    65-79 (rows of 80), each against per-token log-likelihoods straight from the model; together the total."""
+    from linearize.quality.perplexity import context_spans, domain_perplexity
+
+    assert context_spans(80) == [(1, 64), (65, 79)]
+    assert context_spans(2048) == [(1, 64), (65, 512), (513, 2047)]
+    assert context_spans(30) == [(1, 29)]
+    model = world["teacher"]
+    rows = torch.randint(0, len(world["tok"]), (3, 80), generator=torch.Generator().manual_seed(1))
+    got = domain_perplexity(model, rows, batch_size=2)
+    with torch.no_grad():
+        logp = model(input_ids=rows).logits.double().log_softmax(-1)  # (3, 80, V)
+    nll = -logp[:, :-1].gather(2, rows[:, 1:, None])[..., 0]  # (3, 79): column j predicts from j + 1 tokens
+    spans = got["by_context"]
+    assert list(spans) == ["1-64", "65-79"]
+    assert spans["1-64"]["tokens"] == 3 * 64 and spans["65-79"]["tokens"] == 3 * 15
+    assert spans["1-64"]["nll"] == pytest.approx(float(nll[:, :64].mean()), rel=1e-5)
+    assert spans["65-79"]["nll"] == pytest.approx(float(nll[:, 64:].mean()), rel=1e-5)
+    assert got["nll"] == pytest.approx(float(nll.mean()), rel=1e-5)
+
+
+def test_a_window_block_is_the_teacher_over_its_window_and_not_beyond(world):
+    """A conversion with a window of 64 and 4 sinks computes the teacher's attention wherever a token sees at
+    most 68 tokens, so its NLL over the 1-64 span is the teacher's (to float32 rounding); beyond, and over
+    the same span with a window of 16, it is not. The teacher's attention is scaled up so that it matters
+    to the logits of a random model (the same weights in every model)."""
+    import copy
+
+    import linearize
+    from conftest import tiny_model
+    from linearize.layers import GDNOptions
+    from linearize.quality.perplexity import domain_perplexity
+
+    teacher = tiny_model("llama", vocab_size=len(world["tok"]), num_hidden_layers=2)
+    with torch.no_grad():
+        for layer in teacher.model.layers:
+            layer.self_attn.o_proj.weight.mul_(30)
+            layer.self_attn.q_proj.weight.mul_(4)
+    calib = torch.arange(32).view(1, 32)
+    w64, w16 = (linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=GDNOptions(window=w, sinks=4))
+                for w in (64, 16))
+    rows = torch.randint(0, len(world["tok"]), (2, 120), generator=torch.Generator().manual_seed(2))
+    t, a, b = (domain_perplexity(m, rows)["by_context"] for m in (teacher, w64, w16))
+    assert abs(a["1-64"]["nll"] - t["1-64"]["nll"]) < 1e-7
+    assert abs(a["65-119"]["nll"] - t["65-119"]["nll"]) > 1e-6
+    assert abs(b["1-64"]["nll"] - t["1-64"]["nll"]) > 1e-6
+
+
 def test_builtin_rows_are_the_heldout_text(world):
     from linearize.eval import text_ids
     from linearize.quality.perplexity import builtin_rows

@@ -2,7 +2,10 @@
 
 Every model is scored on the same rows (token ids, built once from the corpus or the built-in
 held-out text), so teacher and student compare token for token. Perplexity is exp(mean NLL) over
-every predicted token of a domain's rows (``seq_len - 1`` per row: the first token is context only).
+every predicted token of a domain's rows (``seq_len - 1`` per row: the first token is context only),
+and also per span of context length (``by_context``: the tokens predicted from 1-64 earlier tokens of their
+row, 65-512, 513-2048, ...): a converted block with a window of 64 and its sinks is exact over the first
+span, so what a model loses beyond it is what its state does not carry.
 
     rows = pack(documents, seq_len=512, tokens=65536)        # (128, 512) int64
     domain_perplexity(model, rows)                          # {"ppl": ..., "nll": ..., "tokens": ...}
@@ -76,21 +79,36 @@ def check_vocab(rows: dict, vocab_size: int, who: str) -> None:
 MAX_TOKENS_PER_FORWARD = 16384
 
 
+CONTEXT_EDGES = (64, 512, 2048, 8192, 32768)  # the spans of ``by_context`` end at these context lengths
+
+
+def context_spans(seq_len: int) -> list[tuple[int, int]]:
+    """``[(first, last)]`` context lengths (tokens of the row before the predicted one, 1 … seq_len − 1) per
+    span, cut after each of :data:`CONTEXT_EDGES` below ``seq_len − 1``."""
+    ends = [e for e in CONTEXT_EDGES if e < seq_len - 1] + [seq_len - 1]
+    return [(1 if i == 0 else ends[i - 1] + 1, e) for i, e in enumerate(ends)]
+
+
 def domain_perplexity(model, rows, batch_size: int = 8) -> dict:
-    """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums; at most ``batch_size``
-    rows and :data:`MAX_TOKENS_PER_FORWARD` tokens per forward."""
+    """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums, overall and per span of
+    context length (``by_context``, keyed ``"first-last"``); at most ``batch_size`` rows and
+    :data:`MAX_TOKENS_PER_FORWARD` tokens per forward."""
     import torch
 
     device = next(model.parameters()).device
     step = max(1, min(batch_size, MAX_TOKENS_PER_FORWARD // max(1, rows.shape[1])))
-    nll, count = 0.0, 0
+    per_position = torch.zeros(rows.shape[1] - 1, dtype=torch.float64)  # NLL summed over rows, by context length − 1
     with torch.no_grad():
         for i in range(0, rows.shape[0], step):
             ids = rows[i: i + step].to(device)  # (b, T)
             logits = model(input_ids=ids, use_cache=False).logits.float()  # (b, T, V)
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                                     reduction="sum")
-            nll += float(loss.double())
-            count += ids[:, 1:].numel()
-    mean = nll / count
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count}
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none")
+            per_position += loss.double().sum(0).cpu()
+    count = rows.shape[0] * per_position.numel()
+    mean = float(per_position.sum()) / count
+    spans = {}
+    for first, last in context_spans(rows.shape[1]):
+        n = rows.shape[0] * (last - first + 1)
+        span_mean = float(per_position[first - 1: last].sum()) / n
+        spans[f"{first}-{last}"] = {"ppl": math.exp(span_mean), "nll": span_mean, "tokens": n}
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "by_context": spans}

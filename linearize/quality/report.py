@@ -228,6 +228,12 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
         rows = [[d, str(row["tokens"]), *[_fmt(res[s]["perplexity"][d]["ppl"], False) for s in sides]]
                 for d, row in res[sides[0]]["perplexity"].items()]
         out.append((f"held-out perplexity (rows of {result['plan']['seq_len']} tokens)", ["domain", "tokens", *names], rows))
+        first = res[sides[0]]["perplexity"]
+        if all("by_context" in first[d] for d in first):  # files written before the spans existed have none
+            rows = [[d, span, *[_fmt(res[s]["perplexity"][d]["by_context"][span]["ppl"], False) for s in sides]]
+                    for d in first for span in first[d]["by_context"]]
+            out.append(("held-out perplexity by context length (tokens of the row before the predicted one)",
+                        ["domain", "context", *names], rows))
     if any("passkey" in res[s] for s in sides):
         rows = [[n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides]] for n in res[sides[0]]["passkey"]["lengths"]]
         out.append((f"passkey retrieval, % correct ({result['plan']['passkey_trials']} keys per length and depth)",

@@ -151,6 +151,8 @@ def quality(path: Path) -> dict:
         h = r.get("harness", {})
         sides[side] = {"tasks": {t: h[t][m] for t, m in primary.items() if t in h}, "average": h.get("average"),
                        "perplexity": {dom: v["ppl"] for dom, v in r.get("perplexity", {}).items()},
+                       "by_context": {f"{dom}, context {span}": c["ppl"] for dom, v in r.get("perplexity", {}).items()
+                                      for span, c in v.get("by_context", {}).items()},
                        "passkey": {n: v["acc"] for n, v in r.get("passkey", {}).get("lengths", {}).items()}}
     return {"file": str(path), "command": d.get("command"), "models": d.get("models"), "primary": primary,
             "limit": d.get("plan", {}).get("limit"), **sides}
@@ -220,6 +222,8 @@ def markdown(variants: dict, command: str) -> str:
             rows.append([f"{len(tasks)}-task average, %", *rows_of("average", None, "pct")])
         for dom in dict.fromkeys(d for n in qn for d in q[n]["model"]["perplexity"]):
             rows.append([f"perplexity: {dom}", *rows_of("perplexity", dom, "ppl")])
+        for span in dict.fromkeys(x for n in qn for x in q[n]["model"].get("by_context", {})):
+            rows.append([f"perplexity: {span}", *[f(s.get("by_context", {}).get(span), "ppl") for s in sides]])
         for ln in dict.fromkeys(x for n in qn for x in q[n]["model"]["passkey"]):
             rows.append([f"passkey {ln}, %", *rows_of("passkey", ln, "pct")])
         limits = sorted({str(q[n]["limit"]) for n in qn})

@@ -472,7 +472,7 @@ def test_corpus_rows_pack_each_domains_heldout_documents(world, tmp_path):
     tok = world["tok"]
     texts = {"prose": [_sentence(i, 30) for i in range(6)], "code": [f"def f{i}(x):\n    return x * {i}\n" * 4
                                                                       for i in range(8)]}
-    rows = corpus_rows(_corpus(tmp_path / "c", tok, texts), seq_len=16, tokens=48, vocab_size=len(tok))
+    rows = corpus_rows(_corpus(tmp_path / "c", tok, texts), seq_len=16, tokens=48, tokenizer=tok)
     for d, t in texts.items():
         stream = [i for s in t for i in [*tok(s, add_special_tokens=False).input_ids, 0]]  # end-of-text between
         assert rows[d].tolist() == [stream[k * 16:(k + 1) * 16] for k in range(3)]
@@ -492,12 +492,22 @@ def test_cli_eval_corpus_perplexity_side_by_side(world, tmp_path):
     assert res["perplexity_same_rows"] is True and "harness" not in res["results"]["model"]
     for side in ("model", "teacher"):
         assert set(res["results"][side]["perplexity"]) == {"prose", "docs"}
+    from linearize.corpus.tokenizer import vocab_hash
+
     manifest = json.loads((corpus / "manifest.json").read_text())
-    manifest["tokenizer"]["vocab_size"] += 1
+    manifest["tokenizer"]["vocab_sha1"] = vocab_hash(tok.get_vocab())  # what a build records: accepted
     (corpus / "manifest.json").write_text(json.dumps(manifest))
     code, text = _run("--model", d / "teacher", "--tasks", "none", "--corpus", corpus, "--seq-len", 16,
                       "--ppl-tokens", 48, "--device", "cpu")
-    assert code == 2 and "build it with the model's" in text, text
+    assert code == 0, text
+    for key, value, why in (("vocab_sha1", "0" * 16, "same size, other tokens"),
+                            ("vocab_size", len(tok) + 1, f"{len(tok) + 1} tokens")):
+        manifest["tokenizer"][key] = value
+        (corpus / "manifest.json").write_text(json.dumps(manifest))
+        code, text = _run("--model", d / "teacher", "--tasks", "none", "--corpus", corpus, "--seq-len", 16,
+                          "--ppl-tokens", 48, "--device", "cpu")
+        assert code == 2 and why in text and "build it with the model's tokenizer" in text, text
+        assert sum(line.startswith("error:") for line in text.splitlines()) == 1, text
 
 
 def test_markdown_tables_carry_the_json_values():

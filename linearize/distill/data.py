@@ -232,15 +232,11 @@ def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
     and its beginning-of-text before each where its tokenizer adds one to every text, as the hub path's does)."""
     corpus = open_built_corpus(cfg)
     built = corpus.manifest["tokenizer"]
-    if built.get("vocab_size") is not None and built["vocab_size"] != len(tokenizer):
-        raise RecipeError(f"data.source: the corpus was tokenized with {built.get('name')!r} ({built['vocab_size']} tokens); "
-                          f"the teacher's tokenizer has {len(tokenizer)}; build a corpus with the teacher's tokenizer")
-    if built.get("vocab_sha1") is not None:
-        from ..corpus.tokenizer import vocab_hash
+    from ..corpus.tokenizer import tokenizer_mismatch
 
-        if vocab_hash(tokenizer.get_vocab()) != built["vocab_sha1"]:
-            raise RecipeError(f"data.source: the corpus was tokenized with {built.get('name')!r}, whose vocabulary "
-                              "differs from the teacher's; build a corpus with the teacher's tokenizer")
+    why = tokenizer_mismatch(built, tokenizer)
+    if why:
+        raise RecipeError(f"data.source: {why.replace('the model', 'the teacher')}; build a corpus with the teacher's tokenizer")
     weights = cfg.weights or None
     # documents end with the corpus's own end-of-text where it has one (an instruct tokenizer's eos is the
     # end of a chat turn, not of a document)

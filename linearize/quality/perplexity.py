@@ -37,15 +37,18 @@ def pack(documents, seq_len: int, tokens: int, sep: int | None = None):
     return flat[: n * seq_len].view(n, seq_len)
 
 
-def corpus_rows(corpus_dir, seq_len: int, tokens: int, vocab_size: int | None = None) -> dict:
+def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None) -> dict:
     """``{domain: (rows, seq_len)}`` from the held-out split of a corpus made by :mod:`linearize.corpus`
-    (its documents carry no special tokens: the corpus tokenizer's end-of-text id goes between them)."""
+    (its documents carry no special tokens: the corpus tokenizer's end-of-text id goes between them); with a
+    ``tokenizer``, the corpus must have been cut with the same vocabulary."""
     from ..corpus.reader import open_corpus
+    from ..corpus.tokenizer import tokenizer_mismatch
 
     corpus = open_corpus(corpus_dir)
-    if vocab_size is not None and corpus.vocab_size != vocab_size:
-        raise UserError(f"--corpus {corpus_dir} was cut with the tokenizer {corpus.manifest['tokenizer'].get('name')} "
-                        f"({corpus.vocab_size} tokens) but the model's has {vocab_size}; build it with the model's")
+    why = None if tokenizer is None else tokenizer_mismatch(corpus.manifest["tokenizer"], tokenizer)
+    if why:
+        raise UserError(f"--corpus {corpus_dir}: {why}; build it with the model's tokenizer "
+                        "(linearize data build --tokenizer ...)")
     special = corpus.manifest["tokenizer"].get("special_tokens", {})
     sep = next((special[t] for t in ("<|endoftext|>", "</s>") if t in special), None)
     rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens, sep) for d in corpus.domains}

@@ -92,7 +92,7 @@ def measure(plan: Plan, lm, tok) -> dict:
         got["harness"] = {**scores, "average": harness.average(scores)}
     if plan.ppl_tokens:
         if plan.corpus is not None:
-            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens, vocab_size=len(tok))
+            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens, tokenizer=tok)
             perplexity.check_vocab(rows, lm.get_input_embeddings().num_embeddings, "the model")
         else:
             rows = perplexity.builtin_rows(tok, plan.seq_len, plan.ppl_tokens)

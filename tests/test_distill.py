@@ -959,3 +959,40 @@ def test_removing_the_casts_of_a_copy_leaves_the_training_model_whole():
     assert saved.lm_head.weight is saved.model.embed_tokens.weight and saved.lm_head.weight.dtype == torch.bfloat16
     torch.testing.assert_close(after, before, rtol=0, atol=0)
     torch.testing.assert_close(copied, before, rtol=0, atol=0)
+
+
+def test_trainable_items_keywords_and_exclusions():
+    """``trainable``: name substrings, ``all``, ``softmax_attn`` (a hybrid's kept softmax attention) and
+    ``-X`` exclusions, resolved the same on the float32-parametrized training model; the default takes the
+    blocks' new parameters, not the MLP's own ``gate_proj``."""
+    from conftest import tiny_model
+    from test_convert import calib
+
+    import linearize
+    from linearize.config import StageConfig
+    from linearize.distill.optim import trainable_names
+    from linearize.distill.precision import float32_trainables
+
+    teacher = tiny_model("llama", num_hidden_layers=3)
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=[1])
+    every = [n for n, _ in model.named_parameters()]
+    kept = [n for n in every if n.startswith("model.layers.1.self_attn.")]
+    assert kept and all(".mlp." not in n for n in kept)
+
+    def names(spec):
+        return trainable_names(model, StageConfig(trainable=spec))
+
+    assert names("softmax_attn") == kept
+    assert names("all,-softmax_attn") == [n for n in every if n not in kept]
+    assert names("self_attn,-softmax_attn") == [n for n in every if ".self_attn." in n and n not in kept]
+    assert names("all,-mlp,-embed") == [n for n in every if ".mlp." not in n and "embed" not in n]
+    default = names(StageConfig().trainable)
+    assert default and all(".self_attn." in n and not n.startswith("model.layers.1.") for n in default)
+    assert {n.split(".")[-2] for n in default} >= {"gate_proj", "beta_proj"} and any(n.endswith("rho") for n in default)
+    with pytest.raises(RecipeError, match="matches no parameter"):
+        names("mlp,-mlp")
+    float32_trainables(model, set(every), torch.bfloat16)  # the names a bf16 run's later stages see
+    after = [n for n, _ in model.named_parameters()]
+    kept_after = [n for n in after if n.startswith("model.layers.1.self_attn.")]
+    assert len(kept_after) == len(kept) and names("softmax_attn") == kept_after
+    assert names("all,-softmax_attn") == [n for n in after if n not in kept_after]

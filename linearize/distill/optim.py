@@ -8,10 +8,32 @@ import torch
 from ..config import RecipeError
 
 
+SOFTMAX_ATTN = "softmax_attn"  # the attention blocks a hybrid conversion kept softmax
+
+
+def _softmax_attention(model) -> set[int]:
+    """The ids of the parameters of the attention blocks left softmax (the layers a hybrid keeps)."""
+    from ..layers import GDNAttention
+    from ..models.adapters import decoder_layers
+
+    return {id(p) for layer in decoder_layers(model) if not isinstance(layer.self_attn, GDNAttention)
+            for p in layer.self_attn.parameters()}
+
+
 def trainable_names(model, stage) -> list[str]:
-    """Parameters a stage trains: ``stage.trainable`` is comma-separated name substrings, or ``all``."""
+    """Parameters a stage trains. ``stage.trainable`` is comma-separated items: ``all``, a name substring
+    (``self_attn``, ``mlp``, ``rho``), or ``softmax_attn`` (the attention blocks a hybrid kept softmax); an
+    item with a leading ``-`` removes what it matches from the others (``all,-softmax_attn``: every
+    parameter but the kept softmax attention's)."""
     keys = [k.strip() for k in stage.trainable.split(",") if k.strip()]
-    names = [n for n, _ in model.named_parameters() if keys == ["all"] or any(k in n for k in keys)]
+    take, drop = [k for k in keys if not k.startswith("-")], [k[1:].strip() for k in keys if k.startswith("-")]
+    soft = _softmax_attention(model) if SOFTMAX_ATTN in take + drop else set()
+
+    def hit(key, name, p):
+        return key == "all" or (id(p) in soft if key == SOFTMAX_ATTN else key in name)
+
+    names = [n for n, p in model.named_parameters()
+             if any(hit(k, n, p) for k in take) and not any(hit(k, n, p) for k in drop)]
     if not names:
         raise RecipeError(f"stage {stage.name}: trainable={stage.trainable!r} matches no parameter of the student")
     return names

@@ -104,9 +104,45 @@ def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
     assert rel(o.detach().double(), want.detach().double()) <= 1e-5
 
 
+def test_a_16_bit_backward_is_refused_where_ptxas_miscompiles_it(monkeypatch):
+    """ptxas 12.8 (Triton 3.6's) miscompiles the backward's 16-bit tensor-core products: a CUDA bf16/fp16
+    call that will want gradients is refused with what to do; fp32, ptxas 12.9+, the CPU and calls without a
+    gradient go on. ``kda_triton`` asks before the forward runs."""
+    import linearize.ops.triton.kda_bwd as kb
+
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(kb, "ptxas_version", lambda: (12, 8))
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(RuntimeError, match="needs ptxas >= 12.9.*TRITON_PTXAS_PATH"):
+            kb.check_backward_compiler(dtype, cuda)
+    kb.check_backward_compiler(torch.float32, cuda)
+    kb.check_backward_compiler(torch.bfloat16, torch.device("cpu"))
+    for version in ((12, 9), (13, 0), None):
+        monkeypatch.setattr(kb, "ptxas_version", lambda v=version: v)
+        kb.check_backward_compiler(torch.bfloat16, cuda)
+    asked = []
+    monkeypatch.setattr(kb, "check_backward_compiler", lambda dtype, device: asked.append((dtype, device.type)))
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 20, 1, 16, generator=gen) for _ in range(3))
+    g = -torch.rand(1, 20, 1, 16, generator=gen)
+    beta = torch.rand(1, 20, 1, generator=gen)
+    with torch.no_grad():
+        kb.kda_triton(q, k, v, g, beta)
+    assert asked == []
+    kb.kda_triton(q, k.requires_grad_(), v, g, beta)
+    assert asked == [(torch.float32, "cpu")]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=ids)
 def test_kda_triton_grads_gpu_equal_reference(dtype, shape, compiled):
+    from linearize.ops.triton.kda_bwd import PTXAS_FIXED, ptxas_version
+
+    version = ptxas_version()
+    if dtype != torch.float32 and version is not None and version < PTXAS_FIXED:
+        with pytest.raises(RuntimeError, match="needs ptxas >= 12.9"):
+            check(dtype, "cuda", *shape)
+        pytest.skip(f"ptxas {version} miscompiles the 16-bit backward (refused); set TRITON_PTXAS_PATH to 12.9+")
     check(dtype, "cuda", *shape)

@@ -321,6 +321,35 @@ class KDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo
 
 
+PTXAS_FIXED = (12, 9)  # the first ptxas that compiles the backward's 16-bit tensor-core products right
+
+
+def ptxas_version() -> tuple[int, int] | None:
+    """``(major, minor)`` of the ptxas Triton compiles for this CUDA GPU with, or None where it cannot tell."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        major, minor = torch.cuda.get_device_capability()
+        return tuple(int(x) for x in str(get_ptxas(10 * major + minor).version).split(".")[:2])
+    except Exception:  # no CUDA, another backend, another Triton layout: nothing known to refuse
+        return None
+
+
+def check_backward_compiler(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a 16-bit backward on CUDA when ptxas is older than 12.9. ptxas 12.8, the one Triton 3.6 ships,
+    takes the shared-memory address of some of the backward's bf16/fp16 ``wgmma`` products from the wrong
+    register, so a product reads the wrong rows: on an H200 ``dg`` came out 0.12 from the reference while the
+    same kernels compiled by ptxas 12.9 and 13.0 read the right ones (docs/kernels.md)."""
+    if device.type != "cuda" or dtype == torch.float32:
+        return
+    version = ptxas_version()
+    if version is not None and version < PTXAS_FIXED:
+        raise RuntimeError(
+            f"the KDA Triton backward in {dtype} needs ptxas >= 12.9, and Triton compiles with ptxas "
+            f"{version[0]}.{version[1]}, which miscompiles it; set TRITON_PTXAS_PATH to a newer ptxas (CUDA 12.9+, "
+            "e.g. /usr/local/cuda/bin/ptxas), or train kda in float32 or with backend='torch'")
+
+
 def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
                cu_seqlens=None, v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA on the Triton kernels, differentiable (gradients of q, k, v, g, beta, the initial state and
@@ -331,4 +360,7 @@ def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, outp
         raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
+    inputs = (q, k, v, g, beta, initial_state, v_offset)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        check_backward_compiler(q.dtype, q.device)
     return KDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens, v_offset)

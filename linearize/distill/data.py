@@ -234,9 +234,9 @@ def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
     built = corpus.manifest["tokenizer"]
     from ..corpus.tokenizer import tokenizer_mismatch
 
-    why = tokenizer_mismatch(built, tokenizer)
+    why = tokenizer_mismatch(built, tokenizer, whose="the teacher")
     if why:
-        raise RecipeError(f"data.source: {why.replace('the model', 'the teacher')}; build a corpus with the teacher's tokenizer")
+        raise RecipeError(f"data.source: {why}; build a corpus with the teacher's tokenizer")
     weights = cfg.weights or None
     # documents end with the corpus's own end-of-text where it has one (an instruct tokenizer's eos is the
     # end of a chat turn, not of a document)

@@ -172,7 +172,8 @@ def window_triton_usable(x: torch.Tensor, backend: str = "auto") -> bool:
     """Whether the exact part runs through the Triton forward kernel (``ops/triton/window_fwd.py``): where no
     gradient is wanted (a prefill, scoring, evaluation; it has no backward), with ``backend="auto"`` on CUDA
     (checked against the reference on an H200, ``tests/test_window_triton.py -m gpu``: a 32K x 16 prefill of
-    the SmolLM2 architecture 1.31 s against 2.77 s on the banded form, ``results/prefill_window_kernel_32kx16.json``)
+    the SmolLM2 architecture 1.31 s, ``results/prefill_window_kernel_32kx16.json``, against 2.37 s on the
+    banded form, ``results/prefill_kernels_32kx16.json``)
     and with ``backend="triton"`` also under the interpreter (the CPU tests)."""
     from . import _triton_usable  # CUDA, or the interpreter (the CPU tests)
 

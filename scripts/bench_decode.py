@@ -168,8 +168,9 @@ def main():
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="the converted model's prompt fed this many tokens at a time (its prefill's peak memory)")
-    p.add_argument("--keep-softmax", type=int, default=None,
-                   help="a hybrid: this many softmax layers kept (those the fidelity report ranks worst)")
+    p.add_argument("--keep-softmax", default=None,
+                   help="a hybrid: softmax layers kept, as `linearize convert --keep-softmax` takes them (a count, "
+                        "'8:induction', or indices '3,7')")
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
     p.add_argument("--compile", action="store_true",
                    help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled)")

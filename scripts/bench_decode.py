@@ -12,9 +12,14 @@ Per (context, batch), on the same random prompts:
 - ``converted_eager``: the same decoder stepping eagerly (``graph=False``), and ``converted_generate``:
   ``model.generate()`` on the converted model, with ``--eager``.
 
-Each path generates ``--steps`` tokens and, separately, one token; the decode cost per token is
-``(t_steps − t_1) / (steps − 1)`` and the time to first token ``t_1`` (prefill included). Also reported: the
-decoding cache's bytes and peak memory. Every run forces ``--steps`` new tokens (no end of text).
+Each path generates ``--steps`` tokens and, separately, one token. The decode cost per token is clocked
+inside the decode loop: for ``generate()`` a stopping criterion that synchronizes and reads the clock after
+every new token (``generate`` synchronizes there anyway, to check for the end), for the decoder its own
+``timing`` (decode loop less the graph's capture), both over the ``steps − 1`` steps after the first token; so
+the prefill's run-to-run noise stays out of it. ``ms_per_token_diff`` is the older estimate,
+``(t_steps − t_1) / (steps − 1)`` of the wall times, as a cross-check. The time to first token is ``t_1``
+(prefill included). Also reported: the decoding cache's bytes and peak memory. Every run forces ``--steps``
+new tokens (no end of text).
 ``--check-prompts N`` also checks that the graph path's greedy continuations equal the eager path's on
 N prompts, token for token. Without ``--model``: SmolLM2-135M's architecture with random weights (speed
 does not depend on the weights). ``--device cpu``: float32, the teacher's default path against the
@@ -62,12 +67,29 @@ def sync():
         torch.cuda.synchronize()
 
 
-def timed(fn) -> float:
+def timed(fn) -> tuple[float, float | None]:
+    """Wall seconds of ``fn()`` and what it returns (its decode seconds a token, or None)."""
     sync()
     t0 = time.perf_counter()
-    fn()
+    per = fn()
     sync()
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, per
+
+
+class StepClock:
+    """A ``generate()`` stopping criterion that never stops: the clock after every new token, synchronized."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        sync()
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def per_token(self) -> float | None:
+        t = self.times
+        return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
 def cache_bytes(model, ids) -> int:
@@ -90,29 +112,43 @@ def cache_bytes(model, ids) -> int:
 
 
 def measure(run, steps: int, repeats: int) -> dict:
-    """``run(n)`` generates n tokens. Times ``run(1)`` and ``run(steps)`` ``repeats`` times each after one
-    untimed warm-up of each; the decode cost per token is the difference of their medians over steps − 1."""
+    """``run(n)`` generates n tokens and returns its decode seconds a token (clocked inside the loop). Times
+    ``run(1)`` and ``run(steps)`` ``repeats`` times each after one untimed warm-up of each: medians of the
+    clocked cost and of the wall times."""
     cuda = torch.cuda.is_available()
     run(1), run(steps)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     pairs = [(timed(lambda: run(1)), timed(lambda: run(steps))) for _ in range(repeats)]
-    t1, tn = statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs)
-    per = (tn - t1) / (steps - 1)
-    return {"ttft_s": t1, "ms_per_token": per * 1e3, "total_s": tn,
+    t1, tn = statistics.median(a[0] for a, _ in pairs), statistics.median(b[0] for _, b in pairs)
+    clocked = [b[1] for _, b in pairs if b[1] is not None]
+    diff = (tn - t1) / (steps - 1)
+    per = statistics.median(clocked) if clocked else diff
+    return {"ttft_s": t1, "ms_per_token": per * 1e3, "ms_per_token_diff": diff * 1e3, "total_s": tn,
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
 def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False, chunk: int | None = None):
+    from transformers import StoppingCriteriaList
+
     no_eos = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
     def hf(model, **kw):
-        return lambda n: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                        **no_eos, **kw)
+        def run(n):
+            clock = StepClock()
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           stopping_criteria=StoppingCriteriaList([clock]), **no_eos, **kw)
+            return clock.per_token()
+        return run
 
     def dec(graph, compile=False):
         d = Decoder(converted, graph=graph, compile=compile, prefill_chunk=chunk)
-        return lambda n: d.generate(ids, max_new_tokens=n, eos_token_id=[])
+
+        def run(n):
+            d.generate(ids, max_new_tokens=n, eos_token_id=[])
+            t = d.timing
+            return (t.decode_s - t.capture_s) / t.steps if t.steps else None
+        return run
 
     if cpu:  # what runs on a CPU: the teacher's default path and the converted model's (eager) decoder
         return {"teacher": hf(teacher), "converted": dec(False)}

@@ -368,6 +368,8 @@ def eval_(
     passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval at 1x, 2x, 4x --passkey-len."),
     passkey_len: int = typer.Option(512, "--passkey-len", help="The training length the passkey lengths multiply."),
     passkey_trials: int = typer.Option(5, "--passkey-trials", help="Keys per length and depth."),
+    passkey_depths: int = typer.Option(5, "--passkey-depths", help="Depths of the key, evenly from first (0) to "
+                                       "last (1): 5 is 0, 0.25, ..., 1; 11 steps by 0.1."),
     seed: int = typer.Option(0, "--seed", help="Seed of the passkey keys."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str | None = typer.Option(None, "--device", help="cuda or cpu (default: cuda if there is one)."),

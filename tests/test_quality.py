@@ -371,7 +371,7 @@ def test_cli_eval_student_beside_teacher(world, tmp_path):
     out = tmp_path / "eval.json"
     code, text = _run("--model", d / "student", "--tasks", "piqa,lambada", "--limit", 3, "--eval-data", world["data"],
                       "--seq-len", 32, "--ppl-tokens", 64, "--passkey", "--passkey-len", 240, "--passkey-trials", 1,
-                      "--device", "cpu", "--output", out)
+                      "--passkey-depths", 3, "--device", "cpu", "--output", out)
     assert code == 0, text
     assert "from the run's recipe.yaml" in text
     res = json.loads(out.read_text())
@@ -381,6 +381,8 @@ def test_cli_eval_student_beside_teacher(world, tmp_path):
         r = res["results"][side]
         assert r["harness"]["piqa"]["n"] == 3 and r["harness"]["lambada"]["n"] == 3
         assert list(r["passkey"]["lengths"]) == ["240", "480", "960"]
+        assert list(r["passkey"]["lengths"]["960"]["depths"]) == ["0.0", "0.5", "1.0"]  # --passkey-depths 3
+        assert len(r["passkey"]["records"]) == 3 * 3
         assert r["perplexity"]["builtin"]["tokens"] == 2 * 31
     assert res["results"]["teacher"]["harness"]["piqa"] == pytest.approx(_limited(world, "piqa", 3))
 
@@ -409,6 +411,7 @@ def _limited(world, task, n):
     (["--limit", 0], "--limit must be at least 1"),
     (["--ppl-tokens", 100, "--seq-len", 512], "--ppl-tokens 100 is less than one row"),
     (["--passkey-len", 4], "--passkey-len must be at least 16"),
+    (["--passkey-depths", 1], "--passkey-depths must be at least 2"),
     (["--corpus", "/nonexistent/corpus"], "--corpus /nonexistent/corpus is not a folder"),
 ])
 def test_cli_eval_bad_input(world, args, needle):

@@ -26,6 +26,11 @@ QUESTION = " What is the pass key? The pass key is"
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
+def depths(n: int) -> list[float]:
+    """``n`` depths evenly from 0 (the key right after the intro) to 1 (right before the question)."""
+    return [round(i / (n - 1), 6) for i in range(n)]
+
+
 @dataclass
 class PasskeyPrompt:
     ids: list[int]  # the whole prompt, special tokens included

@@ -30,6 +30,7 @@ class Plan:
     ppl_tokens: int = 16384  # 0: no perplexity
     passkey_lengths: list[int] = field(default_factory=list)  # empty: no passkey
     passkey_trials: int = 5
+    passkey_depths: int = 5  # evenly from 0 (the key first) to 1 (the key last)
     seed: int = 0
     device: str | None = None
     dtype: str = "float32"
@@ -99,7 +100,8 @@ def measure(plan: Plan, lm, tok) -> dict:
         got["perplexity"] = {d: {**perplexity.domain_perplexity(lm, r, plan.batch_size), "rows": int(r.shape[0]),
                                  "rows_sha1": _fingerprint(r)} for d, r in rows.items()}
     if plan.passkey_lengths:
-        got["passkey"] = passkey.run_passkey(lm, tok, plan.passkey_lengths, trials=plan.passkey_trials, seed=plan.seed)
+        got["passkey"] = passkey.run_passkey(lm, tok, plan.passkey_lengths, depths=passkey.depths(plan.passkey_depths),
+                                             trials=plan.passkey_trials, seed=plan.seed)
     return got
 
 
@@ -115,9 +117,9 @@ def evaluate(plan: Plan, progress=print) -> dict:
         result["harness"] = {"lm_eval": harness.lm_eval_version(), "primary": {t: harness.PRIMARY[t] for t in plan.tasks},
                              "split": {t: "test" if t in ("lambada", "mmlu") else "validation" for t in plan.tasks}}
     if plan.passkey_lengths:
-        from .passkey import DEPTHS
+        from .passkey import depths
 
-        result["passkey"] = {"depths": list(DEPTHS), "filler": "grass/sky/sun (Mohtashami & Jaggi 2023)"}
+        result["passkey"] = {"depths": depths(plan.passkey_depths), "filler": "grass/sky/sun (Mohtashami & Jaggi 2023)"}
     for side, spec in sides.items():
         t0 = time.perf_counter()
         progress(f"{side}: loading {spec}")
@@ -138,7 +140,8 @@ def check_plan(plan: Plan) -> None:
     if plan.limit is not None and plan.limit < 1:
         raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
     for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),
-                               ("--passkey-trials", plan.passkey_trials, 1), ("--ppl-tokens", plan.ppl_tokens, 0)):
+                               ("--passkey-trials", plan.passkey_trials, 1), ("--passkey-depths", plan.passkey_depths, 2),
+                               ("--ppl-tokens", plan.ppl_tokens, 0)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}; got {value}")
     if plan.ppl_tokens and plan.ppl_tokens < plan.seq_len:
@@ -179,6 +182,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 eval_data=None if opts["eval_data"] is None else str(opts["eval_data"]), batch_size=opts["batch_size"],
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
+                passkey_depths=opts.get("passkey_depths", 5),
                 passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
                 device=opts["device"], dtype=opts["dtype"])
     check_plan(plan)

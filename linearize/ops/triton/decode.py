@@ -72,12 +72,15 @@ def _taylor_gdn_step_kernel(
     b_u = coef * (b_v - b_sv / tm1)  # ṽ uses v̄_{t−1}, the mean before this token
     b_sv = b_sv + m * b_v
     b_vbar = b_sv / t_safe
-    tl.store(sum_v + p_v, b_sv, mask=m_v)
 
     # h ← α h, then the rank-1 delta update; the state tile is read and written once
     p_h = state + i_nh64 * K * V + o_k[:, None] * V + o_v[None, :]
     m_h = m_k[:, None] & m_v[None, :]
     b_h = tl.load(p_h, mask=m_h, other=0.0) * alpha
+    # every thread has read Σv and h before any writes them: the compiler may load a small block once for
+    # each layout it is used in, and then threads other than the one that stores an entry read it too
+    tl.debug_barrier()
+    tl.store(sum_v + p_v, b_sv, mask=m_v)
     b_delta = beta * (b_u - tl.sum(b_h * b_khat[:, None], axis=0))
     b_h += b_khat[:, None] * b_delta[None, :]
     tl.store(p_h, b_h, mask=m_h)

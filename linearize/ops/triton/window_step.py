@@ -19,10 +19,12 @@ One program per (sequence, KV head): it reads the head's keys, values and state 
 Race-free in place:
 
 - the head's state, Σk, Σv and its slices of the window and the sinks are read and written by this program
-  alone. The state and Σv go tile by tile (each tile read, then written) before the window moves; the window
-  shifts while the softmax streams over it: block b reads slots ``[bB, (b+1)B)`` and folds them into the
-  softmax, then, after a barrier, writes them to ``[bB − 1, (b+1)B − 1)`` — below anything a later block
-  reads, and only once every thread of the program has read (and used) them;
+  alone. Σk, then the state and Σv tile by tile, are read, then written after a barrier (the compiler loads
+  a small block once for each layout it is used in, so threads other than the one that stores an entry
+  read it too), before the window moves; the window shifts while the softmax streams over it: block b
+  reads slots ``[bB, (b+1)B)`` and folds them into the softmax, then, after a barrier, writes them to
+  ``[bB − 1, (b+1)B − 1)`` — below anything a later block reads, and only once every thread of the program
+  has read (and used) them;
 - ``o`` first takes ``o_O`` (tile by tile), then, between two barriers, ``w o_E + (1 − w) o_O`` read back;
 - what every head of the sequence reads — ``count``, ``rows``, ``sink_index``, ``win_pos`` and the old
   stream's count — changes only after all of them are done: each program takes a ticket from a per-sequence
@@ -89,6 +91,7 @@ def _sink_window_gdn_step_kernel(
     tm1 = tl.maximum(t - 1.0, 1.0)
     b_kold = tl.load(win_k + p_win + o_d, mask=m_d, other=0.0).to(tl.float32)
     b_sk = tl.load(sum_k + i_nh64 * D + o_d, mask=m_d, other=0.0) + m * b_kold
+    tl.debug_barrier()  # every thread has read Σk (some in another layout) before any writes it
     tl.store(sum_k + i_nh64 * D + o_d, b_sk, mask=m_d)
     b_kmean = b_sk / t_safe
     b_kc = tl.where(live, b_kold - b_kmean, 0.0)  # k̃
@@ -115,10 +118,11 @@ def _sink_window_gdn_step_kernel(
         b_sv = tl.load(p_sv, mask=m_v, other=0.0)
         b_u = coef * (b_vold - b_sv / tm1)  # ṽ uses v̄_{t−1}, the mean before this token
         b_sv = b_sv + m * b_vold
-        tl.store(p_sv, b_sv, mask=m_v)
         p_h = state + i_nh64 * D * D + o_d[:, None] * D + o_v[None, :]
         m_h = m_d[:, None] & m_v[None, :]
         b_h = tl.load(p_h, mask=m_h, other=0.0) * alpha
+        tl.debug_barrier()  # every thread has read this tile of Σv and h (in any layout) before any writes it
+        tl.store(p_sv, b_sv, mask=m_v)
         b_h += b_khat[:, None] * (beta * (b_u - tl.sum(b_h * b_khat[:, None], axis=0)))[None, :]
         tl.store(p_h, b_h, mask=m_h)
         for g in tl.static_range(G):

@@ -371,6 +371,9 @@ def eval_(
     passkey_depths: int = typer.Option(5, "--passkey-depths", help="Depths of the key, evenly from first (0) to "
                                        "last (1): 5 is 0, 0.25, ..., 1; 11 steps by 0.1."),
     seed: int = typer.Option(0, "--seed", help="Seed of the passkey keys."),
+    rope_scaling: str | None = typer.Option(None, "--rope-scaling", help="RoPE scaling set on the model and its "
+                                            "teacher, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), "
+                                            "e.g. yarn:4:2048 to read 8K rows like 2K ones."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str | None = typer.Option(None, "--device", help="cuda or cpu (default: cuda if there is one)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the results as JSON here."),

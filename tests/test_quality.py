@@ -412,6 +412,7 @@ def _limited(world, task, n):
     (["--ppl-tokens", 100, "--seq-len", 512], "--ppl-tokens 100 is less than one row"),
     (["--passkey-len", 4], "--passkey-len must be at least 16"),
     (["--passkey-depths", 1], "--passkey-depths must be at least 2"),
+    (["--rope-scaling", "ntk:4"], "--rope-scaling 'ntk:4': give KIND:FACTOR"),
     (["--corpus", "/nonexistent/corpus"], "--corpus /nonexistent/corpus is not a folder"),
 ])
 def test_cli_eval_bad_input(world, args, needle):

@@ -31,6 +31,7 @@ class Plan:
     passkey_lengths: list[int] = field(default_factory=list)  # empty: no passkey
     passkey_trials: int = 5
     passkey_depths: int = 5  # evenly from 0 (the key first) to 1 (the key last)
+    rope_scaling: str | None = None  # KIND:FACTOR[:ORIGINAL], set on both sides (linearize.models.rope)
     seed: int = 0
     device: str | None = None
     dtype: str = "float32"
@@ -124,6 +125,10 @@ def evaluate(plan: Plan, progress=print) -> dict:
         t0 = time.perf_counter()
         progress(f"{side}: loading {spec}")
         lm, tok = load_model(spec, plan.dtype, plan.device)
+        if plan.rope_scaling:
+            from ..models.rope import rope_scaling
+
+            rope_scaling(lm, plan.rope_scaling)
         progress(f"{side}: measuring")
         result["results"][side] = measure(plan, lm, tok)
         result["seconds"][side] = round(time.perf_counter() - t0, 1)
@@ -137,6 +142,10 @@ def evaluate(plan: Plan, progress=print) -> dict:
 
 def check_plan(plan: Plan) -> None:
     """Option checks that need no model: before anything loads."""
+    if plan.rope_scaling:
+        from ..models.rope import parse_rope_scaling
+
+        parse_rope_scaling(plan.rope_scaling)
     if plan.limit is not None and plan.limit < 1:
         raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
     for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),
@@ -182,7 +191,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 eval_data=None if opts["eval_data"] is None else str(opts["eval_data"]), batch_size=opts["batch_size"],
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
-                passkey_depths=opts.get("passkey_depths", 5),
+                passkey_depths=opts.get("passkey_depths", 5), rope_scaling=opts.get("rope_scaling"),
                 passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
                 device=opts["device"], dtype=opts["dtype"])
     check_plan(plan)

@@ -8,7 +8,7 @@
 #                                                                    copied to /root/repo (the runs read it)
 #   scripts/device_calls.sh start DIR [DEADLINE]   carry DIR (.carry/corpus25 or .carry/corpus): the corpus,
 #                                        then recover_smollm2.sh in the background (its environment —
-#                                        ONLY, EXTRA, TAG, DISTILL_STEPS, INIT — passed on); DEADLINE in
+#                                        ONLY, EXTRA, TAG, DISTILL_STEPS, INIT, ROPE, MMLU — passed on); DEADLINE in
 #                                        seconds from now (default 1200)
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote

@@ -249,7 +249,8 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                         ["domain", "context", *names], rows))
     if any("passkey" in res[s] for s in sides):
         rows = [[n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides]] for n in res[sides[0]]["passkey"]["lengths"]]
-        out.append((f"passkey retrieval, % correct ({result['plan']['passkey_trials']} keys per length and depth)",
+        keys = result["plan"]["passkey_trials"]
+        out.append((f"passkey retrieval, % correct ({keys} key{'s' if keys != 1 else ''} per length and depth)",
                     ["length", *names], rows))
     return out
 

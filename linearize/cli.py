@@ -374,6 +374,8 @@ def eval_(
     rope_scaling: str | None = typer.Option(None, "--rope-scaling", help="RoPE scaling set on the model and its "
                                             "teacher, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), "
                                             "e.g. yarn:4:2048 to read 8K rows like 2K ones."),
+    rope_scaling_layers: str = typer.Option("all", "--rope-scaling-layers", help="all, or softmax: only the "
+                                            "model's kept softmax layers (a hybrid; the teacher's are all)."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str | None = typer.Option(None, "--device", help="cuda or cpu (default: cuda if there is one)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the results as JSON here."),

@@ -18,7 +18,8 @@
 # beside the teacher; INIT=L, H or LH names the conversions whatever ONLY runs; EXTRA="key=value ..." adds overrides to
 # both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg);
 # ROPE=yarn:4:2048 measures each trained model and the teacher once more, passkey and perplexity only, with that
-# RoPE scaling (`linearize eval --rope-scaling`), into quality_rope.json and teacher_rope.json;
+# RoPE scaling (`linearize eval --rope-scaling`; ROPE_LAYERS=softmax: on a hybrid's kept softmax layers only),
+# into quality_rope.json and teacher_rope.json;
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
 # precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU.
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
@@ -67,11 +68,11 @@ mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and 
         --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
         --dtype bfloat16 -o "$2"
 }
-rope() {  # MODEL OUTPUT: with ROPE=KIND:FACTOR[:ORIGINAL], passkey and perplexity again under that RoPE scaling
-    [ -n "${ROPE:-}" ] || return 0
+rope() {  # MODEL OUTPUT LAYERS: with ROPE=KIND:FACTOR[:ORIGINAL], passkey and perplexity again under that RoPE
+    [ -n "${ROPE:-}" ] || return 0  # scaling, on LAYERS (all, or softmax: the kept softmax layers only)
     # shellcheck disable=SC2086  # the options are words
     [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize \
-        eval -m "$1" --teacher none $eval_options --tasks none --rope-scaling "$ROPE" -o "$2"
+        eval -m "$1" --teacher none $eval_options --tasks none --rope-scaling "$ROPE" --rope-scaling-layers "$3" -o "$2"
 }
 after_align() {  # RUN_DIR: the model the align stage ended with (output.save_stages), measured the same way
     # shellcheck disable=SC2086  # the options are words
@@ -86,7 +87,7 @@ recover() {  # NAME RECIPE [OVERRIDES]
     wait_ev || return 0
     EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
     records "$w" "$out"
-    rope "$w/runs/$1/model" "$w/runs/$1/quality_rope.json"
+    rope "$w/runs/$1/model" "$w/runs/$1/quality_rope.json" "${ROPE_LAYERS:-all}"
     records "$w" "$out"
     after_align "$w/runs/$1"
     records "$w" "$out"
@@ -100,7 +101,7 @@ teacher() {
         python3 -m linearize eval -m "$w/smollm2.gguf" \
         $eval_options -o "$w/teacher.json"
     records "$w" "$out"
-    rope "$w/smollm2.gguf" "$w/teacher_rope.json"
+    rope "$w/smollm2.gguf" "$w/teacher_rope.json" all
     records "$w" "$out"
     mmlu "$w/smollm2.gguf" "$w/teacher_mmlu.json"
     records "$w" "$out"

@@ -63,3 +63,50 @@ def test_a_family_without_one_set_of_rope_parameters_is_refused():
         pytest.skip("this transformers keeps Gemma 3's RoPE parameters in one set")
     with pytest.raises(UserError, match="no single set"):
         rope_scaling(model, "yarn:4")
+
+
+def test_softmax_layers_only_scales_the_kept_softmax_layers():
+    """A model that keeps every layer softmax, scaled on its softmax layers only, is the model transformers
+    builds with the rule; in a hybrid the converted layers keep the plain RoPE (their outputs unchanged)."""
+    import linearize
+    from transformers import AutoModelForCausalLM
+
+    teacher = tiny_model("llama")
+    x = ids(teacher, B=2, T=40)
+    every = linearize.convert(tiny_model("llama"), calibration_ids=x, keep_softmax=4)
+    rope_scaling(every, "yarn:4:16", layers="softmax")
+    cfg = tiny_config("llama")
+    cfg.rope_parameters = {"rope_type": "yarn", "factor": 4.0, "rope_theta": cfg.rope_parameters["rope_theta"],
+                           "original_max_position_embeddings": 16}
+    reference = AutoModelForCausalLM.from_config(cfg).eval()
+    reference.load_state_dict(tiny_model("llama").state_dict())
+    with torch.no_grad():
+        assert torch.equal(every(x).logits, reference(x).logits)
+
+    def layer_outputs(model):
+        got = []
+        hooks = [layer.register_forward_hook(lambda m, a, o: got.append(o[0] if isinstance(o, tuple) else o))
+                 for layer in model.model.layers]
+        with torch.no_grad():
+            logits = model(x).logits
+        for h in hooks:
+            h.remove()
+        return got, logits
+
+    hybrid = linearize.convert(tiny_model("llama"), calibration_ids=x, keep_softmax=[1, 3])
+    plain, plain_logits = layer_outputs(hybrid)
+    rope_scaling(hybrid, "yarn:4:16", layers="softmax")
+    scaled, scaled_logits = layer_outputs(hybrid)
+    assert torch.equal(plain[0], scaled[0])  # layer 0 is converted: the plain RoPE, the same input
+    assert (plain[1] - scaled[1]).abs().max() > 1e-4  # layer 1 kept softmax: scaled
+    assert (plain_logits - scaled_logits).abs().max() > 1e-4
+    assert hybrid.config.rope_parameters.get("rope_type", "default") == "default"  # the config is left alone
+
+
+def test_softmax_layers_only_needs_a_softmax_layer():
+    import linearize
+
+    teacher = tiny_model("llama")
+    model = linearize.convert(teacher, calibration_ids=ids(teacher, B=1, T=24))
+    with pytest.raises(UserError, match="keeps no softmax attention layer"):
+        rope_scaling(model, "yarn:4", layers="softmax")

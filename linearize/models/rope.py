@@ -7,6 +7,11 @@ frequencies so that the long positions look like the trained ones. transformers 
 embedding from ``config.rope_parameters`` when the model is made, so the rule is written there and every
 rotary embedding module is built again from it (the weights are untouched). Families whose config holds
 one set of RoPE parameters (Llama, Qwen, Mistral, ...) are supported; per-layer-type ones (Gemma 3) are not.
+
+``layers="softmax"`` scales only the softmax attention a hybrid kept: those layers get their rotary
+embedding from a scaled copy (a forward pre-hook replaces the ``position_embeddings`` the decoder layer
+hands them), while the converted layers, whose window and Taylor state were trained on the plain RoPE, keep
+it. The model's config then stays as it was.
 """
 
 from __future__ import annotations
@@ -32,10 +37,12 @@ def parse_rope_scaling(spec: str) -> tuple[str, float, int | None]:
     return kind, factor, original
 
 
-def rope_scaling(model, spec: str) -> dict:
+def rope_scaling(model, spec: str, layers: str = "all") -> dict:
     """Set the RoPE scaling ``spec`` (see :func:`parse_rope_scaling`) on ``model`` in place and rebuild its
-    rotary embeddings; returns the new ``rope_parameters``. The original length defaults to the config's
-    ``max_position_embeddings``."""
+    rotary embeddings (``layers="all"``) or only those the kept softmax layers read (``"softmax"``); returns
+    the new ``rope_parameters``. The original length defaults to the config's ``max_position_embeddings``."""
+    if layers not in ("all", "softmax"):
+        raise UserError(f"--rope-scaling-layers {layers!r}: give all or softmax")
     kind, factor, original = parse_rope_scaling(spec)
     config = model.config
     params = getattr(config, "rope_parameters", None)
@@ -47,6 +54,9 @@ def rope_scaling(model, spec: str) -> dict:
         new["original_max_position_embeddings"] = original or config.max_position_embeddings
     if "partial_rotary_factor" in params:
         new["partial_rotary_factor"] = params["partial_rotary_factor"]
+    if layers == "softmax":
+        _scale_softmax_layers(model, new)
+        return new
     config.rope_parameters = new
     rebuilt = 0
     for parent in list(model.modules()):
@@ -57,3 +67,31 @@ def rope_scaling(model, spec: str) -> dict:
     if not rebuilt:
         raise UserError(f"--rope-scaling: no rotary embedding found in this {config.model_type} model")
     return new
+
+
+def _scale_softmax_layers(model, params: dict) -> None:
+    import copy
+
+    from ..layers import GDNAttention
+    from .adapters import decoder_layers
+
+    kept = [layer.self_attn for layer in decoder_layers(model) if not isinstance(layer.self_attn, GDNAttention)]
+    rotary = getattr(model.model, "rotary_emb", None)
+    if not kept or rotary is None:
+        raise UserError("--rope-scaling-layers softmax: this model keeps no softmax attention layer "
+                        "(every layer converted); use --rope-scaling-layers all")
+    config = copy.deepcopy(model.config)
+    config.rope_parameters = params
+    scaled = type(rotary)(config).to(rotary.inv_freq.device)
+    for attn in kept:
+        attn.scaled_rotary = scaled  # one module shared by the kept layers (its buffers are not saved)
+        attn.register_forward_pre_hook(_scaled_position_embeddings, with_kwargs=True)
+
+
+def _scaled_position_embeddings(module, args, kwargs):
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    position_ids = kwargs.get("position_ids")
+    if position_ids is None:
+        raise RuntimeError("a kept softmax layer was called without position_ids; its scaled RoPE needs them")
+    kwargs["position_embeddings"] = module.scaled_rotary(hidden, position_ids)
+    return args, kwargs

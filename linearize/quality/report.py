@@ -32,6 +32,7 @@ class Plan:
     passkey_trials: int = 5
     passkey_depths: int = 5  # evenly from 0 (the key first) to 1 (the key last)
     rope_scaling: str | None = None  # KIND:FACTOR[:ORIGINAL], set on both sides (linearize.models.rope)
+    rope_scaling_layers: str = "all"  # or "softmax": only the layers a hybrid kept softmax
     seed: int = 0
     device: str | None = None
     dtype: str = "float32"
@@ -128,7 +129,7 @@ def evaluate(plan: Plan, progress=print) -> dict:
         if plan.rope_scaling:
             from ..models.rope import rope_scaling
 
-            rope_scaling(lm, plan.rope_scaling)
+            rope_scaling(lm, plan.rope_scaling, plan.rope_scaling_layers if side == "model" else "all")
         progress(f"{side}: measuring")
         result["results"][side] = measure(plan, lm, tok)
         result["seconds"][side] = round(time.perf_counter() - t0, 1)
@@ -146,6 +147,8 @@ def check_plan(plan: Plan) -> None:
         from ..models.rope import parse_rope_scaling
 
         parse_rope_scaling(plan.rope_scaling)
+    if plan.rope_scaling_layers not in ("all", "softmax"):
+        raise UserError(f"--rope-scaling-layers {plan.rope_scaling_layers!r}: give all or softmax")
     if plan.limit is not None and plan.limit < 1:
         raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
     for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),
@@ -192,6 +195,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
                 passkey_depths=opts.get("passkey_depths", 5), rope_scaling=opts.get("rope_scaling"),
+                rope_scaling_layers=opts.get("rope_scaling_layers", "all"),
                 passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
                 device=opts["device"], dtype=opts["dtype"])
     check_plan(plan)

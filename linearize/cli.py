@@ -256,14 +256,22 @@ def generate(
     top_p: float = typer.Option(1.0, "--top-p", help="Sample among the likeliest tokens of this total mass."),
     seed: int = typer.Option(0, "--seed", help="Seed of the sampling."),
     device: str | None = typer.Option(None, "--device", help="cuda (bfloat16) or cpu (float32); default cuda if there is one."),
+    rope_scaling: str | None = typer.Option(None, "--rope-scaling", help="RoPE scaling for prompts past the trained "
+                                            "length, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), e.g. yarn:4:2048."),
+    rope_scaling_layers: str = typer.Option("softmax", "--rope-scaling-layers", help="softmax: only the layers a "
+                                            "hybrid kept softmax (the converted ones keep their RoPE); or all."),
 ):
     """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 
     def go():
         from .textgen import generate_texts, read_prompts, sampling_of
 
+        from .models.rope import parse_rope_scaling, rope_scaling as scale_rope
+
         prompts = read_prompts(prompt, batch_file)
         checks.positive(max_new_tokens, "--max-new-tokens", 1)
+        if rope_scaling:
+            parse_rope_scaling(rope_scaling)
         sampling = sampling_of(temperature, top_k, top_p)
         if not (model / "config.json").is_file():
             raise UserError(f"{model} is not a converted model directory (no config.json); "
@@ -278,6 +286,8 @@ def generate(
         dtype = torch.bfloat16 if dev == "cuda" else torch.float32
         lm = checks.loaded(str(model), debug=DEBUG, fn=lambda: load(model, dtype=dtype).to(dev))
         tok = checks.loaded(str(model), debug=DEBUG, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
+        if rope_scaling:
+            scale_rope(lm, rope_scaling, rope_scaling_layers)
         out = generate_texts(lm, tok, prompts, max_new_tokens, chat=chat, sampling=sampling, seed=seed)
         for i, text in enumerate(out.texts):
             if len(out.texts) > 1:

@@ -52,6 +52,9 @@ def test_cli_convert_and_generate(tiny_dir, tmp_path):
                    "--seed", 1)
     texts = lambda out: out[out.index("--- 1"):].splitlines()[:-1]  # noqa: E731 (the last line: timings)
     assert texts(again) == texts(text)  # same seed, same text
+    code, text = run("generate", "--model", out, "-n", 5, "--rope-scaling", "yarn:4:16", "Hello")  # the kept layer
+    assert code == 0, text
+    assert_one_line_error(*run("generate", "--model", out, "--rope-scaling", "yarn", "Hello"), "KIND:FACTOR")
 
 
 def test_cli_convert_to_deltanet_and_generate(tiny_dir, tmp_path):

@@ -264,9 +264,9 @@ def generate(
     """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 
     def go():
+        from .models.rope import parse_rope_scaling
+        from .models.rope import rope_scaling as scale_rope
         from .textgen import generate_texts, read_prompts, sampling_of
-
-        from .models.rope import parse_rope_scaling, rope_scaling as scale_rope
 
         prompts = read_prompts(prompt, batch_file)
         checks.positive(max_new_tokens, "--max-new-tokens", 1)

@@ -289,8 +289,9 @@ def test_a_window_block_is_the_teacher_over_its_window_and_not_beyond(world):
     to the logits of a random model (the same weights in every model)."""
     import copy
 
-    import linearize
     from conftest import tiny_model
+
+    import linearize
     from linearize.layers import GDNOptions
     from linearize.quality.perplexity import domain_perplexity
 

@@ -68,8 +68,9 @@ def test_a_family_without_one_set_of_rope_parameters_is_refused():
 def test_softmax_layers_only_scales_the_kept_softmax_layers():
     """A model that keeps every layer softmax, scaled on its softmax layers only, is the model transformers
     builds with the rule; in a hybrid the converted layers keep the plain RoPE (their outputs unchanged)."""
-    import linearize
     from transformers import AutoModelForCausalLM
+
+    import linearize
 
     teacher = tiny_model("llama")
     x = ids(teacher, B=2, T=40)

@@ -7,7 +7,6 @@ import torch
 
 from ..config import RecipeError
 
-
 SOFTMAX_ATTN = "softmax_attn"  # the attention blocks a hybrid conversion kept softmax
 
 

@@ -37,12 +37,16 @@ def parse_rope_scaling(spec: str) -> tuple[str, float, int | None]:
     return kind, factor, original
 
 
+def check_layers(layers: str) -> None:
+    if layers not in ("all", "softmax"):
+        raise UserError(f"--rope-scaling-layers {layers!r}: give all or softmax")
+
+
 def rope_scaling(model, spec: str, layers: str = "all") -> dict:
     """Set the RoPE scaling ``spec`` (see :func:`parse_rope_scaling`) on ``model`` in place and rebuild its
     rotary embeddings (``layers="all"``) or only those the kept softmax layers read (``"softmax"``); returns
     the new ``rope_parameters``. The original length defaults to the config's ``max_position_embeddings``."""
-    if layers not in ("all", "softmax"):
-        raise UserError(f"--rope-scaling-layers {layers!r}: give all or softmax")
+    check_layers(layers)
     kind, factor, original = parse_rope_scaling(spec)
     config = model.config
     params = getattr(config, "rope_parameters", None)

@@ -143,12 +143,11 @@ def evaluate(plan: Plan, progress=print) -> dict:
 
 def check_plan(plan: Plan) -> None:
     """Option checks that need no model: before anything loads."""
-    if plan.rope_scaling:
-        from ..models.rope import parse_rope_scaling
+    from ..models.rope import check_layers, parse_rope_scaling
 
+    if plan.rope_scaling:
         parse_rope_scaling(plan.rope_scaling)
-    if plan.rope_scaling_layers not in ("all", "softmax"):
-        raise UserError(f"--rope-scaling-layers {plan.rope_scaling_layers!r}: give all or softmax")
+    check_layers(plan.rope_scaling_layers)
     if plan.limit is not None and plan.limit < 1:
         raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
     for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),

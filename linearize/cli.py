@@ -264,30 +264,12 @@ def generate(
     """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 
     def go():
-        from .models.rope import parse_rope_scaling
-        from .models.rope import rope_scaling as scale_rope
-        from .textgen import generate_texts, read_prompts, sampling_of
+        from .textgen import generate_texts, load_for_generation, read_prompts, sampling_of
 
         prompts = read_prompts(prompt, batch_file)
         checks.positive(max_new_tokens, "--max-new-tokens", 1)
-        if rope_scaling:
-            parse_rope_scaling(rope_scaling)
         sampling = sampling_of(temperature, top_k, top_p)
-        if not (model / "config.json").is_file():
-            raise UserError(f"{model} is not a converted model directory (no config.json); "
-                            "make one with linearize convert")
-        checks.inspect_model(str(model))
-        import torch
-        from transformers import AutoTokenizer
-
-        from .saving import load
-
-        dev = checks.device_name(device)
-        dtype = torch.bfloat16 if dev == "cuda" else torch.float32
-        lm = checks.loaded(str(model), debug=DEBUG, fn=lambda: load(model, dtype=dtype).to(dev))
-        tok = checks.loaded(str(model), debug=DEBUG, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
-        if rope_scaling:
-            scale_rope(lm, rope_scaling, rope_scaling_layers)
+        lm, tok = load_for_generation(model, device, rope_scaling, rope_scaling_layers, debug=DEBUG)
         out = generate_texts(lm, tok, prompts, max_new_tokens, chat=chat, sampling=sampling, seed=seed)
         for i, text in enumerate(out.texts):
             if len(out.texts) > 1:

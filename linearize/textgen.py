@@ -12,6 +12,31 @@ from .checks import UserError
 from .decoding import Decoder, Sampling
 
 
+def load_for_generation(model: Path, device: str | None, rope: str | None = None, rope_layers: str = "softmax",
+                        debug: bool = False):
+    """``(lm, tok)``: the converted model directory ``model`` on ``device`` (bf16 on CUDA, float32 on the CPU),
+    with the RoPE scaling ``rope`` on ``rope_layers`` (:func:`linearize.models.rope.rope_scaling`) if given."""
+    from transformers import AutoTokenizer
+
+    from . import checks
+    from .models.rope import check_layers, parse_rope_scaling, rope_scaling
+    from .saving import load
+
+    if rope:
+        parse_rope_scaling(rope)
+        check_layers(rope_layers)
+    if not (model / "config.json").is_file():
+        raise UserError(f"{model} is not a converted model directory (no config.json); make one with linearize convert")
+    checks.inspect_model(str(model))
+    dev = checks.device_name(device)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    lm = checks.loaded(str(model), debug=debug, fn=lambda: load(model, dtype=dtype).to(dev))
+    tok = checks.loaded(str(model), debug=debug, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
+    if rope:
+        rope_scaling(lm, rope, rope_layers)
+    return lm, tok
+
+
 def read_prompts(prompt: str | None, batch_file: Path | None) -> list[str]:
     """The prompt, or the non-blank lines of ``batch_file`` (one prompt per line); not both."""
     if prompt is not None and batch_file is not None:

@@ -88,8 +88,8 @@ NOTES = {  # what "ours backward" is, per operator
            "the other intermediates recomputed",
     "linear": "ours backward = Triton kernels (linearize/ops/triton/linear_bwd.py): the chunk states recomputed",
     "deltanet": "ours = the GDN kernels with g = 0 (no gradient for g); fla = chunk_delta_rule",
-    "kda": "ours backward = Triton kernels (linearize/ops/triton/kda_bwd.py): T, W, U and the chunk states recomputed; "
-           "launch settings untuned",
+    "kda": "ours backward = Triton kernels (linearize/ops/triton/kda_bwd.py): the forward's T and in-chunk scores P "
+           "kept, W, U and the chunk states recomputed; launch settings untuned",
 }
 
 

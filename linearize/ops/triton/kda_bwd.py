@@ -26,10 +26,10 @@ terms are added already summed, grouped so that none cancels another:
 
 Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: W and U from the forward's T, the
 states and Δ):
-``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do``; ``_state_bwd_kernel`` per (V block,
-sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and ``dh₀``; ``_dqk_kernel`` per (chunk, KV
-head) dq and the scores' share of dk and of G's gradient; ``_wy_bwd_kernel`` per (chunk, KV head) the rest,
-and dk, dv, dβ, dg. The per-head kernels loop over the G query heads of their KV head, so nothing is summed
+``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do`` (P the forward's, kept with T);
+``_state_bwd_kernel`` per (V block, sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and
+``dh₀``; ``_dqk_kernel`` per (chunk, KV head) dq and the scores' share of dk and of G's gradient;
+``_wy_bwd_kernel`` per (chunk, KV head) the rest, and dk, dv, dβ, dg. The per-head kernels loop over the G query heads of their KV head, so nothing is summed
 with atomics and K/V are never repeated.
 """
 
@@ -51,11 +51,12 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _dv_local_kernel(
-    q, k, g, do, dd, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    q, k, g, pm, do, dd, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr,
+    BV: tl.constexpr, SUB: tl.constexpr, HAS_P: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """``dd = Σ_g P_gᵀ do_g`` (float32) of one chunk, KV head and V block: the in-chunk part of ``dΔ``."""
+    """``dd = Σ_g P_gᵀ do_g`` (float32) of one chunk, KV head and V block: the in-chunk part of ``dΔ``. With
+    ``HAS_P`` the scores are the forward's (``pm``, :func:`kda_fwd.kda_solve`), else computed again."""
     HQ: tl.constexpr = H * G
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -71,9 +72,12 @@ def _dv_local_kernel(
     b_dd = tl.zeros([BT, BV], dtype=tl.float32)
     for i_g in range(G):
         i_hq = i_h * G + i_g
-        b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)
+        if HAS_P:
+            b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+        else:
+            b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)
         b_dd += mm(tl.trans(b_P), b_do, b_do, IEEE)
     tl.store(dd + (rows * H + i_h)[:, None] * V + o_v[None, :], b_dd * scale, mask=m_tv)
 
@@ -255,10 +259,11 @@ def _wy_bwd_kernel(
     tl.store(dbeta + rows * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
 
 
-def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens, tm=None) -> tuple:
+def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens, tm=None, pm=None) -> tuple:
     """``(dq, dk, dv, dg, dbeta, dh0)`` of :func:`kda_fwd`'s output and final state, each in its input's dtype
     (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]`` or None;
-    ``tm`` the forward's T (:func:`kda_fwd`), or None to solve again."""
+    ``tm`` the forward's T (:func:`kda_fwd`), or None to solve again; ``pm`` the forward's in-chunk scores
+    (``kda_fwd(..., return_scores=True)``), or None to compute them again."""
     B, T, HQ, K = q.shape
     L = Layout(q, v, cu_seqlens)
     H, V, G, ieee, dev = L.H, L.V, L.G, L.ieee, q.device
@@ -273,8 +278,9 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
-    tm, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
-    hs, v_new = kda_states(layout=L, k=kf, g=gf, w=w, u=u, h0=h0)
+    tm, w, u, kd, gc = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+    hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0)
+    del u, kd, gc
     dhs = torch.empty_like(hs)
     dd = torch.empty(L.tokens, H, V, dtype=torch.float32, device=dev)
     dk_p, dG_p = (torch.empty(L.tokens, H, K, dtype=torch.float32, device=dev) for _ in range(2))
@@ -282,8 +288,8 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     BK, BV = block_k(K), kda_bv(K, V)
     c = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
     _dv_local_kernel[(cdiv(V, BV), L.NC, H)](
-        qf, kf, gf, dof, dd, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), G=G, SUB=SUB, **c,
-        num_warps=chunk_warps(K))
+        qf, kf, gf, pm if pm is not None else dd, dof, dd, L.cu_seqlens, L.chunk_indices, L.chunk_offsets,
+        float(scale), G=G, SUB=SUB, HAS_P=pm is not None, **c, num_warps=chunk_warps(K))
     _state_bwd_kernel[(cdiv(V, BV), L.N * H)](
         qf, kf, gf, w, dof, dd, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs,
         L.cu_seqlens, L.chunk_offsets, float(scale), G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **c,
@@ -300,19 +306,21 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
 class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset):
-        o, ht, tm = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset)
-        # of the intermediates only T is kept (the costly solve); the backward recomputes W, U and the states
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm)
+        o, ht, tm, pm = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset,
+                                return_scores=True)
+        # of the intermediates T and the scores P are kept (their pairwise decays per channel are the costly
+        # part); the backward recomputes W, U and the states
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm, pm)
         ctx.scale = scale
         ctx.offset_dtype = v_offset.dtype if v_offset is not None else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, cu_seqlens, tm = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, tm, pm = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = kda_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=ctx.scale, initial_state=h0,
-                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, tm=tm)
+                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, tm=tm, pm=pm)
         dvo = None
         if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
             B, T, HQ, V = do.shape

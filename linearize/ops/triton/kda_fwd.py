@@ -1,20 +1,25 @@
 """Triton forward of KDA, the gated delta rule with one decay per key channel (:mod:`linearize.ops.kda`: read
-its docstring first), chunk 64, GQA-native and varlen. Four kernel stages (two launchers for the first two):
+its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stages:
 
-0. ``_solve_kernel``    per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel,
-   ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` in 16-row bands, ``T = (I + A)⁻¹`` as the GDN
-   solve inverts it (:func:`solve.store_inverse`); T is kept for the backward.
-1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)`` and ``U = T (βv)``.
+0. ``_scores_kernel``   per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel, the in-chunk
+   scores with their pairwise decays per channel, ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``
+   (float32 scratch) and every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r), in the same
+   pass as A (they share the pairwise decays: :func:`kda_tiles.cross_scores_pair`,
+   :func:`kda_tiles.sub_chunk_pairs`);
+   ``_solve_kernel`` per (chunk, KV head), one warp: ``T = (I + A)⁻¹`` as the GDN solve inverts it
+   (:func:`solve.store_inverse`). T and P are kept for the backward.
+1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, and for the state kernel
+   ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C``, the chunk's total log-decay per channel.
 2. ``_state_kernel``    per (V block, sequence × KV head), over the chunks in order — the only sequential part:
-   stores the state entering each chunk, ``Δ = U − W h``, then ``h ← Diag(γ_C) h + (k ⊙ exp(G_C − G))ᵀ Δ``.
-3. ``_output_kernel``   per (V block, chunk, query head):
-   ``o = scale·((γ⊙q) h + P Δ) (+ v_offset)``, ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r).
+   stores the state entering each chunk, ``Δ = U − W h``, then ``h ← Diag(exp(G_C)) h + K̃ᵀ Δ``; it reads
+   no log-decays, and its V block narrows when (sequence, head) pairs are few (:func:`kda_state_bv`).
+3. ``_output_kernel``   per (chunk, query head), over the V blocks: ``o = scale·((γ⊙q) h + P Δ) (+ v_offset)``.
 
 Every exponent is ≤ 0 (``g ≤ 0``): the pairwise decays go through :mod:`kda_tiles`. G is recomputed from g
-by each kernel (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1 and 2
-again, on the forward's T. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
+by the per-chunk kernels (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1
+and 2 again, on the forward's T. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32
+inputs).
 """
-
 from __future__ import annotations
 
 import torch
@@ -22,9 +27,9 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .kda_tiles import chunk_log_decay, decayed_scores, row_of
+from .kda_tiles import chunk_log_decay, cross_scores_pair, decayed_scores, row_of, sub_chunk_pairs
 from .layout import BT, Layout, chunk_at, sequence_at
-from .settings import block_k
+from .settings import block_k, sms_for
 from .solve import store_inverse
 from .tiles import mm
 
@@ -32,34 +37,77 @@ SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_t
 
 
 @triton.jit
-def _band(k, g, beta, r, m, i_h, H: tl.constexpr, K: tl.constexpr, BK: tl.constexpr):
-    """``(k, g, β)`` of one band of ``BT/4`` rows (token indices ``r``, ``m`` inside the document): k in its
-    dtype, g and β as float32, 0 past the document's end."""
-    o_k = tl.arange(0, BK)
-    p = (r * H + i_h)[:, None] * K + o_k[None, :]
-    m_k = m[:, None] & (o_k < K)[None, :]
-    return (tl.load(k + p, mask=m_k, other=0.0), tl.load(g + p, mask=m_k, other=0.0).to(tl.float32),
-            tl.load(beta + r * H + i_h, mask=m, other=0.0).to(tl.float32))
+def _scores_kernel(
+    q, k, g, beta, am, pm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
+    STORE_P: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (float32, to ``am``) and,
+    with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
+    dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays: those
+    between sub-chunks per head (:func:`kda_tiles.cross_scores_pair`), those inside a sub-chunk once for the
+    whole GQA group (:func:`kda_tiles.sub_chunk_pairs`)."""
+    HQ: tl.constexpr = H * G
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    n = tl.minimum(T - i_c * BT, BT)
+    o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    m_t = o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk, m_tt = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_r < BT)[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    p_a = (rows * H + i_h)[:, None] * BT + o_r[None, :]
+    if STORE_P:
+        p_q = (rows * HQ + i_h * G)[:, None] * K + o_k[None, :]
+        p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
+        b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
+        # the products between sub-chunks as (BT, BT) tiles, A with the first query head, stored but for the
+        # sub-chunks' strictly lower triangles, which sub_chunk_pairs then stores, rows by half sub-chunks
+        b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
+        m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
+        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
+        tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
+        for i_g in range(1, G):  # the other query heads of a GQA group
+            b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
+            b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
+            tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
+        HS: tl.constexpr = SUB // 2
+        o_h = tl.arange(0, BT // 2)
+        c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
+        c_hi = c_lo + HS  # the second half: keys up to SUB − 1 back
+        r0 = bos + i_c * BT
+        pa = q + (r0 * HQ + i_h * G) * K
+        pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
+        w_lo = tl.load(beta + (r0 + c_lo) * H + i_h, mask=c_lo < n, other=0.0).to(tl.float32)
+        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_lo, n, w_lo, pma, HQ * BT, pmb, H * BT, K, BK, SUB, HS,
+                        G, BT)
+        w_hi = tl.load(beta + (r0 + c_hi) * H + i_h, mask=c_hi < n, other=0.0).to(tl.float32)
+        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
+                        SUB, G, BT)
+    else:
+        b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE)
+        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_tt)
 
 
 @triton.jit
-def _cross(ka, Ga, ba, kb, Gb, IEEE: tl.constexpr):
-    """The block of ``A`` between two bands, rows of band a after those of band b:
-    ``β_r Σ_i k_ri k_ji exp(G_ri − G_ji)``, through the log-decay at band a's first row (both factors ≤ 1)."""
-    ref = row_of(Ga, 0)
-    ea = tl.exp(Ga - ref[None, :])
-    fb = tl.exp(ref[None, :] - Gb)
-    return mm(ka.to(tl.float32) * ea, tl.trans(kb.to(tl.float32) * fb), ka, IEEE) * ba[:, None]
+def _a_block(am, rows, m, c0: tl.constexpr, i_h, H: tl.constexpr, BT: tl.constexpr):
+    """The (BT/4)² block of ``am`` at rows ``rows`` (token indices, ``m`` inside the document) and columns
+    ``c0 …``, float32, 0 past the document's end."""
+    o_c = tl.arange(0, BT // 4)
+    return tl.load(am + (rows * H + i_h)[:, None] * BT + c0 + o_c[None, :], mask=m[:, None], other=0.0)
 
 
 @triton.jit
 def _solve_kernel(
-    k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, IEEE: tl.constexpr,
+    am, tm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``, in
-    four bands of ``BT/4`` rows as the GDN solve holds it (:func:`solve.store_inverse`): the six blocks between
-    bands by :func:`_cross`, the four inside one by :func:`kda_tiles.decayed_scores` on the band."""
+    """Per (chunk, KV head): ``T = (I + A)⁻¹`` of the ``A`` that :func:`_scores_kernel` stored, read as the GDN
+    solve holds it, ten (BT/4)² blocks, and inverted by its :func:`solve.store_inverse`."""
     BC: tl.constexpr = BT // 4
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -68,41 +116,24 @@ def _solve_kernel(
     r0 = bos + i_c * BT + o_c
     r1, r2, r3 = r0 + BC, r0 + 2 * BC, r0 + 3 * BC
     m0, m1, m2, m3 = o_c < n, o_c + BC < n, o_c + 2 * BC < n, o_c + 3 * BC < n
-    k0, x0, b0 = _band(k, g, beta, r0, m0, i_h, H, K, BK)
-    k1, x1, b1 = _band(k, g, beta, r1, m1, i_h, H, K, BK)
-    k2, x2, b2 = _band(k, g, beta, r2, m2, i_h, H, K, BK)
-    k3, x3, b3 = _band(k, g, beta, r3, m3, i_h, H, K, BK)
-    # the cumulative log-decay per channel, band by band
-    G0 = tl.cumsum(x0, 0)
-    G1 = tl.cumsum(x1, 0) + row_of(G0, BC - 1)[None, :]
-    G2 = tl.cumsum(x2, 0) + row_of(G1, BC - 1)[None, :]
-    G3 = tl.cumsum(x3, 0) + row_of(G2, BC - 1)[None, :]
-    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
-    A00 = decayed_scores(k0, k0, k + p0, g + p0, H * K, G0, n, K, True, BC, IEEE) * b0[:, None]
-    p1 = p0 + BC * H * K
-    A11 = decayed_scores(k1, k1, k + p1, g + p1, H * K, G1, n - BC, K, True, BC, IEEE) * b1[:, None]
-    p2 = p1 + BC * H * K
-    A22 = decayed_scores(k2, k2, k + p2, g + p2, H * K, G2, n - 2 * BC, K, True, BC, IEEE) * b2[:, None]
-    p3 = p2 + BC * H * K
-    A33 = decayed_scores(k3, k3, k + p3, g + p3, H * K, G3, n - 3 * BC, K, True, BC, IEEE) * b3[:, None]
-    A10 = _cross(k1, G1, b1, k0, G0, IEEE)
-    A20 = _cross(k2, G2, b2, k0, G0, IEEE)
-    A21 = _cross(k2, G2, b2, k1, G1, IEEE)
-    A30 = _cross(k3, G3, b3, k0, G0, IEEE)
-    A31 = _cross(k3, G3, b3, k1, G1, IEEE)
-    A32 = _cross(k3, G3, b3, k2, G2, IEEE)
+    A00 = _a_block(am, r0, m0, 0, i_h, H, BT)
+    A10, A11 = _a_block(am, r1, m1, 0, i_h, H, BT), _a_block(am, r1, m1, BC, i_h, H, BT)
+    A20, A21 = _a_block(am, r2, m2, 0, i_h, H, BT), _a_block(am, r2, m2, BC, i_h, H, BT)
+    A22 = _a_block(am, r2, m2, 2 * BC, i_h, H, BT)
+    A30, A31 = _a_block(am, r3, m3, 0, i_h, H, BT), _a_block(am, r3, m3, BC, i_h, H, BT)
+    A32, A33 = _a_block(am, r3, m3, 2 * BC, i_h, H, BT), _a_block(am, r3, m3, 3 * BC, i_h, H, BT)
     store_inverse(tm, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, r0, r1, r2, r3, m0, m1, m2, m3, i_h, H, BT,
                   IEEE)
 
 
 @triton.jit
 def _prepare_kernel(
-    k, v, g, beta, tm, w, u, chunk_indices, cu_seqlens, chunk_offsets,
+    k, v, g, beta, tm, w, u, kd, gc, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
     n = tl.minimum(T - i_c * BT, BT)  # rows inside the document
     m_t = o_r < n
@@ -112,6 +143,12 @@ def _prepare_kernel(
     b_G = chunk_log_decay(g, p_k, m_tk)
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    # for the state kernel, off its sequential path: K̃ = k ⊙ exp(G_C − G) in k's dtype (the dtype its product
+    # takes it in) and the chunk's total log-decay G_C per channel
+    g_last = row_of(b_G, BT - 1)
+    b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
+    tl.store(kd + p_k, b_kd.to(kd.dtype.element_ty), mask=m_tk)
+    tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # βγ⊙k
     tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
@@ -125,7 +162,7 @@ def _prepare_kernel(
 
 @triton.jit
 def _state_kernel(
-    k, g, w, u, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
+    kd, gc, w, u, hs, v_new, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -135,11 +172,11 @@ def _state_kernel(
     o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
-    k += (bos * H + i_h) * K
-    g += (bos * H + i_h) * K
+    kd += (bos * H + i_h) * K
     w += (bos * H + i_h) * K
     u += (bos * H + i_h) * V
     v_new += (bos * H + i_h) * V
+    gc += (boh * H + i_h) * K
     hs += (boh * H + i_h) * K * V
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -153,10 +190,8 @@ def _state_kernel(
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         b_d = tl.load(u + p_tv, mask=m_tv, other=0.0).to(tl.float32) - mm(b_w, b_h, b_w, IEEE)  # Δ = U − W h
         tl.store(v_new + p_tv, b_d.to(v_new.dtype.element_ty), mask=m_tv)
-        b_G = chunk_log_decay(g, p_tk, m_tk)
-        g_last = row_of(b_G, BT - 1)  # G_C per channel
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
-        b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))  # k ⊙ exp(G_C − G)
+        g_last = tl.load(gc + i_t * (H * K) + o_k, mask=m_k, other=0.0)  # G_C per channel
+        b_kd = tl.load(kd + p_tk, mask=m_tk, other=0.0)  # k ⊙ exp(G_C − G), from the prepare kernel
         b_h = b_h * tl.exp(g_last)[:, None] + mm(tl.trans(b_kd), b_d, b_w, IEEE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
@@ -164,33 +199,37 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, k, g, v_new, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    q, g, v_new, hs, pm, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, SUB: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
+    BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Per (chunk, query head), over the V blocks, with the scores ``P`` :func:`_scores_kernel` stored."""
     HQ: tl.constexpr = H * G
-    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_t, i_hq = tl.program_id(0), tl.program_id(1)
     i_h = i_hq // G  # query heads h·G … h·G + G − 1 read KV head h
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    o_k, o_r = tl.arange(0, BK), tl.arange(0, BT)
     n = tl.minimum(T - i_c * BT, BT)
-    m_k, m_v, m_t = o_k < K, o_v < V, o_r < n
+    m_k, m_t = o_k < K, o_r < n
     rows = bos + i_c * BT + o_r
-    m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
-    b_G = chunk_log_decay(g, p_k, m_tk)
-    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    p0 = ((bos + i_c * BT) * H + i_h) * K
-    b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)
-    b_o = mm(b_q.to(tl.float32) * tl.exp(b_G), b_h, b_q, IEEE) + mm(b_P, b_d, b_q, IEEE)
-    b_o *= scale
-    if USE_OFFSET:
-        b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-    tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    b_G = chunk_log_decay(g, (rows * H + i_h)[:, None] * K + o_k[None, :], m_tk)
+    b_qg = b_q.to(tl.float32) * tl.exp(b_G)  # γ⊙q
+    b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    p_s = ((boh + i_c) * H + i_h) * K * V
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        m_tv = m_t[:, None] & m_v[None, :]
+        b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_o = mm(b_qg, b_h, b_q, IEEE) + mm(b_P, b_d, b_q, IEEE)
+        b_o *= scale
+        if USE_OFFSET:
+            b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv,
+                           other=0.0).to(tl.float32)
+        tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
 def kda_bv(K: int, V: int) -> int:
@@ -210,61 +249,97 @@ def kda_stages(K: int, ieee: bool, kernel: str, G: int = 1) -> int:
     gets 232,448 B of shared memory on the H200; compiled for sm_90 as the launchers launch them (Triton 3.6,
     ``scripts/kernel_resources.py --launchers``), at Triton's default 3 stages:
 
-    - IEEE fp32 tiles are twice as wide: 2 stages (at K = 128 the state kernel 164,352 B, the backward one
-      180,224 at G = 1), 1 for 256-wide keys;
-    - 256-wide keys: the forward state kernel needs 372,736 B for 16-bit inputs (237,568 at 2 stages, 69,632 at 1),
-      so 1 stage for every dtype; the 16-bit WY backward (114,688 B) keeps 3;
+    - the forward state kernel reads W, K̃ and U per chunk (no log-decays: :func:`kda_prepare` makes K̃ and
+      G_C), and takes 2 stages at every K and dtype: 16-bit K = 128, BV = 64 asks for 98,304 B there (139,264
+      at 3), so two programs share an SM, and their two chains hide each other's latency; K = 256 155,648 B
+      (16-bit, BV = 32), 172,032 (fp32);
+    - IEEE fp32 tiles are twice as wide: 2 stages (the backward state kernel 180,224 B at K = 128, G = 1), 1 for
+      256-wide keys;
+    - 256-wide keys: the 16-bit WY backward (114,688 B) keeps 3;
     - at G = 1 the backward state kernel's loop over the query heads folds away and q and do are pipelined with
       k, w and dΔ: 245,760 B for 16-bit K = 128 (155,648 at 2 stages), 286,720 for K = 256 at 2 (81,920 at 1),
       so at most 2 stages at K = 128 and 1 at K = 256 there; K = 64 (139,264 B) keeps 3."""
     wide = block_k(K) > 128
     stages = (1 if wide else 2) if ieee else 3
-    if kernel == "state" and wide:
-        return 1
+    if kernel == "state":
+        return 2
     if kernel == "state_bwd" and G == 1 and block_k(K) > 64:
         return min(stages, 1 if wide else 2)
     return stages
 
 
-def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stage 1: ``(T [tokens, H, BT], W like k, U like v)``; T in the dots' dtype (float32 for float32 inputs).
-    Inputs flat (``Layout.flat``), g float32. Given ``tm`` (the backward: the forward's T), only W and U are
-    computed, from it: the same values as in the forward."""
+def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Stage 0: ``(T [tokens, H, BT], P [tokens, HQ, BT] or None)``: T in the dots' dtype (float32 for float32
+    inputs), and, given ``q``, every query head's in-chunk scores P in q's dtype (float32 for float32 inputs),
+    the dtype the output kernel's product takes them in. Inputs flat (``Layout.flat``), g float32."""
+    L = layout
+    dt = torch.float32 if L.ieee else k.dtype
+    tm = torch.empty(L.tokens, L.H, BT, dtype=dt, device=L.device)
+    pm = torch.empty(L.tokens, L.HQ, BT, dtype=dt, device=L.device) if q is not None else None
+    if L.NC:
+        am = torch.empty(L.tokens, L.H, BT, dtype=torch.float32, device=L.device)
+        _scores_kernel[(L.NC, L.H)](
+            q if q is not None else k, k, g, beta, am, pm if pm is not None else am, L.chunk_indices, L.cu_seqlens,
+            L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BK=block_k(L.K), SUB=SUB, STORE_P=q is not None,
+            IEEE=L.ieee, num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
+        _solve_kernel[(L.NC, L.H)](am, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, BT=BT, IEEE=L.ieee,
+                                   num_warps=1, num_stages=1)
+    return tm, pm
+
+
+def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor, ...]:
+    """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32)``: T from :func:`kda_solve` unless
+    given (the backward: the forward's T), ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C`` (each chunk's total log-decay
+    per channel) for the state kernel. Inputs flat (``Layout.flat``), g float32; W and U are the same values as
+    in the forward."""
     L = layout
     if tm is None:
-        tm = torch.empty(L.tokens, L.H, BT, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
-        if L.NC:
-            _solve_kernel[(L.NC, L.H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K,
-                                       BT=BT, BK=block_k(L.K), IEEE=L.ieee, num_warps=chunk_warps(L.K) // 2)
-    w, u = torch.empty_like(k), torch.empty_like(v)
+        tm, _ = kda_solve(layout=L, k=k, g=g, beta=beta)
+    w, u, kd = torch.empty_like(k), torch.empty_like(v), torch.empty_like(k)
+    gc = torch.empty(max(L.NC, 1), L.H, L.K, dtype=torch.float32, device=L.device)
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
-            k, v, g, beta, tm, w, u, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT,
-            BK=block_k(L.K), BV=kda_bv(L.K, L.V), IEEE=L.ieee, num_warps=chunk_warps(L.K))
-    return tm, w, u
+            k, v, g, beta, tm, w, u, kd, gc, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V,
+            BT=BT, BK=block_k(L.K), BV=kda_bv(L.K, L.V), IEEE=L.ieee, num_warps=chunk_warps(L.K))
+    return tm, w, u, kd, gc
 
 
-def kda_states(*, layout: Layout, k, g, w, u, h0=None, ht=None) -> tuple[torch.Tensor, torch.Tensor]:
+def kda_state_bv(layout: Layout) -> int:
+    """V block of the state kernel: :func:`kda_bv`, halved (down to 16) while the (sequence, KV head) pairs
+    times V blocks would not reach half of the GPU's SMs (``settings.state_bv``'s rule; off CUDA not halved):
+    at long T with a small batch the sequential loop is the whole cost."""
+    L = layout
+    bv = kda_bv(L.K, L.V)
+    sms = sms_for(L.N * L.H, L.device)
+    if sms is not None:
+        while bv > 16 and L.N * L.H * cdiv(L.V, bv) < sms // 2:
+            bv //= 2
+    return bv
+
+
+def kda_states(*, layout: Layout, kd, gc, w, u, h0=None, ht=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Stage 2: ``(hs [NC, H, K, V], Δ like u)``: the state entering every chunk (k's dtype, float32 for float32
     inputs) and ``Δ = U − W h``; fills ``ht`` ``[N, H, K, V]`` (float32) with each sequence's final state when
-    given. ``h0``: float32 ``[N, H, K, V]`` or None."""
+    given. ``kd``, ``gc``: :func:`kda_prepare`'s K̃ and G_C; ``h0``: float32 ``[N, H, K, V]`` or None."""
     L = layout
-    hs = torch.empty(max(L.NC, 1), L.H, L.K, L.V, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
+    hs = torch.empty(max(L.NC, 1), L.H, L.K, L.V, dtype=torch.float32 if L.ieee else kd.dtype, device=L.device)
     v_new = torch.empty_like(u)
-    BV = kda_bv(L.K, L.V)
+    BV = kda_state_bv(L)
     _state_kernel[(cdiv(L.V, BV), L.N * L.H)](
-        k, g, w, u, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
+        kd, gc, w, u, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
         L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None,
         STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4, num_stages=kda_stages(L.K, L.ieee, "state"))
     return hs, v_new
 
 
 def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-            v_offset=None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+            v_offset=None, return_scores: bool = False) -> tuple:
     """Host pipeline: ``(o [B, T, G·H, V] in v's dtype, final float32 state [N, H, K, V] or None, T)``, T the
-    ``(I + A)⁻¹`` of every chunk (:func:`kda_prepare`; None without tokens), which the backward reuses. Inputs
-    as :func:`linearize.ops.gated_delta_rule` with a per-channel ``g [B, T, H, K]`` (checked there);
-    ``v_offset`` ``[B, T, H, V]`` or None is added to every query head's output of its KV head."""
+    ``(I + A)⁻¹`` of every chunk (:func:`kda_solve`; None without tokens), which the backward reuses; with
+    ``return_scores`` also P, every query head's in-chunk scores (:func:`kda_solve`; None without tokens),
+    which the backward reuses too. Inputs as :func:`linearize.ops.gated_delta_rule` with a per-channel
+    ``g [B, T, H, K]`` (checked there); ``v_offset`` ``[B, T, H, V]`` or None is added to every query head's
+    output of its KV head."""
     B, T, HQ, K = q.shape
     L = Layout(q, v, cu_seqlens)
     qf, kf, vf, bf = Layout.flat(q, k, v, beta)
@@ -275,13 +350,15 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
     if L.NC == 0:  # no tokens: the state passes through
         if ht is not None:
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return o.view(B, T, HQ, L.V), ht, None
-    tm, w, u = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf)
-    hs, v_new = kda_states(layout=L, k=kf, g=gf, w=w, u=u, h0=h0, ht=ht)
+        return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ())
+    tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
+    _, w, u, kd, gc = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+    hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
+    del w, u, kd, gc
     BV = kda_bv(K, L.V)
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
-    _output_kernel[(cdiv(L.V, BV), L.NC, HQ)](
-        qf, kf, gf, v_new, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
-        K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, SUB=SUB, USE_OFFSET=v_offset is not None, IEEE=L.ieee,
+    _output_kernel[(L.NC, HQ)](
+        qf, gf, v_new, hs, pm, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
+        K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, USE_OFFSET=v_offset is not None, IEEE=L.ieee,
         num_warps=chunk_warps(K))
-    return o.view(B, T, HQ, L.V), ht, tm
+    return (o.view(B, T, HQ, L.V), ht, tm) + ((pm,) if return_scores else ())

@@ -89,6 +89,61 @@ def decayed_scores(a, b, pb, pg, stride, G, n, K: tl.constexpr, STRICT: tl.const
 
 
 @triton.jit
+def cross_scores_pair(a, b, G, n, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
+    """``(M_bb, M_ab)``: the parts of :func:`decayed_scores` of (b, b) (strict; only with ``PAIR``, else 0) and
+    of (a, b) (with the diagonal) outside the sub-chunks' strictly lower triangles, which are 0 here
+    (:func:`sub_chunk_pairs` gives them): the products between sub-chunks, which share their decay factors and
+    b's decayed tiles, and the diagonal of M_ab. Each entry as :func:`decayed_scores` computes it."""
+    BT: tl.constexpr = a.shape[0]
+    o = tl.arange(0, BT)
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    Mb = tl.zeros([BT, BT], dtype=tl.float32)
+    Ma = tl.zeros([BT, BT], dtype=tl.float32)
+    for s in tl.static_range(1, BT // SUB):
+        if s * SUB < n:
+            ea, fb = _factors(G, s, SUB)
+            bt = tl.trans(bf * fb)
+            if PAIR:
+                Mb += mm(bf * ea, bt, b, IEEE)
+            Ma += mm(af * ea, bt, a, IEEE)
+    Ma += tl.where(o[:, None] == o[None, :], tl.sum(af * bf, 1)[:, None], 0.0)
+    return Mb, Ma
+
+
+@triton.jit
+def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb, stride_mb, K: tl.constexpr,
+                    BK: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, NA: tl.constexpr, BT: tl.constexpr):
+    """The entries of :func:`decayed_scores` inside the sub-chunks, ``M_cj`` for ``0 < c − j < D``, of (b, b)
+    times ``ws`` (float32, at ``pmb + c·stride_mb + j``) and of (a_h, b) for ``NA`` matrices a_h (the query
+    heads of a GQA group, ``K`` apart in memory; in ``pma``'s dtype, at ``pma + c·stride_ma + h·BT + j``),
+    stored as they come, one sub-diagonal at a time, for the rows ``c`` of the chunk (a vector; ``c < n`` inside
+    the document). ``pa``, ``pb``, ``pg``: the chunk's first row of a_0, b and the log-decays (row strides
+    ``stride_a``, ``stride``, ``stride``). Each entry as :func:`decayed_scores` computes it (the same sums of
+    log-decays, products and order); every pairwise decay is taken once for all NA + 1 products, and only the
+    rows given are worked on: the caller passes the rows that have keys up to ``D − 1`` back, rather than a
+    whole (BT, BK) tile of which half the rows have no key ``d ≥ SUB / 2`` back."""
+    o_k = tl.arange(0, BK)
+    p = c % SUB  # position in the sub-chunk
+    m_r = c < n
+    m_k = (o_k < K)[None, :]
+    p_a = pa + c[:, None] * stride_a + o_k[None, :]
+    af = tl.load(p_a, mask=m_r[:, None] & m_k, other=0.0).to(tl.float32)
+    bf = tl.load(pb + c[:, None] * stride + o_k[None, :], mask=m_r[:, None] & m_k, other=0.0).to(tl.float32)
+    S = tl.zeros(af.shape, dtype=tl.float32)
+    for d in range(1, D):
+        m_d = (p >= d) & m_r
+        m_dk = m_d[:, None] & m_k
+        S += tl.load(pg + (c + 1 - d)[:, None] * stride + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
+        rb = tl.load(pb + (c - d)[:, None] * stride + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
+        e = tl.exp(tl.where(m_d[:, None], S, float("-inf")))
+        tl.store(pmb + c * stride_mb + c - d, tl.sum(bf * rb * e, 1) * ws, mask=m_d)
+        tl.store(pma + c * stride_ma + c - d, tl.sum(af * rb * e, 1).to(pma.dtype.element_ty), mask=m_d)
+        for h in range(1, NA):  # the other a_h: read again at every step (L1), not held
+            ah = tl.load(p_a + h * K, mask=m_dk, other=0.0).to(tl.float32)
+            tl.store(pma + c * stride_ma + h * BT + c - d, tl.sum(ah * rb * e, 1).to(pma.dtype.element_ty), mask=m_d)
+
+
+@triton.jit
 def decayed_left(W, b, pb, pg, stride, G, n, K: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
     """``L_r = Σ_{j<r} W_rj b_j ⊙ exp(G_r − G_j)``: (BT, BK) float32. W: (BT, BT) float32, read below the
     diagonal; b: (BT, BK) in the dots' dtype, ``pb``/``pg`` as :func:`decayed_scores`."""

@@ -5,7 +5,9 @@
 #   .carry/gm1-gm5 the Gemma 3 270M GGUF teacher (253 MB) cut in five (gguf.part00-04), and in gm5
 #                  corpus_gemma.tar.xz (a `linearize data subset` of a Gemma-tokenized corpus, TRAIN_TOKENS
 #                  training tokens plus every held-out document; int32 tokens, which xz shrinks ~6x),
-#                  ev.tar.xz (the task data of `linearize eval`) and SHA256SUMS of the joined files
+#                  ev.tar.xz (the task data of `linearize eval`), tokenizer.tar.xz (the teacher's tokenizer as this
+#                  machine's transformers converts it, to sit beside the GGUF: transformers 5.17's conversion
+#                  of Gemma 3's differs, and the corpus was cut with this one) and SHA256SUMS of the joined files
 # Then, one call after the other while the machine stays warm (30 s), carrying the parts named
 # (P=PYTHONPATH=/root/site:$PWD; R="recipes/gemma3-270m-gdn-25m.yaml /root/w/runs G=";
 #  C="teacher.model=/root/w/gemma-3-270m-q4_k_m.gguf data.source=corpus:/root/w/corpus_gemma"):
@@ -14,7 +16,8 @@
 #   2-4. carry .carry/gm2 (then gm3, gm4):  cp .carry/gm2/* /root/w/
 #   5. carry .carry/gm5:  export START=$(date +%s) DEADLINE=560; cp .carry/gm5/* /root/w/ && (cd /root/w &&
 #        cat gguf.part0? > gemma-3-270m-q4_k_m.gguf && rm gguf.part0? && sha256sum -c SHA256SUMS &&
-#        python3 -m tarfile -e corpus_gemma.tar.xz . && python3 -m tarfile -e ev.tar.xz .) &&
+#        python3 -m tarfile -e corpus_gemma.tar.xz . && python3 -m tarfile -e ev.tar.xz . &&
+#        python3 -m tarfile -e tokenizer.tar.xz .) &&
 #        env $P COMMON="$C" scripts/ablate.sh $R 2>&1 | tee $OUT/train1.log; cp /root/w/runs/G/*.json* $OUT/
 #   6, 7. nothing to carry:  env $P COMMON="$C" DEADLINE=560 scripts/ablate.sh $R 2>&1 | tee $OUT/train.log;
 #        cp /root/w/runs/G/*.json* $OUT/   (it resumes from the last checkpoint, 50 steps apart; once it
@@ -45,12 +48,17 @@ rm -rf .carry/gm1 .carry/gm2 .carry/gm3 .carry/gm4 .carry/gm5 && mkdir -p .carry
 
 # the corpus subset and the task data, each one xz archive
 linearize data subset "$corpus" --out "$tmp/corpus_gemma" --train-tokens "$tokens"
+rm -f "$tmp"/corpus_gemma/*/train-*.parquet  # the training split's text: training reads its token shards only
 tar -C "$tmp" -cf - corpus_gemma | xz -T0 -6 > .carry/gm5/corpus_gemma.tar.xz
 mkdir -p "$tmp/ev/hf_datasets" "$tmp/ev/oe_eval_tasks"
 cp -r "$evdata"/hf_datasets/{piqa,ai2_arc,hellaswag,winogrande} "$tmp/ev/hf_datasets/"
 cp -r "$evdata"/oe_eval_tasks/lambada "$tmp/ev/oe_eval_tasks/"
 [ "$mmlu" = 1 ] && cp -r "$evdata"/hf_datasets/hails "$tmp/ev/hf_datasets/"
 tar -C "$tmp" -cf - ev | xz -T0 -6 > .carry/gm5/ev.tar.xz
+mkdir -p "$tmp/tok" && python3 -c "import sys; from transformers import AutoTokenizer; \
+AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])" \
+    "$(dirname "$gguf")" "$(basename "$gguf")" "$tmp/tok"
+tar -C "$tmp/tok" -cf - tokenizer.json tokenizer_config.json | xz -T0 -6 > .carry/gm5/tokenizer.tar.xz
 
 # the teacher in five parts: the first beside the wheels, three full ones, the last beside the two archives
 limit=60000000 part=59000000                # 1 MB of slack in every call
@@ -62,7 +70,7 @@ last=$(( size - first - 3 * part ))
 head -c "$first" "$gguf" > .carry/gm1/gguf.part00
 tail -c +$(( first + 1 )) "$gguf" | split -b "$part" -a 2 --numeric-suffixes=1 - .carry/gguf.part
 for i in 1 2 3 4; do mv ".carry/gguf.part0$i" ".carry/gm$(( i + 1 ))/"; done
-(sha256sum "$gguf" | sed "s|  .*|  gemma-3-270m-q4_k_m.gguf|"; cd .carry/gm5 && sha256sum corpus_gemma.tar.xz ev.tar.xz) > .carry/gm5/SHA256SUMS
+(sha256sum "$gguf" | sed "s|  .*|  gemma-3-270m-q4_k_m.gguf|"; cd .carry/gm5 && sha256sum corpus_gemma.tar.xz ev.tar.xz tokenizer.tar.xz) > .carry/gm5/SHA256SUMS
 cat .carry/gm?/gguf.part0? | cmp - "$gguf"   # the parts join back into the teacher
 
 # every call's carry under the limit

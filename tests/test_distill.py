@@ -718,7 +718,9 @@ def test_distill_fsdp_two_processes_match_one_process_and_resume(tiny_dir, tmp_p
     proc = torchrun(recipe, overrides(tiny_dir, two, **keys), free_port())
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(losses(two)) == 5
-    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    # the last distill loss is ~4e-4, a KL summed from O(1) float32 terms: sharded and whole reduce them in
+    # another order, so it agrees to float32's resolution of those terms (~1e-7), not to 1e-4 of itself
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-7)
     ids = torch.randint(0, 1000, (1, 40), generator=torch.Generator().manual_seed(0))
     a, b = (AutoModelForCausalLM.from_pretrained(d / "model") for d in (tmp_path / "one", two))
     with torch.no_grad():
@@ -728,7 +730,7 @@ def test_distill_fsdp_two_processes_match_one_process_and_resume(tiny_dir, tmp_p
     ckpts[-1].unlink()
     proc = torchrun(recipe, overrides(tiny_dir, two, **keys), free_port(), "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4, abs=1e-7)
 
 
 def test_save_stages_keeps_the_model_after_align_and_changes_nothing(tiny_dir, tmp_path):

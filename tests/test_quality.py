@@ -485,6 +485,36 @@ def test_corpus_rows_pack_each_domains_heldout_documents(world, tmp_path):
     assert a["tokens"] == b["tokens"] == 3 * 15 and a["ppl"] != b["ppl"]
 
 
+def test_corpus_rows_open_each_document_as_training_does(world, tmp_path, monkeypatch):
+    """A tokenizer that puts an id first of its own accord (Gemma's <bos>) gets it before every document
+    of the perplexity rows, and its eos between them where the corpus names no end-of-text: the rows
+    training packs (linearize.distill.data.pack_arrays), token for token."""
+    import linearize.corpus.tokenizer as ct
+    from linearize.distill.data import pack_arrays
+    from linearize.quality.perplexity import corpus_rows
+
+    tok = world["tok"]
+    texts = [_sentence(i, 30) for i in range(6)]
+    folder = _corpus(tmp_path / "c", tok, {"prose": texts})
+    manifest = json.loads((folder / "manifest.json").read_text())
+    manifest["tokenizer"]["special_tokens"] = {}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    monkeypatch.setattr(ct, "document_start", lambda t: 7)
+
+    class WithEos:  # the tokenizer, its eos id 3
+        eos_token_id = 3
+
+        def __len__(self):
+            return len(tok)
+
+    rows = corpus_rows(folder, seq_len=16, tokens=48, tokenizer=WithEos())["prose"]
+    docs = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    stream = [i for d in docs for i in [7, *d, 3]]
+    assert rows.tolist() == [stream[k * 16:(k + 1) * 16] for k in range(3)]
+    trained, _ = pack_arrays(docs, 16, 3, 7)
+    assert rows.tolist() == trained[:3].tolist()
+
+
 def test_cli_eval_corpus_perplexity_side_by_side(world, tmp_path):
     d, tok = world["dirs"], world["tok"]
     corpus = _corpus(tmp_path / "c", tok, {"prose": [_sentence(i, 30) for i in range(6)],
@@ -533,3 +563,21 @@ def test_markdown_tables_carry_the_json_values():
     assert "| prose | 16 | 40.00 | 4.00 |" in md and "| 64 | 25.0 | 50.0 |" in md
     seps = [line for line in md.splitlines() if line.startswith("| --- ")]
     assert [line.count("---") for line in seps] == [4, 4, 3]  # one separator per table, one cell per column
+
+
+def test_a_tokenizer_beside_a_gguf_wins_over_the_converted_one(smollm2, tmp_path):
+    """A GGUF's tokenizer is converted from its metadata, differently by transformers version (Gemma 3's by
+    5.17 is wrong): a tokenizer.json saved in its folder is taken instead."""
+    from conftest import tiny_tokenizer
+
+    from linearize.models.loading import ModelSource, load_tokenizer, resolve_model
+
+    gguf = resolve_model("smollm2-135m")
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / gguf.gguf_file).symlink_to(Path(gguf.path) / gguf.gguf_file)
+    src = ModelSource(str(folder), gguf.gguf_file, "m")
+    assert load_tokenizer(src).get_vocab() == smollm2[1].get_vocab()  # converted from the GGUF
+    beside = tiny_tokenizer(vocab_size=300, documents=20)
+    beside.save_pretrained(folder)
+    assert load_tokenizer(src).get_vocab() == beside.get_vocab() != smollm2[1].get_vocab()

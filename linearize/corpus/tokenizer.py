@@ -25,10 +25,9 @@ def tokenizer_file(name: str, cache: Path) -> Path:
                          "or a folder holding one")
     cached = cache / "tokenizers" / f"{name}.json"
     if not cached.is_file():
-        from transformers import AutoTokenizer
+        from ..models.loading import load_tokenizer as model_tokenizer
 
-        src = resolve_model(name)
-        tok = AutoTokenizer.from_pretrained(src.path, gguf_file=src.gguf_file, trust_remote_code=False)
+        tok = model_tokenizer(resolve_model(name))  # the one the teacher will be loaded with
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(".tmp")
         tok.backend_tokenizer.save(str(tmp))
@@ -71,3 +70,13 @@ def tokenizer_mismatch(built: dict, tokenizer, whose: str = "the model") -> str 
     if built.get("vocab_sha1") is not None and vocab_hash(tokenizer.get_vocab()) != built["vocab_sha1"]:
         return f"the corpus was tokenized with {name!r}, whose vocabulary differs from {whose}'s (same size, other tokens)"
     return None
+
+
+def document_start(tokenizer) -> int | None:
+    """The id the tokenizer puts before every text of its own accord (Gemma's ``<bos>``, Llama 3's
+    ``<|begin_of_text|>``), which its model expects first; None where it adds none (SmolLM2, Qwen)."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    ids = tokenizer("a").input_ids
+    return bos if len(ids) and ids[0] == bos else None

@@ -216,23 +216,13 @@ def pack_arrays(docs: list, seq_len: int, eos: int | None, bos: int | None = Non
             restart_rows(torch.from_numpy(pos).view(n, seq_len)))
 
 
-def document_start(tokenizer) -> int | None:
-    """The id the tokenizer puts before every text of its own accord (Gemma's ``<bos>``, Llama 3's
-    ``<|begin_of_text|>``), which its model expects first; None where it adds none (SmolLM2, Qwen)."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    ids = tokenizer("a").input_ids
-    return bos if len(ids) and ids[0] == bos else None
-
-
 def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
     """Rows of a built corpus: its train split mixed by ``data.weights`` (up to ``data.max_tokens``), and
     held-out rows from its held-out split at the same weights (the teacher's end-of-text between documents,
     and its beginning-of-text before each where its tokenizer adds one to every text, as the hub path's does)."""
     corpus = open_built_corpus(cfg)
     built = corpus.manifest["tokenizer"]
-    from ..corpus.tokenizer import tokenizer_mismatch
+    from ..corpus.tokenizer import document_start, tokenizer_mismatch
 
     why = tokenizer_mismatch(built, tokenizer, whose="the teacher")
     if why:

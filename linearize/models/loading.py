@@ -73,7 +73,7 @@ def resolve_model(model: str) -> ModelSource:
 def load_teacher(model: str | ModelSource, dtype=None):
     """Load ``(model, tokenizer)`` in eval mode. GGUF weights are dequantized to ``dtype`` (default float32)."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     dtype = torch.float32 if dtype is None else dtype
 
@@ -81,7 +81,7 @@ def load_teacher(model: str | ModelSource, dtype=None):
     if os.path.isdir(src.path):
         refuse_remote_code(src.path)
     kw = {"gguf_file": src.gguf_file} if src.gguf_file else {}
-    tokenizer = AutoTokenizer.from_pretrained(src.path, trust_remote_code=False, **kw)
+    tokenizer = load_tokenizer(src)
     lm = AutoModelForCausalLM.from_pretrained(src.path, dtype=dtype, trust_remote_code=False, **kw)
     if src.gguf_file:
         # dequantized GGUF weights are ordinary weights: drop the marker that blocks save_pretrained
@@ -90,6 +90,21 @@ def load_teacher(model: str | ModelSource, dtype=None):
             del lm.config.quantization_config
     lm.eval()
     return lm, tokenizer
+
+
+def load_tokenizer(src: ModelSource):
+    """The tokenizer of a resolved source. For a GGUF file, a tokenizer saved in its folder
+    (``tokenizer.json``) is taken, on every transformers version (5.24 does so of its own accord, whatever
+    ``gguf_file`` says), over the one converted from the GGUF metadata, whose conversion differs between
+    versions: Gemma 3's in transformers 5.17 drops the byte token ``<0x09>`` and splits common words, 5.24's
+    matches the original. To pin it, save the tokenizer of a version that converts it right into that folder:
+    ``AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(folder)``
+    (scripts/device_carry_gemma.sh does)."""
+    from transformers import AutoTokenizer
+
+    beside = src.gguf_file and os.path.isfile(os.path.join(src.path, "tokenizer.json"))
+    kw = {"gguf_file": src.gguf_file} if src.gguf_file and not beside else {}
+    return AutoTokenizer.from_pretrained(src.path, trust_remote_code=False, **kw)
 
 
 # --- reading a source without loading it: custom code, layer count, whole weight files ----------

@@ -18,18 +18,19 @@ import math
 from ..checks import UserError
 
 
-def pack(documents, seq_len: int, tokens: int, sep: int | None = None):
-    """Documents (token ids, in order; ``sep`` after each, if given) concatenated and cut into
-    ``tokens // seq_len`` rows of ``seq_len``; fewer rows if the documents run out (whole rows only).
-    Returns ``(rows, seq_len)``."""
+def pack(documents, seq_len: int, tokens: int, sep: int | None = None, bos: int | None = None):
+    """Documents (token ids, in order; ``bos`` before each and ``sep`` after each, if given) concatenated
+    and cut into ``tokens // seq_len`` rows of ``seq_len``; fewer rows if the documents run out (whole rows
+    only). Returns ``(rows, seq_len)``."""
     import torch
 
     want = max(tokens // seq_len, 1) * seq_len
+    head = torch.tensor([] if bos is None else [bos], dtype=torch.long)
     tail = torch.tensor([] if sep is None else [sep], dtype=torch.long)
     stream, have = [], 0
     for doc in documents:
-        stream += [torch.as_tensor(doc, dtype=torch.long).flatten(), tail]
-        have += stream[-2].numel() + tail.numel()
+        stream += [head, torch.as_tensor(doc, dtype=torch.long).flatten(), tail]
+        have += head.numel() + stream[-2].numel() + tail.numel()
         if have >= want:
             break
     flat = torch.cat(stream) if stream else torch.zeros(0, dtype=torch.long)
@@ -40,9 +41,11 @@ def pack(documents, seq_len: int, tokens: int, sep: int | None = None):
 def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None) -> dict:
     """``{domain: (rows, seq_len)}`` from the held-out split of a corpus made by :mod:`linearize.corpus`
     (its documents carry no special tokens: the corpus tokenizer's end-of-text id goes between them); with a
-    ``tokenizer``, the corpus must have been cut with the same vocabulary."""
+    ``tokenizer``, the corpus must have been cut with the same vocabulary, and each document opens with the
+    id that tokenizer puts first of its own accord (Gemma's ``<bos>``, as in training: without it Gemma 3's
+    perplexity is several times higher; SmolLM2 adds none)."""
     from ..corpus.reader import open_corpus
-    from ..corpus.tokenizer import tokenizer_mismatch
+    from ..corpus.tokenizer import document_start, tokenizer_mismatch
 
     corpus = open_corpus(corpus_dir)
     why = None if tokenizer is None else tokenizer_mismatch(corpus.manifest["tokenizer"], tokenizer)
@@ -50,8 +53,11 @@ def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None) -> dict:
         raise UserError(f"--corpus {corpus_dir}: {why}; build it with the model's tokenizer "
                         "(linearize data build --tokenizer ...)")
     special = corpus.manifest["tokenizer"].get("special_tokens", {})
-    sep = next((special[t] for t in ("<|endoftext|>", "</s>") if t in special), None)
-    rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens, sep) for d in corpus.domains}
+    # between documents the end-of-text training puts there: the corpus's own, else the tokenizer's eos
+    sep = special.get("<|endoftext|>", getattr(tokenizer, "eos_token_id", None) if tokenizer is not None
+                      else special.get("</s>"))
+    bos = None if tokenizer is None else document_start(tokenizer)
+    rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens, sep, bos) for d in corpus.domains}
     short = [d for d, r in rows.items() if r.shape[0] == 0]
     if short:
         raise UserError(f"--corpus {corpus_dir}: domain(s) {', '.join(short)} hold fewer than --seq-len {seq_len} "

@@ -12,6 +12,16 @@
 #                                        seconds from now (default 1200)
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
+# Gemma 3 270M (recipes/gemma3-270m-gdn-25m.yaml, the parts of scripts/device_carry_gemma.sh), alone or beside
+# the SmolLM2 runs on the same machine:
+#   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl, then .carry/gm2 … gm4): a part of
+#                                        the teacher into W/gemma; with .whl carried, the wheels and the repo too
+#   scripts/device_calls.sh gemma-start [DEADLINE] [STEPS]   carry .carry/gm5: the teacher joined and checked, its
+#                                        tokenizer beside it, the corpus (and the task data unless W/ev is there);
+#                                        then in the background the recipe (distill STEPS, default 600) with
+#                                        `linearize eval` of the model once trained (GEMMA_EVAL replaces its
+#                                        options, GEMMA_EXTRA adds overrides) and the teacher's evaluation
+# Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
 # Every step ends by copying the records so far (records.tgz, logs) into $OUT. PYTHONPATH: /root/site.
 set -uo pipefail
 w=${DEVICE_W:-/root/w} site=${DEVICE_SITE:-/root/site} repo=${DEVICE_REPO:-/root/repo}  # elsewhere: a smoke run
@@ -22,7 +32,18 @@ records() {
     [ -x "$repo/scripts/recover_smollm2.sh" ] && bash "$repo/scripts/recover_smollm2.sh" --records "$w" "$out"
     cp "$w"/recover.log "$out"/ 2>/dev/null
     tail -n 3 "$w"/[LH]*.log "$w"/teacher.log "$w"/init.log 2>/dev/null | cut -c1-300
+    if [ -e "$w/gemma.log" ]; then  # the Gemma run's records and logs
+        local files
+        files=$(cd "$w" && ls -d gruns/*/metrics.jsonl gruns/*/recipe.yaml gruns/*/initial_eval.json gruns/*/quality.* \
+            gruns/*/model/distill_summary.json gemma_teacher.json gemma_teacher.md gemma.log gemma_teacher.log 2>/dev/null)
+        # shellcheck disable=SC2086  # the file names are words
+        tar czf "$out/records_gemma.tgz" -C "$w" $files
+        tail -n 2 "$w"/gemma.log "$w"/gemma_teacher.log 2>/dev/null | cut -c1-300
+    fi
     return 0
+}
+running() {  # PIDFILE: its process is alive
+    kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null
 }
 case ${1:-} in
     wheels)
@@ -56,10 +77,38 @@ case ${1:-} in
     wait)
         limit=${2:?wait needs SECONDS}
         for _ in $(seq 1 $(( limit / 5 ))); do
-            grep -q "^== recover_smollm2.sh: done" "$w/recover.log" 2>/dev/null && break
-            kill -0 "$(cat "$w/recover.pid" 2>/dev/null)" 2>/dev/null || { echo "== the runs are not running"; break; }
+            running "$w/recover.pid" || running "$w/gemma.pid" || { echo "== the runs are not running"; break; }
             sleep 5
         done
+        records ;;
+    gemma-part)
+        src=${2:-}
+        [ -d "$src" ] && ls "$src"/gguf.part0? >/dev/null 2>&1 || die "no teacher part in '$src': carry .carry/gm1 … .carry/gm4"
+        mkdir -p "$w/gemma" "$site" && cp "$src"/gguf.part0? "$w/gemma"/
+        if [ -d .whl ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>&1 | grep -v "already exists"
+            [ -d "$repo" ] || { mkdir -p "$repo" && cp -r linearize recipes scripts pyproject.toml "$repo"/; }
+        fi
+        ls "$w/gemma" ;;
+    gemma-start)
+        deadline=${2:-1200} steps=${3:-600} g=$w/gemma
+        [ -f .carry/gm5/SHA256SUMS ] || die "no .carry/gm5 here: carry it"
+        [ -d "$repo" ] || die "no $repo: carry .whl with .carry/gm1 ('gemma-part') first"
+        [ ! -e "$w/gemma.log" ] || die "the Gemma run has started already: 'wait' for it"
+        cp .carry/gm5/* "$g"/ && (cd "$g" && cat gguf.part0? > gemma-3-270m-q4_k_m.gguf && rm gguf.part0? \
+            && sha256sum -c --quiet SHA256SUMS && python3 -m tarfile -e tokenizer.tar.xz . \
+            && python3 -m tarfile -e corpus_gemma.tar.xz "$w" && { [ -d "$w/ev" ] || python3 -m tarfile -e ev.tar.xz "$w"; }) \
+            2> >(grep -v -i "deprecat\|warnings.warn" >&2) || die "the Gemma parts do not join: carry gm1-gm4 with 'gemma-part' first"
+        opts=${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}
+        ev="--eval-data $w/ev --corpus $w/corpus_gemma $opts"
+        (cd "$repo" && START=$(date +%s) DEADLINE=$deadline EVAL_SECONDS=240 EVAL="$ev" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+            COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
+            scripts/ablate.sh recipes/gemma3-270m-gdn-25m.yaml "$w/gruns" "G$steps=stages.1.steps=$steps ${GEMMA_EXTRA:-}" \
+            > "$w/gemma.log" 2>&1 < /dev/null & echo $! > "$w/gemma.pid")
+        # shellcheck disable=SC2086  # the options are words
+        (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" --teacher none $ev \
+            -o "$w/gemma_teacher.json" > "$w/gemma_teacher.log" 2>&1 < /dev/null &)
+        sleep 5
         records ;;
     *) die "unknown step '${1:-}'" ;;
 esac

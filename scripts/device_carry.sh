@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Prepare what a GPU machine without a network needs, in parts of at most ~60 MB (a call carries 64 MiB):
-#   .whl/          the Python packages it lacks (datasets, omegaconf, gguf, lm-eval and their pure-Python needs)
+#   .whl/          the Python packages it lacks (datasets, omegaconf, gguf, lm-eval and their pure-Python needs,
+#                  flash-linear-attention for the kernel benchmarks)
 #   .carry/g1, g2  the SmolLM2-135M GGUF teacher split in two
 #   .carry/corpus  a subset of a built corpus (linearize data subset), TRAIN_TOKENS training tokens
 #   .carry/ev      the zero-shot task data of `linearize eval` (the six tasks; MMLU with --mmlu)
@@ -20,13 +21,16 @@
 set -euo pipefail
 usage="usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)] | --wheels"
 mmlu=0 wheels_only=0
-case ${1:-} in -h|--help) echo "$usage"; sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; --mmlu) mmlu=1; shift ;; --wheels) wheels_only=1 ;; esac
+case ${1:-} in -h|--help) echo "$usage"; sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;; --mmlu) mmlu=1; shift ;; --wheels) wheels_only=1 ;; esac
 wheels() {  # the versions installed here, for the device's Python 3.12
     rm -rf .whl && mkdir -p .whl
     pins=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(datasets|dill|multiprocess|omegaconf|gguf|lm.eval|evaluate|more.itertools|pytablewriter|dataproperty|mbstrdecoder|pathvalidate|tabledata|tcolorpy|typepy|chardet|nltk)==')
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d .whl $pins
     python3 -m pip wheel -q --no-deps -w .whl $(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(rouge.score|sqlitedict|word2number)==')
+    # flash-linear-attention, the kernels' anchor in scripts/bench_kernels.py (pure Python, 1.5 MB)
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
 }
 if [ "$wheels_only" = 1 ]; then
     cd "$(git rev-parse --show-toplevel)"

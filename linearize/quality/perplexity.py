@@ -83,9 +83,11 @@ def check_vocab(rows: dict, vocab_size: int, who: str) -> None:
                         "build the corpus with this model's tokenizer")
 
 
-# tokens per forward at most: the fp32 logits of 16K tokens of a 49K vocabulary are 3.2 GB (64 rows of
-# 2,048 would be 26 GB, which ran a GPU shared with training out of memory)
-MAX_TOKENS_PER_FORWARD = 16384
+# logits per forward at most, counted in (token, vocabulary entry) pairs: 16K tokens of SmolLM2's 49K
+# vocabulary, 3.2 GB in float32 (64 rows of 2,048 would be 26 GB, which ran a GPU shared with training out
+# of memory); Gemma 3's 262K vocabulary gets 3K tokens (16K tokens of it, 17 GB, ran a 24 GB CPU machine
+# out of memory), a row at a time whatever the vocabulary
+MAX_LOGITS_PER_FORWARD = 16384 * 49152
 
 
 CONTEXT_EDGES = (64, 512, 2048, 8192, 32768)  # the spans of ``by_context`` end at these context lengths
@@ -101,11 +103,12 @@ def context_spans(seq_len: int) -> list[tuple[int, int]]:
 def domain_perplexity(model, rows, batch_size: int = 8) -> dict:
     """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums, overall and per span of
     context length (``by_context``, keyed ``"first-last"``); at most ``batch_size`` rows and
-    :data:`MAX_TOKENS_PER_FORWARD` tokens per forward."""
+    :data:`MAX_LOGITS_PER_FORWARD` logits per forward."""
     import torch
 
     device = next(model.parameters()).device
-    step = max(1, min(batch_size, MAX_TOKENS_PER_FORWARD // max(1, rows.shape[1])))
+    vocab = model.get_output_embeddings().weight.shape[0]
+    step = max(1, min(batch_size, MAX_LOGITS_PER_FORWARD // max(1, rows.shape[1] * vocab)))
     per_position = torch.zeros(rows.shape[1] - 1, dtype=torch.float64)  # NLL summed over rows, by context length − 1
     with torch.no_grad():
         for i in range(0, rows.shape[0], step):

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from ..common import cdiv
 from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_states
-from .kda_tiles import chunk_log_decay, decayed_left, decayed_right, decayed_scores, row_of
+from .kda_tiles import chunk_log_decay, decayed_left_right, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
 from .tiles import mm
@@ -151,7 +151,6 @@ def _dqk_kernel(
     p_s = ((boh + i_c) * H + i_h) * K * V
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     b_G = chunk_log_decay(g, p_k, m_tk)
-    b_gam = tl.exp(b_G)
     p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
     diag, before = o_r[:, None] == o_r[None, :], o_r[None, :] < o_r[:, None]
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
@@ -160,25 +159,30 @@ def _dqk_kernel(
         p_q = (rows * HQ + i_h * G + i_g)[:, None]
         b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
         b_dP = tl.zeros([BT, BT], dtype=tl.float32)
+        for i_v in range(tl.cdiv(V, BV)):
+            o_v = i_v * BV + tl.arange(0, BV)
+            m_tv = m_t[:, None] & (o_v < V)[None, :]
+            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
+        b_dPd = tl.sum(tl.where(diag, b_dP, 0.0), 1)  # dP_rr: no decay on the diagonal
+        b_dPs = tl.where(before, b_dP, 0.0)
+        p0q = ((bos + i_c * BT) * HQ + i_h * G + i_g) * K  # the chunk's first row of q
+        b_dqs, b_dks = decayed_left_right(b_dPs, b_dPs, b_k, b_q, k + p0, q + p0q, g + p0, H * K, HQ * K, H * K, b_G,
+                                          n, K, SUB, IEEE)
+        # γ⊙(do h₀ᵀ) only now, in a second pass over V: its (BT, BK) float32 tile held through the decayed products
+        # spilled there
         b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            m_tv = m_t[:, None] & m_v[None, :]
-            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
             b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
             b_dqh += mm(b_do, tl.trans(b_h), b_do, IEEE)
-        b_dqh *= b_gam  # γ⊙(do h₀ᵀ)
-        b_dPd = tl.sum(tl.where(diag, b_dP, 0.0), 1)  # dP_rr: no decay on the diagonal
-        b_dPs = tl.where(before, b_dP, 0.0)
-        b_dqs = decayed_left(b_dPs, b_k, k + p0, g + p0, H * K, b_G, n, K, SUB, IEEE)
+        b_dqh *= tl.exp(b_G)
         b_dq = b_dqs + b_dqh + b_dPd[:, None] * b_k.to(tl.float32)
         tl.store(dq + p_q * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
         b_qf = b_q.to(tl.float32)
-        b_dks = decayed_right(b_dPs, b_q, q + ((bos + i_c * BT) * HQ + i_h * G + i_g) * K, g + p0, HQ * K, H * K, b_G,
-                              n, K, SUB, IEEE)
         b_dk += (b_dks + b_dPd[:, None] * b_qf) * scale
         b_dG += (b_qf * (b_dqs + b_dqh) - b_k.to(tl.float32) * b_dks) * scale
     tl.store(dk_p + p_k, b_dk, mask=m_tk)
@@ -209,7 +213,6 @@ def _wy_bwd_kernel(
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     b_dW = tl.zeros([BT, BK], dtype=tl.float32)  # −dΔ h₀ᵀ
-    b_dKt = tl.zeros([BT, BK], dtype=tl.float32)  # Δ dh₁ᵀ
     b_hdh = tl.zeros([BK], dtype=tl.float32)  # Σ_v dh₁ ⊙ h₀
     b_dT = tl.zeros([BT, BT], dtype=tl.float32)
     b_db = tl.zeros([BT], dtype=tl.float32)
@@ -220,11 +223,9 @@ def _wy_bwd_kernel(
         p_tv, p_kv = (rows * H + i_h)[:, None] * V + o_v[None, :], o_k[:, None] * V + o_v[None, :]
         b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0)
         b_v = tl.load(v + p_tv, mask=m_tv, other=0.0)
-        b_d = tl.load(v_new + p_tv, mask=m_tv, other=0.0)
         b_h = tl.load(hs + p_s + p_kv, mask=m_kv, other=0.0)
         b_dh = tl.load(dhs + p_s + p_kv, mask=m_kv, other=0.0)
         b_dW -= mm(b_dd, tl.trans(b_h), b_v, IEEE)
-        b_dKt += mm(b_d, tl.trans(b_dh), b_v, IEEE)
         b_hdh += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
         b_tdu = mm(tl.trans(b_T), b_dd, b_v, IEEE)  # Tᵀ dU
         tl.store(dv + p_tv, (b_tdu * b_beta[:, None]).to(dv.dtype.element_ty), mask=m_tv)
@@ -240,14 +241,23 @@ def _wy_bwd_kernel(
     b_dA = -mm(mm(tl.trans(b_T), b_dT, b_k, IEEE), tl.trans(b_T), b_k, IEEE)
     b_dA = tl.where((o_r[None, :] < o_r[:, None]) & m_t[:, None], b_dA, 0.0)
     p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
-    b_X = decayed_left(b_dA, b_k, k + p0, g + p0, H * K, b_G, n, K, SUB, IEEE)
+    b_X, b_Y = decayed_left_right(b_dA, b_dA * b_beta[:, None], b_k, b_k, k + p0, k + p0, g + p0, H * K, H * K, H * K,
+                                  b_G, n, K, SUB, IEEE)
     b_dk += b_X * b_beta[:, None]
     b_db += tl.sum(b_X * b_kf, 1)
     b_dG += b_X * b_kf * b_beta[:, None]
-    b_Y = decayed_right(b_dA * b_beta[:, None], b_k, k + p0, g + p0, H * K, H * K, b_G, n, K, SUB, IEEE)
     b_dk += b_Y
     b_dG -= b_Y * b_kf
-    # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C
+    # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C; dK̃ = Δ dh₁ᵀ in a second pass over V rather than
+    # held through the decayed products above (its (BT, BK) float32 tile spilled there)
+    b_dKt = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(tl.cdiv(V, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < V
+        b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.0)
+        b_dh = tl.load(dhs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        b_dKt += mm(b_d, tl.trans(b_dh), b_d, IEEE)
     b_e = tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
     b_dk += b_dKt * b_e
     b_sp = b_kf * b_dKt * b_e

@@ -13,7 +13,9 @@ through the log-decay at the start of the row's sub-chunk, ``exp(G_r − G_s)·e
 sub-diagonal ``d`` at a time (``SUB − 1`` steps, the rows ``d`` away read again from memory), with the decay
 between the two rows summed from the ``d`` log-decays between them rather than taken as a difference of
 cumulative sums. Only the ``n`` rows inside the document are read; every exponent is masked before ``exp``,
-so nothing overflows where a mask drops it.
+so nothing overflows where a mask drops it. The backward takes left and right of one chunk together
+(:func:`decayed_left_right`): step d of a sub-chunk's rows then does left's pairs on the rows at least d in and
+right's on the others, so no row idles and one ``exp`` serves both.
 
 Tiles: (BT, BK) rows of a chunk, G float32; products in float32 (the dots in the inputs' dtype, or IEEE fp32).
 """
@@ -186,3 +188,51 @@ def decayed_right(W, a, pa, pg, stride_a, stride_g, G, n, K: tl.constexpr, SUB: 
         w_d = tl.sum(tl.where(o[:, None] == (o + d)[None, :], W, 0.0), 0)
         R += w_d[:, None] * _rows(pa, stride_a, d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf")))
     return R
+
+
+@triton.jit
+def decayed_left_right(W, V, b, a, pb, pa, pg, stride_b, stride_a, stride_g, G, n, K: tl.constexpr,
+                       SUB: tl.constexpr, IEEE: tl.constexpr):
+    """``(decayed_left(W, b, …), decayed_right(V, a, …))``, each entry as those compute it (the same products,
+    log-decay sums and order), for about half the work: the decay factors between sub-chunks are taken once for
+    both, and inside the sub-chunks one ``exp`` of the tile per step serves both products with no row masked
+    (below). W, V: (BT, BT) float32, read below the diagonal (one tile twice for the scores' dq and dk); b, a:
+    (BT, BK) in the dots' dtype; ``pb``, ``pa``, ``pg``: b's, a's and the log-decays' first row in memory (row
+    strides ``stride_b``, ``stride_a``, ``stride_g``)."""
+    BT: tl.constexpr = b.shape[0]
+    BK: tl.constexpr = b.shape[1]
+    o = tl.arange(0, BT)
+    bf, af = b.to(tl.float32), a.to(tl.float32)
+    L = tl.zeros(b.shape, dtype=tl.float32)
+    R = tl.zeros(a.shape, dtype=tl.float32)
+    for s in tl.static_range(1, BT // SUB):
+        if s * SUB < n:
+            ea, fb = _factors(G, s, SUB)
+            L += ea * mm(W, bf * fb, b, IEEE)
+            R += fb * mm(tl.trans(V), af * ea, a, IEEE)
+    # inside the sub-chunks, one step d for both: row r at position p = r % SUB takes L's pair (r, r − d) while
+    # d ≤ p, then R's pair (r + d − p, r), the row at d in its sub-chunk; so every row does useful work at every
+    # step (one exp of the tile for both products, where each alone left half the rows masked). Each row's S
+    # restarts at its switch; L_r and R_j sum the same log-decays and pairs in the same order as in decayed_left and
+    # decayed_right.
+    p = o % SUB
+    Vt = tl.trans(V)
+    o_k = tl.arange(0, BK)
+    m_k = (o_k < K)[None, :]
+    S = tl.zeros(b.shape, dtype=tl.float32)
+    for d in range(1, SUB):
+        left = p >= d
+        top = o - p + d  # the row at d in r's sub-chunk: R's row r + d − p
+        m_l = left & (o < n)
+        m_r = (p < d) & (top < n)
+        gl = tl.where(left, o + 1 - d, top)
+        S = tl.where((p == d - 1)[:, None], 0.0, S) + tl.load(pg + gl[:, None] * stride_g + o_k[None, :],
+                                                              mask=(m_l | m_r)[:, None] & m_k, other=0.0)
+        px = tl.where(left[:, None], pb + (o - d)[:, None] * stride_b, pa + top[:, None] * stride_a)
+        x = tl.load(px + o_k[None, :], mask=(m_l | m_r)[:, None] & m_k, other=0.0).to(tl.float32)
+        col = tl.where(left, o - d, top)  # W[r, r − d], or V[r + d − p, r] = Vᵀ[r, r + d − p]
+        w_d = tl.sum(tl.where(o[None, :] == col[:, None], tl.where(left[:, None], W, Vt), 0.0), 1)
+        x = w_d[:, None] * x * tl.exp(tl.where((m_l | m_r)[:, None], S, float("-inf")))
+        L = tl.where(left[:, None], L + x, L)
+        R = tl.where(left[:, None], R, R + x)
+    return L, R

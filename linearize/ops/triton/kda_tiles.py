@@ -146,57 +146,13 @@ def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb,
 
 
 @triton.jit
-def decayed_left(W, b, pb, pg, stride, G, n, K: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
-    """``L_r = Σ_{j<r} W_rj b_j ⊙ exp(G_r − G_j)``: (BT, BK) float32. W: (BT, BT) float32, read below the
-    diagonal; b: (BT, BK) in the dots' dtype, ``pb``/``pg`` as :func:`decayed_scores`."""
-    BT: tl.constexpr = b.shape[0]
-    BK: tl.constexpr = b.shape[1]
-    o = tl.arange(0, BT)
-    bf = b.to(tl.float32)
-    L = tl.zeros(b.shape, dtype=tl.float32)
-    for s in tl.static_range(1, BT // SUB):
-        if s * SUB < n:
-            ea, fb = _factors(G, s, SUB)
-            L += ea * mm(W, bf * fb, b, IEEE)
-    S = tl.zeros(b.shape, dtype=tl.float32)
-    for d in range(1, SUB):
-        m_d = (o % SUB >= d) & (o < n)
-        S += _rows(pg, stride, 1 - d, m_d, K, BK)
-        w_d = tl.sum(tl.where(o[None, :] == (o - d)[:, None], W, 0.0), 1)  # W[r, r − d]
-        L += w_d[:, None] * _rows(pb, stride, -d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf")))
-    return L
-
-
-@triton.jit
-def decayed_right(W, a, pa, pg, stride_a, stride_g, G, n, K: tl.constexpr, SUB: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """``R_j = Σ_{r>j} W_rj a_r ⊙ exp(G_r − G_j)``: (BT, BK) float32. W: (BT, BT) float32, read below the
-    diagonal; a: (BT, BK) in the dots' dtype; ``pa``, ``pg``: a's and the log-decays' first row in memory."""
-    BT: tl.constexpr = a.shape[0]
-    BK: tl.constexpr = a.shape[1]
-    o = tl.arange(0, BT)
-    af = a.to(tl.float32)
-    R = tl.zeros(a.shape, dtype=tl.float32)
-    for s in tl.static_range(1, BT // SUB):
-        if s * SUB < n:
-            ea, fb = _factors(G, s, SUB)
-            R += fb * mm(tl.trans(W), af * ea, a, IEEE)
-    S = tl.zeros(a.shape, dtype=tl.float32)
-    for d in range(1, SUB):  # W[j + d, j], S_j = Σ_{j<t≤j+d} g_t
-        m_d = (o % SUB + d < SUB) & (o + d < n)
-        S += _rows(pg, stride_g, d, m_d, K, BK)
-        w_d = tl.sum(tl.where(o[:, None] == (o + d)[None, :], W, 0.0), 0)
-        R += w_d[:, None] * _rows(pa, stride_a, d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf")))
-    return R
-
-
-@triton.jit
 def decayed_left_right(W, V, b, a, pb, pa, pg, stride_b, stride_a, stride_g, G, n, K: tl.constexpr,
                        SUB: tl.constexpr, IEEE: tl.constexpr):
-    """``(decayed_left(W, b, …), decayed_right(V, a, …))``, each entry as those compute it (the same products,
-    log-decay sums and order), for about half the work: the decay factors between sub-chunks are taken once for
-    both, and inside the sub-chunks one ``exp`` of the tile per step serves both products with no row masked
-    (below). W, V: (BT, BT) float32, read below the diagonal (one tile twice for the scores' dq and dk); b, a:
+    """``(L, R)``, each (BT, BK) float32: ``L_r = Σ_{j<r} W_rj b_j ⊙ exp(G_r − G_j)`` and
+    ``R_j = Σ_{r>j} V_rj a_r ⊙ exp(G_r − G_j)``. Between sub-chunks the products go through the log-decay at
+    the later sub-chunk's start, the factors taken once for both; inside a sub-chunk the decays are sums of
+    log-decays one sub-diagonal at a time, one ``exp`` of the tile per step serving both products with no row
+    masked (below). W, V: (BT, BT) float32, read below the diagonal (one tile twice for the scores' dq and dk); b, a:
     (BT, BK) in the dots' dtype; ``pb``, ``pa``, ``pg``: b's, a's and the log-decays' first row in memory (row
     strides ``stride_b``, ``stride_a``, ``stride_g``)."""
     BT: tl.constexpr = b.shape[0]
@@ -213,8 +169,8 @@ def decayed_left_right(W, V, b, a, pb, pa, pg, stride_b, stride_a, stride_g, G, 
     # inside the sub-chunks, one step d for both: row r at position p = r % SUB takes L's pair (r, r − d) while
     # d ≤ p, then R's pair (r + d − p, r), the row at d in its sub-chunk; so every row does useful work at every
     # step (one exp of the tile for both products, where each alone left half the rows masked). Each row's S
-    # restarts at its switch; L_r and R_j sum the same log-decays and pairs in the same order as in decayed_left and
-    # decayed_right.
+    # restarts at its switch; L_r and R_j sum the same log-decays and pairs in the same order as two separate
+    # walks would.
     p = o % SUB
     Vt = tl.trans(V)
     o_k = tl.arange(0, BK)

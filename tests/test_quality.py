@@ -487,7 +487,7 @@ def test_corpus_rows_pack_each_domains_heldout_documents(world, tmp_path):
 
 def test_corpus_rows_open_each_document_as_training_does(world, tmp_path, monkeypatch):
     """A tokenizer that puts an id first of its own accord (Gemma's <bos>) gets it before every document
-    of the perplexity rows, and its eos between them where the corpus names no end-of-text: the rows
+    and at the start of every row of the perplexity rows, and its eos between documents where the corpus names no end-of-text: the rows
     training packs (linearize.distill.data.pack_arrays), token for token."""
     import linearize.corpus.tokenizer as ct
     from linearize.distill.data import pack_arrays
@@ -510,7 +510,8 @@ def test_corpus_rows_open_each_document_as_training_does(world, tmp_path, monkey
     rows = corpus_rows(folder, seq_len=16, tokens=48, tokenizer=WithEos())["prose"]
     docs = [tok(t, add_special_tokens=False).input_ids for t in texts]
     stream = [i for d in docs for i in [7, *d, 3]]
-    assert rows.tolist() == [stream[k * 16:(k + 1) * 16] for k in range(3)]
+    assert rows[0].tolist() == stream[:16] and (rows[:, 0] == 7).all()  # a cut document opens its row again
+    assert rows[1].tolist() == [7, *stream[16:31]]
     trained, _ = pack_arrays(docs, 16, 3, 7)
     assert rows.tolist() == trained[:3].tolist()
 

@@ -200,20 +200,12 @@ def open_built_corpus(cfg: DataConfig):
 
 def pack_arrays(docs: list, seq_len: int, eos: int | None, bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`pack` for documents given as 1-D integer arrays (a corpus), without Python lists of tokens;
-    ``bos`` (if given) opens each document and ``eos`` ends it."""
-    import numpy as np
+    ``bos`` (if given) opens each document and each row (:func:`linearize.corpus.rows.cut_rows`), ``eos``
+    ends each document."""
+    from ..corpus.rows import cut_rows
 
-    head, tail = ([bos] if bos is not None else []), ([eos] if eos is not None else [])
-    parts = [np.concatenate((head, d, tail)) if head or tail else d for d in docs]
-    lens = np.array([len(p) for p in parts], dtype=np.int64)
-    n = int(lens.sum()) // seq_len
-    if n == 0:
-        return torch.empty(0, seq_len, dtype=torch.long), torch.empty(0, seq_len, dtype=torch.long)
-    ids = np.concatenate(parts)[: n * seq_len]
-    starts = np.cumsum(lens) - lens
-    pos = (np.arange(int(lens.sum())) - np.repeat(starts, lens))[: n * seq_len]
-    return (torch.from_numpy(ids.astype(np.int64)).view(n, seq_len),
-            restart_rows(torch.from_numpy(pos).view(n, seq_len)))
+    ids, pos = cut_rows(docs, seq_len, eos, bos)
+    return torch.from_numpy(ids), torch.from_numpy(pos)
 
 
 def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:

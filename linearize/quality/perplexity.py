@@ -19,23 +19,24 @@ from ..checks import UserError
 
 
 def pack(documents, seq_len: int, tokens: int, sep: int | None = None, bos: int | None = None):
-    """Documents (token ids, in order; ``bos`` before each and ``sep`` after each, if given) concatenated
-    and cut into ``tokens // seq_len`` rows of ``seq_len``; fewer rows if the documents run out (whole rows
-    only). Returns ``(rows, seq_len)``."""
+    """Documents (token ids, in order; ``bos`` before each and ``sep`` after each, if given) cut into
+    ``tokens // seq_len`` rows of ``seq_len`` as training cuts them (:func:`linearize.corpus.rows.cut_rows`:
+    with a ``bos``, every row opens with it); fewer rows if the documents run out (whole rows only).
+    Returns ``(rows, seq_len)``."""
     import torch
 
-    want = max(tokens // seq_len, 1) * seq_len
-    head = torch.tensor([] if bos is None else [bos], dtype=torch.long)
-    tail = torch.tensor([] if sep is None else [sep], dtype=torch.long)
-    stream, have = [], 0
+    from ..corpus.rows import cut_rows
+
+    n_rows = max(tokens // seq_len, 1)
+    enough = n_rows * (seq_len + 1) + seq_len  # each row opened again takes one stream token less
+    docs, have = [], 0
     for doc in documents:
-        stream += [head, torch.as_tensor(doc, dtype=torch.long).flatten(), tail]
-        have += head.numel() + stream[-2].numel() + tail.numel()
-        if have >= want:
+        docs.append(doc)
+        have += len(doc) + (bos is not None) + (sep is not None)
+        if have >= enough:
             break
-    flat = torch.cat(stream) if stream else torch.zeros(0, dtype=torch.long)
-    n = min(flat.numel(), want) // seq_len
-    return flat[: n * seq_len].view(n, seq_len)
+    ids, _ = cut_rows(docs, seq_len, sep, bos, max_rows=n_rows)
+    return torch.from_numpy(ids)
 
 
 def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None) -> dict:

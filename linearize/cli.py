@@ -148,7 +148,7 @@ def convert(
     to: str = typer.Option("gdn", "--to", help="Target block: gdn, deltanet (no decay; the same at init), linear (VaLA), "
                                                "or kda (a decay per key channel; gdn at init)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Output directory (default: <model>-gdn)."),
-    layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all)."),
+    layers: str | None = typer.Option(None, "--layers", help="Layers that may be converted, e.g. 0-11,14 or 3- (default all), or global (those without a sliding window)."),
     keep_softmax: str | None = typer.Option(
         None, "--keep-softmax",
         help="Keep as softmax: indices ('3,7' or '5,'), N (the N worst-initialized) or N:induction (strongest induction heads)."),

@@ -221,9 +221,14 @@ def parse_layer_spec(spec: str, num_layers: int | None = None, what: str = "--la
     return idx
 
 
+GLOBAL = "global"  # the layer choice "the layers without a sliding window" (linearize.models.adapters.global_layers)
+
+
 def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: int | None = None,
                      where: tuple[str, str] = ("--layers", "--keep-softmax")) -> None:
     """Layer choices of a conversion; ranges too once ``num_layers`` is known. Something must convert."""
+    if layers is not None and str(layers).strip() == GLOBAL:
+        layers = None if num_layers is None else f"0-{num_layers - 1}"  # which ones: known with the model
     cand = parse_layer_spec(layers, num_layers, where[0]) if layers is not None else None
     if num_layers is not None and cand is None:
         cand = list(range(num_layers))

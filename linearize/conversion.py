@@ -18,9 +18,10 @@ from dataclasses import replace
 import torch
 
 from .calibration import NEW_PARAMETERS, fit_block
+from .config import GLOBAL
 from .layers.gdn_attention import GDNAttention
 from .layers.options import GDNOptions, check_target, keep_count
-from .models.adapters import decoder_layers
+from .models.adapters import decoder_layers, global_layers
 from .models.families import FAMILIES, PREFIX, Family, family_of
 
 
@@ -134,7 +135,9 @@ def convert(
             :mod:`linearize.layers.vala_attention`) or ``"kda"`` (the gated delta rule with a decay per key
             channel, the gdn block exactly at initialization: :mod:`linearize.layers.channel_decay`). It sets
             ``options.target``.
-        layers: which layers may be converted (indices/ranges; default all).
+        layers: which layers may be converted (indices/ranges; default all), or ``"global"``: the layers
+            that attend over the whole context (Gemma 3's every 6th), whose KV cache is the one that grows; a
+            model's sliding-window layers keep a cache of fixed size as they are.
         keep_softmax: layers to keep as softmax: a list of indices, or a count N — keep the N
             layers whose stable-form error on calibration text is worst — or ``"N:induction"``: the N layers
             with the strongest long-range induction heads (:mod:`linearize.retrieval`; no calibration text).
@@ -154,7 +157,13 @@ def convert(
     options = replace(options or GDNOptions(), target=to)
     family = family_of(model.config)
     n = len(decoder_layers(model))
-    candidates = parse_layers(layers, n) if layers is not None else list(range(n))
+    if isinstance(layers, str) and layers.strip() == GLOBAL:
+        candidates = global_layers(model.config)
+        if not candidates:
+            raise ValueError("--layers global: every layer of this model attends over a sliding window; "
+                             "name the layers to convert instead")
+    else:
+        candidates = parse_layers(layers, n) if layers is not None else list(range(n))
     rule = "error"
     try:
         counted = keep_count(keep_softmax) if keep_softmax is not None else None

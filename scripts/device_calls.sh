@@ -20,7 +20,10 @@
 #                                        tokenizer beside it, the corpus (and the task data unless W/ev is there);
 #                                        then in the background the recipe (distill STEPS, default 600) with
 #                                        `linearize eval` of the model once trained (GEMMA_EVAL replaces its
-#                                        options, GEMMA_EXTRA adds overrides) and the teacher's evaluation
+#                                        options, GEMMA_EXTRA adds overrides, GEMMA_TAG to its name G<STEPS>) and
+#                                        the teacher's evaluation
+#   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
+#                                        run of the recipe on the same teacher and corpus (W/gruns/NAME)
 # Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
 # Every step ends by copying the records so far (records.tgz, logs) into $OUT. PYTHONPATH: /root/site.
 set -uo pipefail
@@ -44,6 +47,16 @@ records() {
 }
 running() {  # PIDFILE: its process is alive
     kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null
+}
+gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the teacher
+    echo "--eval-data $w/ev --corpus $w/corpus_gemma ${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
+}
+gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/gruns, in the background
+    local g=$w/gemma
+    (cd "$repo" && START=$(date +%s) DEADLINE=$3 EVAL_SECONDS=240 EVAL="$(gemma_eval)" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+        COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
+        scripts/ablate.sh recipes/gemma3-270m-gdn-25m.yaml "$w/gruns" "$1=$2" \
+        >> "$w/gemma.log" 2>&1 < /dev/null & echo $! > "$w/gemma.pid")
 }
 case ${1:-} in
     wheels)
@@ -99,15 +112,17 @@ case ${1:-} in
             && sha256sum -c --quiet SHA256SUMS && python3 -m tarfile -e tokenizer.tar.xz . \
             && python3 -m tarfile -e corpus_gemma.tar.xz "$w" && { [ -d "$w/ev" ] || python3 -m tarfile -e ev.tar.xz "$w"; }) \
             2> >(grep -v -i "deprecat\|warnings.warn" >&2) || die "the Gemma parts do not join: carry gm1-gm4 with 'gemma-part' first"
-        opts=${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}
-        ev="--eval-data $w/ev --corpus $w/corpus_gemma $opts"
-        (cd "$repo" && START=$(date +%s) DEADLINE=$deadline EVAL_SECONDS=240 EVAL="$ev" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-            COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
-            scripts/ablate.sh recipes/gemma3-270m-gdn-25m.yaml "$w/gruns" "G$steps=stages.1.steps=$steps ${GEMMA_EXTRA:-}" \
-            > "$w/gemma.log" 2>&1 < /dev/null & echo $! > "$w/gemma.pid")
+        gemma_run "G$steps${GEMMA_TAG:-}" "stages.1.steps=$steps ${GEMMA_EXTRA:-}" "$deadline"
         # shellcheck disable=SC2086  # the options are words
-        (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" --teacher none $ev \
+        (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" --teacher none $(gemma_eval) \
             -o "$w/gemma_teacher.json" > "$w/gemma_teacher.log" 2>&1 < /dev/null &)
+        sleep 5
+        records ;;
+    gemma-more)
+        name=${2:?gemma-more needs NAME} deadline=${4:-1200}
+        [ -f "$w/gemma/gemma-3-270m-q4_k_m.gguf" ] || die "no joined Gemma teacher: run 'gemma-start' first"
+        ! running "$w/gemma.pid" || die "a Gemma run is still going: 'wait' for it (one at a time fits in memory)"
+        gemma_run "$name" "${3:-}" "$deadline"
         sleep 5
         records ;;
     *) die "unknown step '${1:-}'" ;;

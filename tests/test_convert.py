@@ -223,6 +223,26 @@ def test_convert_layers_option_and_errors():
         linearize.convert(tiny_model("llama"))
 
 
+def test_convert_layers_global_converts_only_full_attention_layers():
+    """Gemma 3's sliding-window layers keep a cache of fixed size already; "global" converts the others."""
+    teacher = tiny_model("gemma3_text")  # layer_types: five sliding, then one full
+    x = ids(teacher)
+    with torch.no_grad():
+        want = teacher(x, output_hidden_states=True).hidden_states
+    model = linearize.convert(tiny_model("gemma3_text"), calibration_ids=calib(teacher), layers="global")
+    assert model.config.linearize["gdn_layers"] == [5]
+    assert [isinstance(layer.self_attn, GDNAttention) for layer in model.model.layers] == [False] * 5 + [True]
+    with torch.no_grad():
+        got = model(x, output_hidden_states=True).hidden_states
+    for i in range(6):  # the embeddings and the output of every sliding layer: the teacher's
+        torch.testing.assert_close(got[i], want[i])
+    assert not torch.allclose(got[6], want[6])
+    every = linearize.convert(tiny_model("llama"), calibration_ids=calib(teacher), layers="global")
+    assert every.config.linearize["gdn_layers"] == [0, 1, 2, 3]  # no sliding windows: every layer is global
+    with pytest.raises(ValueError, match="every layer of this model attends over a sliding window"):
+        linearize.convert(tiny_model("mistral", sliding_window=16), calibration_ids=calib(teacher), layers="global")
+
+
 def test_convert_unsupported_architecture_lists_supported():
     from transformers import GPT2Config, GPT2LMHeadModel
 

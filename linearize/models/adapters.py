@@ -14,6 +14,19 @@ def decoder_layers(model) -> torch.nn.ModuleList:
     return model.model.layers
 
 
+def global_layers(config) -> list[int]:
+    """The layers that attend over the whole context, so whose KV cache grows with it: those its
+    ``layer_types`` call ``full_attention`` (Gemma 3: every 6th; the others keep a sliding window, a cache of
+    fixed size already); every layer of a model without sliding windows."""
+    cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = cfg.num_hidden_layers
+    types = getattr(cfg, "layer_types", None)
+    if types is None:
+        sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+        return [] if sliding else list(range(n))
+    return [i for i, t in enumerate(types[:n]) if t == "full_attention"]
+
+
 def project_qkv(attn: torch.nn.Module, hidden_states: torch.Tensor, position_embeddings,
                 fused: bool = False, with_v: bool = True, rope: bool = True, mix=None,
                 projections=None) -> tuple[torch.Tensor, ...]:

@@ -59,3 +59,24 @@ def test_cut_rows_reopens_a_cut_document_with_bos():
     # only the end-of-text of the first document is left after row one: the next row opens the second
     assert ids.tolist() == [[7, 10, 11, 12], [7, 20, 21, 22], [7, 23, 24, 25]]
     assert cut_rows([[1, 2]], 5, eos=3, bos=7)[0].shape == (0, 5)
+
+
+def test_stage_pieces_open_with_bos_and_keep_the_text():
+    """A stage with shorter rows (linearize.distill.batches.rows_of_length) cuts the data's rows again:
+    each piece opens with bos, and without the bos ids the pieces are the rows' text in order."""
+    import torch
+
+    from linearize.distill.batches import rows_of_length
+
+    rng = np.random.default_rng(3)
+    docs = [rng.integers(10, 100, size=int(n)) for n in rng.integers(1, 40, size=40)]
+    ids, pos = cut_rows(docs, 16, eos=3, bos=7)
+    pieces, ppos = rows_of_length(torch.from_numpy(ids), torch.from_numpy(pos), 4, bos=7)
+    assert (pieces[:, 0] == 7).all() and (ppos[:, 0] == 0).all()
+    text = [t for t in ids.reshape(-1).tolist() if t != 7]
+    got = [t for t in pieces.reshape(-1).tolist() if t != 7]
+    assert len(got) > 0.6 * len(text) and got == text[:len(got)]
+    for row, p in zip(pieces.tolist(), ppos.tolist()):  # a bos inside a piece starts a document there
+        assert all((p[j] == 0) == (row[j] == 7) for j in range(4))
+    plain, _ = rows_of_length(torch.from_numpy(ids), torch.from_numpy(pos), 4)
+    assert plain.tolist() == ids.reshape(-1, 4).tolist()

@@ -26,10 +26,14 @@ def batch_positions(pos: torch.Tensor, device: torch.device) -> torch.Tensor | N
     return pos.to(device)
 
 
-def rows_of_length(ids: torch.Tensor, pos: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The data's ``(n, L)`` rows cut into ``(n·L/length, length)`` pieces, positions restarting at each
-    piece (a document cut by a piece boundary goes on as a new one, as at row boundaries); ``length`` must
-    divide ``L``."""
+def rows_of_length(ids: torch.Tensor, pos: torch.Tensor, length: int,
+                   bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data's ``(n, L)`` rows cut into pieces of ``length``, positions restarting at each piece (a
+    document cut by a piece boundary goes on as a new one, as at row boundaries); ``length`` must divide
+    ``L``. Without ``bos``: the ``(n·L/length, length)`` reshape. With it (the id every row opens with):
+    each piece opens with it too, so a cut document's rest follows a ``bos`` of its own
+    (:func:`linearize.corpus.rows.cut_rows`, on the rows' documents), and the last few tokens that no longer
+    fill a piece are dropped."""
     n, L = ids.shape
     if length == L:
         return ids, pos
@@ -37,4 +41,12 @@ def rows_of_length(ids: torch.Tensor, pos: torch.Tensor, length: int) -> tuple[t
         raise ValueError(f"a stage's seq_len {length} must divide the data's rows of {L} tokens")
     from .data import restart_rows
 
-    return ids.reshape(-1, length), restart_rows(pos.reshape(-1, length))
+    if bos is None:
+        return ids.reshape(-1, length), restart_rows(pos.reshape(-1, length))
+    from ..corpus.rows import cut_rows
+
+    flat_ids, starts = ids.reshape(-1).numpy(), (pos.reshape(-1) == 0).numpy()
+    cuts = starts.nonzero()[0].tolist() + [flat_ids.size]
+    docs = [flat_ids[a + (flat_ids[a] == bos): b] for a, b in zip(cuts[:-1], cuts[1:])]
+    out_ids, out_pos = cut_rows(docs, length, None, bos)
+    return torch.from_numpy(out_ids), torch.from_numpy(out_pos)

@@ -30,6 +30,7 @@ class PackedData:
     heldout_ids: torch.Tensor
     heldout_pos: torch.Tensor
     documents: int
+    bos: int | None = None  # the id every row opens with (the tokenizer's own first id), if any
 
 
 class DataWarning(UserWarning):
@@ -161,18 +162,10 @@ def load_documents(cfg: DataConfig, tokenizer=None):
     return ds.rename_column(field, "text") if field != "text" else ds
 
 
-def pack(token_lists: list[list[int]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate documents and cut rows of ``seq_len``; positions restart at each document and row."""
-    ids, pos = [], []
-    for toks in token_lists:
-        ids.extend(toks)
-        pos.extend(range(len(toks)))
-    n = len(ids) // seq_len
-    if n == 0:
-        return torch.empty(0, seq_len, dtype=torch.long), torch.empty(0, seq_len, dtype=torch.long)
-    ids_t = torch.tensor(ids[: n * seq_len]).view(n, seq_len)
-    pos_t = torch.tensor(pos[: n * seq_len]).view(n, seq_len)
-    return ids_t, restart_rows(pos_t)
+def pack(token_lists: list[list[int]], seq_len: int, bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate documents and cut rows of ``seq_len``; positions restart at each document and row;
+    ``bos`` (if given) opens each document and each row (:func:`linearize.corpus.rows.cut_rows`)."""
+    return pack_arrays(token_lists, seq_len, None, bos)
 
 
 def restart_rows(pos: torch.Tensor) -> torch.Tensor:
@@ -230,7 +223,7 @@ def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
     held_ids, held_pos = pack_arrays(held, cfg.seq_len, eos, bos)
     if train_ids.shape[0] == 0 or held_ids.shape[0] == 0:
         raise RecipeError(f"data.source: the corpus has fewer than data.seq_len={cfg.seq_len} tokens in a split; lower seq_len")
-    return PackedData(train_ids, train_pos, held_ids, held_pos, len(train) + len(held))
+    return PackedData(train_ids, train_pos, held_ids, held_pos, len(train) + len(held), bos)
 
 
 def build_data(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
@@ -243,13 +236,16 @@ def build_data(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> 
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
     tok = ds.map(lambda batch: {"ids": [t + eos for t in tokenizer(batch["text"]).input_ids]},
                  batched=True, remove_columns=ds.column_names)
-    docs = tok["ids"]
+    from ..corpus.tokenizer import document_start
+
+    bos = document_start(tokenizer)  # rows open with it again where a row boundary cuts a document
+    docs = [d[1:] if bos is not None and d[:1] == [bos] else d for d in tok["ids"]]
     n_held = max(1, int(len(docs) * cfg.heldout_fraction)) if len(docs) > 1 else 0
     train_docs, held_docs = docs[: len(docs) - n_held], docs[len(docs) - n_held:]
-    train_ids, train_pos = pack(train_docs, cfg.seq_len)
-    held_ids, held_pos = pack(held_docs or docs, cfg.seq_len)
+    train_ids, train_pos = pack(train_docs, cfg.seq_len, bos)
+    held_ids, held_pos = pack(held_docs or docs, cfg.seq_len, bos)
     if train_ids.shape[0] == 0:
         raise RecipeError(f"the dataset has fewer than data.seq_len={cfg.seq_len} tokens; add text or lower seq_len")
     if held_ids.shape[0] == 0:
         held_ids, held_pos = train_ids[-1:], train_pos[-1:]
-    return PackedData(train_ids, train_pos, held_ids, held_pos, len(docs))
+    return PackedData(train_ids, train_pos, held_ids, held_pos, len(docs), bos)

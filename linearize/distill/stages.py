@@ -76,7 +76,8 @@ def train(run, resume: bool, progress=None) -> dict:
             objective = data_parallel(objective_for(st, run.student, run.teacher, run.fsdp), run.device, run.fsdp)
             params = [p for g in opt.param_groups for p in g["params"]]
             run.student.train()
-            train_ids, train_pos = rows_of_length(run.data.train_ids, run.data.train_pos, stage_seq_len(cfg, st))
+            train_ids, train_pos = rows_of_length(run.data.train_ids, run.data.train_pos, stage_seq_len(cfg, st),
+                                                 run.data.bos)
             for s in range(first, st.steps):
                 t0 = time.perf_counter()
                 rows = batch_rows(train_ids.shape[0], st.batch_size, step, cfg.seed)[rank::size]

@@ -25,6 +25,8 @@
 #   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
 #                                        run of the recipe on the same teacher and corpus (W/gruns/NAME)
 # Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
+# Send a step that starts runs to a file (`... > $OUT/step.log 2>&1; tail $OUT/step.log`), not into a pipe:
+# piped (`| tail`), a gemma-start call waited out its time limit after the runs had started.
 # Every step ends by copying the records so far (records.tgz, logs) into $OUT. PYTHONPATH: /root/site.
 set -uo pipefail
 w=${DEVICE_W:-/root/w} site=${DEVICE_SITE:-/root/site} repo=${DEVICE_REPO:-/root/repo}  # elsewhere: a smoke run
@@ -56,7 +58,10 @@ gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/g
     (cd "$repo" && START=$(date +%s) DEADLINE=$3 EVAL_SECONDS=240 EVAL="$(gemma_eval)" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
         scripts/ablate.sh recipes/gemma3-270m-gdn-25m.yaml "$w/gruns" "$1=$2" \
-        >> "$w/gemma.log" 2>&1 < /dev/null & echo $! > "$w/gemma.pid")
+        >> "$w/gemma.log" 2>&1 < /dev/null &)
+}
+gemma_running() {  # a Gemma run's ablate.sh is alive (its launching shell is gone by then)
+    pgrep -f "ablate.sh recipes/gemma3" > /dev/null
 }
 case ${1:-} in
     wheels)
@@ -90,7 +95,7 @@ case ${1:-} in
     wait)
         limit=${2:?wait needs SECONDS}
         for _ in $(seq 1 $(( limit / 5 ))); do
-            running "$w/recover.pid" || running "$w/gemma.pid" || { echo "== the runs are not running"; break; }
+            running "$w/recover.pid" || gemma_running || { echo "== the runs are not running"; break; }
             sleep 5
         done
         records ;;
@@ -121,7 +126,7 @@ case ${1:-} in
     gemma-more)
         name=${2:?gemma-more needs NAME} deadline=${4:-1200}
         [ -f "$w/gemma/gemma-3-270m-q4_k_m.gguf" ] || die "no joined Gemma teacher: run 'gemma-start' first"
-        ! running "$w/gemma.pid" || die "a Gemma run is still going: 'wait' for it (one at a time fits in memory)"
+        ! gemma_running || die "a Gemma run is still going: 'wait' for it (one at a time fits in memory)"
         gemma_run "$name" "${3:-}" "$deadline"
         sleep 5
         records ;;

@@ -21,7 +21,7 @@
 #                                        then in the background the recipe (distill STEPS, default 600) with
 #                                        `linearize eval` of the model once trained (GEMMA_EVAL replaces its
 #                                        options, GEMMA_EXTRA adds overrides, GEMMA_TAG to its name G<STEPS>) and
-#                                        the teacher's evaluation
+#                                        the teacher's evaluation (GEMMA_TEACHER=0: not)
 #   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
 #                                        run of the recipe on the same teacher and corpus (W/gruns/NAME)
 # Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
@@ -119,8 +119,8 @@ case ${1:-} in
             2> >(grep -v -i "deprecat\|warnings.warn" >&2) || die "the Gemma parts do not join: carry gm1-gm4 with 'gemma-part' first"
         gemma_run "G$steps${GEMMA_TAG:-}" "stages.1.steps=$steps ${GEMMA_EXTRA:-}" "$deadline"
         # shellcheck disable=SC2086  # the options are words
-        (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" --teacher none $(gemma_eval) \
-            -o "$w/gemma_teacher.json" > "$w/gemma_teacher.log" 2>&1 < /dev/null &)
+        [ "${GEMMA_TEACHER:-1}" = 0 ] || (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" \
+            --teacher none $(gemma_eval) -o "$w/gemma_teacher.json" > "$w/gemma_teacher.log" 2>&1 < /dev/null &)
         sleep 5
         records ;;
     gemma-more)

@@ -21,7 +21,8 @@
 #                                        then in the background the recipe (distill STEPS, default 600) with
 #                                        `linearize eval` of the model once trained (GEMMA_EVAL replaces its
 #                                        options, GEMMA_EXTRA adds overrides, GEMMA_TAG to its name G<STEPS>) and
-#                                        the teacher's evaluation (GEMMA_TEACHER=0: not)
+#                                        the teacher's evaluation (GEMMA_TEACHER=0: not); GEMMA_RECIPE names
+#                                        another Gemma recipe (recipes/gemma3-270m-gdn-global.yaml)
 #   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
 #                                        run of the recipe on the same teacher and corpus (W/gruns/NAME)
 # Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
@@ -57,7 +58,7 @@ gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/g
     local g=$w/gemma
     (cd "$repo" && START=$(date +%s) DEADLINE=$3 EVAL_SECONDS=240 EVAL="$(gemma_eval)" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
-        scripts/ablate.sh recipes/gemma3-270m-gdn-25m.yaml "$w/gruns" "$1=$2" \
+        scripts/ablate.sh "${GEMMA_RECIPE:-recipes/gemma3-270m-gdn-25m.yaml}" "$w/gruns" "$1=$2" \
         >> "$w/gemma.log" 2>&1 < /dev/null &)
 }
 gemma_running() {  # a Gemma run's ablate.sh is alive (its launching shell is gone by then)

@@ -228,7 +228,7 @@ def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: i
                      where: tuple[str, str] = ("--layers", "--keep-softmax")) -> None:
     """Layer choices of a conversion; ranges too once ``num_layers`` is known. Something must convert."""
     if layers is not None and str(layers).strip() == GLOBAL:
-        layers = None if num_layers is None else f"0-{num_layers - 1}"  # which ones: known with the model
+        return  # which layers those are is known with the model: convert checks the rest
     cand = parse_layer_spec(layers, num_layers, where[0]) if layers is not None else None
     if num_layers is not None and cand is None:
         cand = list(range(num_layers))

@@ -24,7 +24,8 @@
 #                                        the teacher's evaluation (GEMMA_TEACHER=0: not); GEMMA_RECIPE names
 #                                        another Gemma recipe (recipes/gemma3-270m-gdn-global.yaml)
 #   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
-#                                        run of the recipe on the same teacher and corpus (W/gruns/NAME)
+#                                        run of the recipe on the same teacher and corpus (W/gruns/NAME; its
+#                                        overrides are OVERRIDES alone, GEMMA_EXTRA and the steps do not apply)
 # Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
 # Send a step that starts runs to a file (`... > $OUT/step.log 2>&1; tail $OUT/step.log`), not into a pipe:
 # piped (`| tail`), a gemma-start call waited out its time limit after the runs had started.
@@ -62,7 +63,7 @@ gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/g
         >> "$w/gemma.log" 2>&1 < /dev/null &)
 }
 gemma_running() {  # a Gemma run's ablate.sh is alive (its launching shell is gone by then)
-    pgrep -f "ablate.sh recipes/gemma3" > /dev/null
+    pgrep -f "scripts/ablate.sh .*gemma3" > /dev/null
 }
 case ${1:-} in
     wheels)

@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 from linearize.cli import app
 from linearize.config import RecipeError, load_recipe
 from linearize.distill import TrainingError, run_recipe
-from linearize.distill.data import pack
+from linearize.distill.data import pack_arrays
 from linearize.distill.losses import chunked_kl, next_token_labels
 
 runner = CliRunner()
@@ -68,7 +68,7 @@ def test_load_recipe_yaml_and_overrides(tmp_path):
 
 
 def test_pack_restarts_positions_at_documents_and_rows():
-    ids, pos = pack([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]], 4)
+    ids, pos = pack_arrays([[1, 2, 3], [4, 5, 6, 7, 8], [9, 10]], 4, None)
     assert ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert pos.tolist() == [[0, 1, 2, 0], [0, 1, 2, 3]]
     labels = next_token_labels(ids, pos)
@@ -78,7 +78,7 @@ def test_pack_restarts_positions_at_documents_and_rows():
 def test_rows_of_length_cut_rows_and_restart_positions():
     from linearize.distill.batches import rows_of_length
 
-    ids, pos = pack([[1, 2], [3, 4, 5, 6, 7, 8]], 8)  # one row: positions [0 1 0 1 2 3 4 5]
+    ids, pos = pack_arrays([[1, 2], [3, 4, 5, 6, 7, 8]], 8, None)  # one row: positions [0 1 0 1 2 3 4 5]
     cut_ids, cut_pos = rows_of_length(ids, pos, 4)
     assert cut_ids.tolist() == [[1, 2, 3, 4], [5, 6, 7, 8]]
     assert cut_pos.tolist() == [[0, 1, 0, 1], [0, 1, 2, 3]]  # the cut document goes on as a new one

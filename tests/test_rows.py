@@ -80,3 +80,8 @@ def test_stage_pieces_open_with_bos_and_keep_the_text():
         assert all((p[j] == 0) == (row[j] == 7) for j in range(4))
     plain, _ = rows_of_length(torch.from_numpy(ids), torch.from_numpy(pos), 4)
     assert plain.tolist() == ids.reshape(-1, 4).tolist()
+
+
+def test_cut_rows_refuses_rows_too_short_for_bos():
+    with pytest.raises(ValueError, match="seq_len >= 2"):
+        cut_rows([[1, 2, 3]], 1, eos=3, bos=7)

@@ -21,9 +21,11 @@ def cut_rows(docs, seq_len: int, eos: int | None = None, bos: int | None = None,
     """``(ids, pos)``, each ``(n, seq_len)`` int64: the rows, and positions counted from 0 at each document
     start and each row start. ``docs`` are 1-D integer arrays or lists, in order; at most ``max_rows`` rows,
     fewer if the documents run out (whole rows only)."""
-    head = [bos] if bos is not None else []
-    tail = [eos] if eos is not None else []
-    parts = [np.concatenate((head, np.asarray(d, dtype=np.int64), tail)).astype(np.int64) for d in docs]
+    if bos is not None and seq_len < 2:
+        raise ValueError(f"rows of {seq_len} token(s) cannot open with bos and hold text; use seq_len >= 2")
+    head = np.array([bos] if bos is not None else [], dtype=np.int64)
+    tail = np.array([eos] if eos is not None else [], dtype=np.int64)
+    parts = [np.concatenate((head, np.asarray(d, dtype=np.int64), tail)) for d in docs]
     if not parts:
         return np.zeros((0, seq_len), np.int64), np.zeros((0, seq_len), np.int64)
     lens = np.array([len(p) for p in parts], dtype=np.int64)

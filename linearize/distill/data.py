@@ -162,12 +162,6 @@ def load_documents(cfg: DataConfig, tokenizer=None):
     return ds.rename_column(field, "text") if field != "text" else ds
 
 
-def pack(token_lists: list[list[int]], seq_len: int, bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate documents and cut rows of ``seq_len``; positions restart at each document and row;
-    ``bos`` (if given) opens each document and each row (:func:`linearize.corpus.rows.cut_rows`)."""
-    return pack_arrays(token_lists, seq_len, None, bos)
-
-
 def restart_rows(pos: torch.Tensor) -> torch.Tensor:
     """Positions counted from 0 at each row start and each document start (a position that is not
     the previous one + 1): a document cut by a row boundary goes on as a new document."""
@@ -192,9 +186,9 @@ def open_built_corpus(cfg: DataConfig):
 
 
 def pack_arrays(docs: list, seq_len: int, eos: int | None, bos: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`pack` for documents given as 1-D integer arrays (a corpus), without Python lists of tokens;
-    ``bos`` (if given) opens each document and each row (:func:`linearize.corpus.rows.cut_rows`), ``eos``
-    ends each document."""
+    """Concatenate documents (1-D integer arrays or lists) and cut rows of ``seq_len``; positions restart at
+    each document and row; ``bos`` (if given) opens each document and each row, ``eos`` ends each document
+    (:func:`linearize.corpus.rows.cut_rows`)."""
     from ..corpus.rows import cut_rows
 
     ids, pos = cut_rows(docs, seq_len, eos, bos)
@@ -233,17 +227,16 @@ def build_data(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> 
     if cfg.source.startswith(CORPUS):
         return corpus_data(cfg, tokenizer)
     ds = load_documents(cfg, tokenizer)
-    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    tok = ds.map(lambda batch: {"ids": [t + eos for t in tokenizer(batch["text"]).input_ids]},
-                 batched=True, remove_columns=ds.column_names)
+    tok = ds.map(lambda batch: {"ids": tokenizer(batch["text"]).input_ids}, batched=True, remove_columns=ds.column_names)
     from ..corpus.tokenizer import document_start
 
     bos = document_start(tokenizer)  # rows open with it again where a row boundary cuts a document
     docs = [d[1:] if bos is not None and d[:1] == [bos] else d for d in tok["ids"]]
     n_held = max(1, int(len(docs) * cfg.heldout_fraction)) if len(docs) > 1 else 0
     train_docs, held_docs = docs[: len(docs) - n_held], docs[len(docs) - n_held:]
-    train_ids, train_pos = pack(train_docs, cfg.seq_len, bos)
-    held_ids, held_pos = pack(held_docs or docs, cfg.seq_len, bos)
+    eos = tokenizer.eos_token_id  # ends each document
+    train_ids, train_pos = pack_arrays(train_docs, cfg.seq_len, eos, bos)
+    held_ids, held_pos = pack_arrays(held_docs or docs, cfg.seq_len, eos, bos)
     if train_ids.shape[0] == 0:
         raise RecipeError(f"the dataset has fewer than data.seq_len={cfg.seq_len} tokens; add text or lower seq_len")
     if held_ids.shape[0] == 0:

@@ -246,6 +246,27 @@ def test_convert_layers_global_converts_only_full_attention_layers():
         linearize.convert(tiny_model("mistral", sliding_window=16), calibration_ids=calib(teacher), layers="global")
 
 
+def test_convert_layers_global_generates_as_its_forward():
+    """Gemma 3 with its global layer converted decodes through its cache (sliding layers and the GDN state
+    side by side) to the tokens its full forward picks."""
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("gemma3_text")
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), layers="global",
+                              options=GDNOptions(window=4, sinks=1))
+    x = ids(model, B=1, T=20)  # longer than the sliding layers' window of 8 and the block's 4 + 1
+    eos = model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, list) else [eos]
+    out = model.generate(x, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    seq = x
+    for _ in range(12):
+        with torch.no_grad():
+            logits = model(seq).logits[:, -1]
+        logits[:, eos] = float("-inf")  # what min_new_tokens does
+        seq = torch.cat([seq, logits.argmax(-1, keepdim=True)], 1)
+    assert torch.equal(out, seq)
+
+
 def test_convert_unsupported_architecture_lists_supported():
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -207,7 +207,7 @@ def convert(
 
         lm, tok = checks.loaded(model, debug=DEBUG, fn=lambda: load_teacher(src))
         family_of(lm.config)  # unsupported architectures stop here, before any work
-        check_conversion(layers, keep_softmax, len(decoder_layers(lm)))
+        check_conversion(layers, keep_softmax, len(decoder_layers(lm)), config=lm.config)
         t_load = time.perf_counter()
         heldout = text_ids(tok, tokens, split="heldout")
         text_ids(tok, calibration_tokens, split="train")  # enough calibration text, before any compute

@@ -225,10 +225,19 @@ GLOBAL = "global"  # the layer choice "the layers without a sliding window" (lin
 
 
 def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: int | None = None,
-                     where: tuple[str, str] = ("--layers", "--keep-softmax")) -> None:
-    """Layer choices of a conversion; ranges too once ``num_layers`` is known. Something must convert."""
+                     where: tuple[str, str] = ("--layers", "--keep-softmax"), config=None) -> None:
+    """Layer choices of a conversion; ranges too once ``num_layers`` is known, and which layers ``global``
+    names once the model's ``config`` is. Something must convert."""
     if layers is not None and str(layers).strip() == GLOBAL:
-        return  # which layers those are is known with the model: convert checks the rest
+        if config is None:
+            return  # which layers those are is known with the model
+        from .models.adapters import global_layers
+
+        cand = global_layers(config)
+        if not cand:
+            raise RecipeError(f"{where[0]} global: every layer of this model attends over a sliding window; "
+                              "name the layers to convert instead")
+        layers = ",".join(map(str, cand))
     cand = parse_layer_spec(layers, num_layers, where[0]) if layers is not None else None
     if num_layers is not None and cand is None:
         cand = list(range(num_layers))

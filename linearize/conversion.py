@@ -199,9 +199,6 @@ def convert(
     else:
         kept = list(keep_softmax or [])
     converted = [i for i in candidates if i not in kept]
-    if not converted:
-        raise ValueError(f"--keep-softmax keeps every layer that may be converted ({', '.join(map(str, candidates))}), "
-                         "so nothing would be converted; keep fewer")
     for i in converted:
         decoder_layers(model)[i].self_attn = gdn[i]
 

@@ -239,9 +239,14 @@ def test_convert_layers_global_converts_only_full_attention_layers():
     assert not torch.allclose(got[6], want[6])
     every = linearize.convert(tiny_model("llama"), calibration_ids=calib(teacher), layers="global")
     assert every.config.linearize["gdn_layers"] == [0, 1, 2, 3]  # no sliding windows: every layer is global
-    for keep in ("1", "5,"):  # keeping the one global layer leaves nothing to convert
-        with pytest.raises(ValueError, match="nothing would be converted"):
-            linearize.convert(tiny_model("gemma3_text"), calibration_ids=calib(teacher), layers="global", keep_softmax=keep)
+    from linearize.config import RecipeError, check_conversion
+
+    for keep in ("1", "5,"):  # keeping the one global layer leaves nothing to convert: the CLI and recipes refuse
+        with pytest.raises(RecipeError, match="nothing would be converted"):
+            check_conversion("global", keep, 6, config=teacher.config)
+    check_conversion("global", "0", 6, config=teacher.config)
+    with pytest.raises(RecipeError, match="every layer of this model attends over a sliding window"):
+        check_conversion("global", None, 4, config=tiny_model("mistral", sliding_window=16).config)
     with pytest.raises(ValueError, match="every layer of this model attends over a sliding window"):
         linearize.convert(tiny_model("mistral", sliding_window=16), calibration_ids=calib(teacher), layers="global")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import RecipeConfig, RecipeError, to_yaml
+from ..config import RecipeConfig, RecipeError, check_conversion, to_yaml
 from ..saving import write_atomic
 from .data import PackedData, build_data
 from .lora import add_lora
@@ -86,6 +86,8 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     set_seed(cfg.seed)
     teacher, tok = load_teacher(cfg.teacher.model)
     family_of(teacher.config)
+    check_conversion(cfg.convert.layers, cfg.convert.keep_softmax, teacher.config.num_hidden_layers,
+                     ("convert.layers", "convert.keep_softmax"), config=teacher.config)  # what global names
     data = build_data(cfg.data, tok, getattr(teacher.config, "max_position_embeddings", None))
     student = copy.deepcopy(teacher)
     convert(student, to=cfg.convert.to, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,

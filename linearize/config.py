@@ -224,6 +224,17 @@ def parse_layer_spec(spec: str, num_layers: int | None = None, what: str = "--la
 GLOBAL = "global"  # the layer choice "the layers without a sliding window" (linearize.models.adapters.global_layers)
 
 
+def global_candidates(config, what: str = "--layers") -> list[int]:
+    """The layers ``global`` names in a model of this ``config``; none is an error."""
+    from .models.adapters import global_layers
+
+    cand = global_layers(config)
+    if not cand:
+        raise RecipeError(f"{what} global: every layer of this model attends over a sliding window; "
+                          "name the layers to convert instead")
+    return cand
+
+
 def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: int | None = None,
                      where: tuple[str, str] = ("--layers", "--keep-softmax"), config=None) -> None:
     """Layer choices of a conversion; ranges too once ``num_layers`` is known, and which layers ``global``
@@ -231,13 +242,7 @@ def check_conversion(layers: str | None, keep_softmax: str | None, num_layers: i
     if layers is not None and str(layers).strip() == GLOBAL:
         if config is None:
             return  # which layers those are is known with the model
-        from .models.adapters import global_layers
-
-        cand = global_layers(config)
-        if not cand:
-            raise RecipeError(f"{where[0]} global: every layer of this model attends over a sliding window; "
-                              "name the layers to convert instead")
-        layers = ",".join(map(str, cand))
+        layers = ",".join(map(str, global_candidates(config, where[0])))
     cand = parse_layer_spec(layers, num_layers, where[0]) if layers is not None else None
     if num_layers is not None and cand is None:
         cand = list(range(num_layers))

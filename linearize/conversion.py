@@ -18,10 +18,10 @@ from dataclasses import replace
 import torch
 
 from .calibration import NEW_PARAMETERS, fit_block
-from .config import GLOBAL
+from .config import GLOBAL, global_candidates
 from .layers.gdn_attention import GDNAttention
 from .layers.options import GDNOptions, check_target, keep_count
-from .models.adapters import decoder_layers, global_layers
+from .models.adapters import decoder_layers
 from .models.families import FAMILIES, PREFIX, Family, family_of
 
 
@@ -158,10 +158,7 @@ def convert(
     family = family_of(model.config)
     n = len(decoder_layers(model))
     if isinstance(layers, str) and layers.strip() == GLOBAL:
-        candidates = global_layers(model.config)
-        if not candidates:
-            raise ValueError("--layers global: every layer of this model attends over a sliding window; "
-                             "name the layers to convert instead")
+        candidates = global_candidates(model.config)
     else:
         candidates = parse_layers(layers, n) if layers is not None else list(range(n))
     rule = "error"

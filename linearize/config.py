@@ -65,9 +65,10 @@ class StageConfig:
     # tokens per row in this stage; 0: data.seq_len. A shorter length must divide data.seq_len: the stage
     # cuts the data's rows into pieces of it (positions restart at each piece)
     seq_len: int = 0
-    # comma-separated name substrings; "all" = every parameter; "softmax_attn" = a hybrid's kept softmax
-    # attention; "-X" removes what X matches (distill/optim.py). The default: the blocks' new parameters
-    trainable: str = "rho,self_attn.gate_proj,channel_gate_proj,beta_proj,write_gate"
+    # comma-separated name substrings; "all" = every parameter; "new" = the parameters conversion added
+    # to the converted blocks; "softmax_attn" = a hybrid's kept softmax attention; "-X" removes what X
+    # matches (distill/optim.py)
+    trainable: str = "new"
     loss: str = "nmse"  # align: "mse" or "nmse"; distill: ignored
     layer_weights: dict[int, float] = field(default_factory=dict)  # align: {layer index: weight}, others 1.0
     temperature: float = 1.0  # distill: KL temperature

@@ -998,3 +998,39 @@ def test_trainable_items_keywords_and_exclusions():
     kept_after = [n for n in after if n.startswith("model.layers.1.self_attn.")]
     assert len(kept_after) == len(kept) and names("softmax_attn") == kept_after
     assert names("all,-softmax_attn") == [n for n in after if n not in kept_after]
+
+
+def test_trainable_new_takes_every_added_parameter_and_nothing_of_the_teacher():
+    """``new``: every parameter a converted block added (the window's mix bias, the convolution taps, the
+    output gate included), none of the teacher's projections, norms or MLPs; where a name substring
+    (``gate_proj``) would also take the MLPs' gate projection."""
+    from conftest import tiny_model
+    from test_convert import calib
+
+    import linearize
+    from linearize.config import StageConfig
+    from linearize.distill.optim import trainable_names
+    from linearize.layers import GDNAttention, GDNOptions
+
+    teacher = tiny_model("llama", num_hidden_layers=3)
+    opts = GDNOptions(window=8, sinks=2, short_conv=4, output_gate=True)
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=[1], options=opts)
+    expected = []
+    for i, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        if not isinstance(attn, GDNAttention):
+            continue
+        reused = {id(p) for m in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj) for p in m.parameters()}
+        expected += [f"model.layers.{i}.self_attn.{n}" for n, p in attn.named_parameters() if id(p) not in reused]
+    got = trainable_names(model, StageConfig(trainable="new"))
+    assert sorted(got) == sorted(expected)
+    leaves = {n.split("model.layers.")[1].split(".", 2)[2] for n in got}
+    assert {"mix_bias", "rho", "beta_proj.weight", "gate_proj.weight"} <= leaves
+    assert any(n.startswith("out_gate.") for n in leaves) and any("conv" in n for n in leaves)
+    assert not any(".mlp." in n or "_proj.weight" in n and n.split(".")[-2] in ("q_proj", "k_proj", "v_proj", "o_proj")
+                   for n in got)
+    assert not any(n.startswith("model.layers.1.") for n in got)  # the kept softmax layer
+    assert trainable_names(model, StageConfig()) == got  # the default
+    assert any(".mlp.gate_proj" in n for n in trainable_names(model, StageConfig(trainable="gate_proj")))
+    assert trainable_names(model, StageConfig(trainable="self_attn,-new,-softmax_attn")) == [
+        n for n, _ in model.named_parameters() if ".self_attn." in n and n not in got and not n.startswith("model.layers.1.")]

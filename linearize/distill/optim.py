@@ -8,6 +8,8 @@ import torch
 from ..config import RecipeError
 
 SOFTMAX_ATTN = "softmax_attn"  # the attention blocks a hybrid conversion kept softmax
+NEW = "new"  # the parameters conversion added to the converted blocks (identity at init)
+TEACHER_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm")  # what a converted block reuses
 
 
 def _softmax_attention(model) -> set[int]:
@@ -19,17 +21,37 @@ def _softmax_attention(model) -> set[int]:
             for p in layer.self_attn.parameters()}
 
 
+def _new_parameters(model) -> set[int]:
+    """The ids of the parameters conversion added: every parameter of a converted block but those of the
+    teacher's projections and norms it reuses (ρ, β, the decay gates, the window's mix bias, the short
+    convolution, the output gate, …), whatever their names."""
+    from ..layers import GDNAttention
+    from ..models.adapters import decoder_layers
+
+    out = set()
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        if isinstance(attn, GDNAttention):
+            reused = {id(p) for m in TEACHER_MODULES if getattr(attn, m, None) is not None
+                      for p in getattr(attn, m).parameters()}
+            out |= {id(p) for p in attn.parameters() if id(p) not in reused}
+    return out
+
+
 def trainable_names(model, stage) -> list[str]:
     """Parameters a stage trains. ``stage.trainable`` is comma-separated items: ``all``, a name substring
-    (``self_attn``, ``mlp``, ``rho``), or ``softmax_attn`` (the attention blocks a hybrid kept softmax); an
-    item with a leading ``-`` removes what it matches from the others (``all,-softmax_attn``: every
-    parameter but the kept softmax attention's)."""
+    (``self_attn``, ``mlp``, ``rho``), ``new`` (the parameters conversion added to the converted blocks,
+    found by module rather than by name: a substring such as ``gate_proj`` also matches Gemma's and
+    Llama's MLPs) or ``softmax_attn`` (the attention blocks a hybrid kept softmax); an item with a leading
+    ``-`` removes what it matches from the others (``all,-softmax_attn``: every parameter but the kept
+    softmax attention's)."""
     keys = [k.strip() for k in stage.trainable.split(",") if k.strip()]
     take, drop = [k for k in keys if not k.startswith("-")], [k[1:].strip() for k in keys if k.startswith("-")]
-    soft = _softmax_attention(model) if SOFTMAX_ATTN in take + drop else set()
+    sets = {SOFTMAX_ATTN: _softmax_attention, NEW: _new_parameters}
+    sets = {k: find(model) for k, find in sets.items() if k in take + drop}
 
     def hit(key, name, p):
-        return key == "all" or (id(p) in soft if key == SOFTMAX_ATTN else key in name)
+        return key == "all" or (id(p) in sets[key] if key in sets else key in name)
 
     names = [n for n, p in model.named_parameters()
              if any(hit(k, n, p) for k in take) and not any(hit(k, n, p) for k in drop)]

@@ -90,8 +90,7 @@ def test_kda_triton_grads_without_states():
 
 def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
     """``gated_delta_rule(backend="triton")`` with a per-channel g differentiates through the KDA kernels
-    (equal to the chunkwise PyTorch form); ``"auto"`` keeps the PyTorch form until the kernels' GPU tests
-    have run."""
+    (equal to the chunkwise PyTorch form); ``"auto"`` off CUDA keeps the PyTorch form."""
     interpreted()
     from linearize.ops import gated_delta_rule
 
@@ -115,11 +114,14 @@ def test_a_16_bit_backward_is_refused_where_ptxas_miscompiles_it(monkeypatch):
     for dtype in (torch.bfloat16, torch.float16):
         with pytest.raises(RuntimeError, match="needs ptxas >= 12.9.*TRITON_PTXAS_PATH"):
             kb.check_backward_compiler(dtype, cuda)
+        assert not kb.backward_compiles(dtype, cuda)  # backend="auto" trains these through PyTorch
     kb.check_backward_compiler(torch.float32, cuda)
     kb.check_backward_compiler(torch.bfloat16, torch.device("cpu"))
+    assert kb.backward_compiles(torch.float32, cuda) and kb.backward_compiles(torch.bfloat16, torch.device("cpu"))
     for version in ((12, 9), (13, 0), None):
         monkeypatch.setattr(kb, "ptxas_version", lambda v=version: v)
         kb.check_backward_compiler(torch.bfloat16, cuda)
+        assert kb.backward_compiles(torch.bfloat16, cuda)
     asked = []
     monkeypatch.setattr(kb, "check_backward_compiler", lambda dtype, device: asked.append((dtype, device.type)))
     gen = torch.Generator().manual_seed(0)

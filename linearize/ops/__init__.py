@@ -28,6 +28,7 @@ from .taylor import (
 )
 
 BACKENDS = ("auto", "torch", "triton", "reference")
+KDA_AUTO_MAX_K = 128  # the widest key head the KDA kernels have passed their GPU tests at
 
 
 def _triton_usable(x: torch.Tensor) -> bool:
@@ -66,9 +67,9 @@ def gated_delta_rule(
         k: ``[B, T, H, K]``; v: ``[B, T, H, V]``.
         g: ``[B, T, H]`` log-decay (``α_t = exp(g_t)``, finite), or ``[B, T, H, K]``: one per key channel
             (KDA, ``h_t = (I − β_t k_t k_tᵀ) Diag(α_t) h_{t−1} + β_t k_t v_tᵀ``, ``g ≤ 0``;
-            :mod:`linearize.ops.kda`; its Triton kernels, ``ops/triton/kda_fwd.py`` and ``kda_bwd.py``, are
-            verified under the Triton interpreter but not yet run on a GPU, so ``"auto"`` takes ``"torch"``
-            for it and the kernels are opt-in, ``backend="triton"``); beta: ``[B, T, H]``.
+            :mod:`linearize.ops.kda`; its Triton kernels are ``ops/triton/kda_fwd.py`` and ``kda_bwd.py``;
+            ``"auto"`` takes them for key heads up to 128 wide, and trains a 16-bit KDA through ``"torch"``
+            where Triton's ptxas is older than 12.9, which miscompiles that backward); beta: ``[B, T, H]``.
         initial_state: ``[N, H, K, V]``, N = B or the number of packed documents.
         output_final_state: also return the ``[N, H, K, V]`` state after the last token.
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
@@ -95,9 +96,13 @@ def gated_delta_rule(
     per_channel = g.dim() == 4
     if backend == "auto":
         fits = q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K
-        # the per-channel (KDA) kernels are opt-in (backend="triton") until their GPU tests have run
-        # (tests/test_kda_triton.py, test_kda_triton_bwd.py -m gpu)
-        backend = "triton" if fits and not per_channel else "torch"
+        if fits and per_channel:  # KDA: key heads up to the width its GPU tests passed at (128), and not
+            from .triton.kda_bwd import backward_compiles  # where ptxas would miscompile a 16-bit backward
+
+            grad = torch.is_grad_enabled() and any(
+                x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, v_offset))
+            fits = q.shape[-1] <= KDA_AUTO_MAX_K and (not grad or backward_compiles(q.dtype, q.device))
+        backend = "triton" if fits else "torch"
     if backend == "triton":
         if per_channel:
             check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)

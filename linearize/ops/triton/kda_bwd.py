@@ -353,15 +353,22 @@ def ptxas_version() -> tuple[int, int] | None:
         return None
 
 
-def check_backward_compiler(dtype: torch.dtype, device: torch.device) -> None:
-    """Refuse a 16-bit backward on CUDA when ptxas is older than 12.9. ptxas 12.8, the one Triton 3.6 ships,
-    takes the shared-memory address of some of the backward's bf16/fp16 ``wgmma`` products from the wrong
-    register, so a product reads the wrong rows: on an H200 ``dg`` came out 0.12 from the reference while the
-    same kernels compiled by ptxas 12.9 and 13.0 read the right ones (docs/kernels.md)."""
+def backward_compiles(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether the backward kernels compile right here: always in float32 and off CUDA; in 16 bits on CUDA
+    only with ptxas 12.9 or newer. ptxas 12.8, the one Triton 3.6 ships, takes the shared-memory address of
+    some of the backward's bf16/fp16 ``wgmma`` products from the wrong register, so a product reads the wrong
+    rows: on an H200 ``dg`` came out 0.12 from the reference while the same kernels compiled by ptxas 12.9
+    and 13.0 read the right ones (docs/kernels.md)."""
     if device.type != "cuda" or dtype == torch.float32:
-        return
+        return True
     version = ptxas_version()
-    if version is not None and version < PTXAS_FIXED:
+    return version is None or version >= PTXAS_FIXED
+
+
+def check_backward_compiler(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse a 16-bit backward on CUDA that :func:`backward_compiles` says ptxas would miscompile."""
+    if not backward_compiles(dtype, device):
+        version = ptxas_version()
         raise RuntimeError(
             f"the KDA Triton backward in {dtype} needs ptxas >= 12.9, and Triton compiles with ptxas "
             f"{version[0]}.{version[1]}, which miscompiles it; set TRITON_PTXAS_PATH to a newer ptxas (CUDA 12.9+, "

@@ -84,10 +84,10 @@ recover() {  # NAME RECIPE [OVERRIDES]
     local keys="output.save_stages=true ${3:-}"  # model-align/ too, for the after-align column
     bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
     records "$w" "$out"
+    rope "$w/runs/$1/model" "$w/runs/$1/quality_rope.json" "${ROPE_LAYERS:-all}"  # first: it is why ROPE is set
+    records "$w" "$out"
     wait_ev || return 0
     EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
-    records "$w" "$out"
-    rope "$w/runs/$1/model" "$w/runs/$1/quality_rope.json" "${ROPE_LAYERS:-all}"
     records "$w" "$out"
     after_align "$w/runs/$1"
     records "$w" "$out"

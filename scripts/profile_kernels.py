@@ -1,9 +1,11 @@
 """Where the GDN kernels' time goes on a CUDA GPU: a per-kernel breakdown and a launch-config sweep.
 
     python scripts/profile_kernels.py --output results/profile_kernels.json
+    python scripts/profile_kernels.py --op kda --shapes 8x2048,2x8192 --output results/profile_kernels_kda.json
 
 1. Breakdown: ``torch.profiler`` over forward and forward+backward of ours and (when importable)
    flash-linear-attention, at a few shapes; GPU time per call of every kernel, summed per kernel name.
+   ``--op kda``: the per-key-channel decay (``ops/triton/kda_*.py``) against fla's ``chunk_kda``.
 2. Sweep (``--sweep state_fwd,state_bwd``): each of our kernels alone, timed with ``triton.testing.do_bench`` under every
    (V block, warps, stages) it accepts, so launch settings are chosen from measurements.
 Prints tables and writes JSON. Timings are medians on the device the script runs on; compare them only
@@ -24,7 +26,6 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from linearize.ops import gated_delta_rule  # noqa: E402
 from linearize.ops.triton import chunk_bwd as cb  # noqa: E402
 from linearize.ops.triton import chunk_fwd as cf  # noqa: E402
 from linearize.ops.triton.layout import Layout  # noqa: E402
@@ -33,7 +34,7 @@ from linearize.ops.triton.solve import solve_tril  # noqa: E402
 from linearize.ops.triton.state_fwd import chunk_fwd_h  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import fwd_bwd, inputs, load_fla  # noqa: E402
+from bench_kernels import fwd_bwd, inputs, load_fla, operators  # noqa: E402
 
 SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128, 128),
           "1x16384": (1, 16384, 16, 16, 128, 128),
@@ -67,23 +68,24 @@ def profile_calls(fn, iters=5, name_len=60, ops: dict | None = None):
     return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
 
 
-def breakdown(shapes, fla):
+def breakdown(shapes, fla, op="gdn"):
     res = {}
     for name in shapes:
-        res.update(_breakdown_shape(name, fla))
+        res.update(_breakdown_shape(name, fla, op))
     return res
 
 
-def _breakdown_shape(name, fla):
+def _breakdown_shape(name, fla, op):
     res = {}
     B, T, HQ, H, K, V = SHAPES[name]
-    q, k, v, g, beta = inputs(B, T, HQ, H, K, V)
+    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda")
     ts = (q, k, v, g, beta)
     G = HQ // H
     rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
-    runs = {"ours": lambda: gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]}
+    ours, fla_call = operators(op, K)
+    runs = {"ours": lambda: ours(q, k, v, g, beta)}
     if fla is not None:
-        runs["fla"] = lambda: fla(q, rep(k), rep(v), rep(g), rep(beta), scale=K**-0.5)[0]
+        runs["fla"] = lambda: fla_call(fla, q, rep(k), rep(v), rep(g), rep(beta))
     for impl, run in runs.items():
         for mode, fn in (("fwd", run), ("fwdbwd", fwd_bwd(run, ts))):
             with torch.set_grad_enabled(mode == "fwdbwd"):
@@ -203,6 +205,8 @@ def _sweep_shape(name, only):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
+    p.add_argument("--op", choices=("gdn", "kda"), default="gdn",
+                   help="the breakdown's operator: one decay per head (gdn) or per key channel (kda)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--no-breakdown", action="store_true", help="the sweep only")
     p.add_argument("--no-fla", action="store_true", help="our kernels only in the breakdown")
@@ -210,10 +214,12 @@ def main():
                    "solve, prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
     shapes = args.shapes.split(",")
-    fla, guard = (None, False) if args.no_fla else load_fla()  # as load_fla returns when fla is missing
+    if args.op == "kda" and args.sweep:
+        p.error("--sweep times the GDN kernels; leave it out with --op kda")
+    fla, guard = (None, False) if args.no_fla else load_fla(args.op)  # as load_fla returns when fla is missing
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard,
-           "breakdown_us_per_call": {} if args.no_breakdown else breakdown(shapes, fla)}
+           "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard, "op": args.op,
+           "breakdown_us_per_call": {} if args.no_breakdown else breakdown(shapes, fla, args.op)}
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps(out, indent=1))

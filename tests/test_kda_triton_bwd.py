@@ -88,6 +88,13 @@ def test_kda_triton_grads_without_states():
     check(torch.float32, "cpu", 1, 70, 1, 2, 16, 16, None, 3.0, h0=False, final=False)
 
 
+def test_kda_triton_grads_channel_slices():
+    """Keys wider than one slice of ``_intra_bwd_kernel`` (32 channels): K = 72 takes three, the last one mostly
+    masked; packed documents and two query heads per KV head."""
+    interpreted()
+    check(torch.float32, "cpu", 1, 100, 1, 2, 72, 16, [0, 30, 100], 3.0)
+
+
 def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
     """``gated_delta_rule(backend="triton")`` with a per-channel g differentiates through the KDA kernels
     (equal to the chunkwise PyTorch form); ``"auto"`` off CUDA keeps the PyTorch form."""

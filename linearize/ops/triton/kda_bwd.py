@@ -28,9 +28,13 @@ Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: W and U from
 states and Δ):
 ``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do`` (P the forward's, kept with T);
 ``_state_bwd_kernel`` per (V block, sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and
-``dh₀``; ``_dqk_kernel`` per (chunk, KV head) dq and the scores' share of dk and of G's gradient;
-``_wy_bwd_kernel`` per (chunk, KV head) the rest, and dk, dv, dβ, dg. The per-head kernels loop over the G query heads of their KV head, so nothing is summed
-with atomics and K/V are never repeated.
+``dh₀``; then the dense parts, with no pairwise decay, per (chunk, KV head): ``_dqk_kernel`` dP and the
+initial state's and diagonal's terms of dq, dk and G's gradient, ``_wy_bwd_kernel`` dv, dA and the terms
+through W, K̃ and ``γ_C``; last ``_intra_bwd_kernel`` per (slice of 32 channels, chunk, KV head), every
+pairwise decay ``D`` of the backward (each taken once, for dP's and dA's left and right products), which
+finishes dq, dk, dg and its slice's share of dβ. The per-head kernels loop over the G query heads of their KV
+head, so nothing is summed with atomics and K/V are never repeated; dβ's shares (the dense one and one per
+channel slice) are summed after.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import triton.language as tl
 
 from ..common import cdiv
 from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_states
-from .kda_tiles import chunk_log_decay, decayed_left_right, decayed_scores, row_of
+from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
 from .tiles import mm
@@ -134,11 +138,14 @@ def _state_bwd_kernel(
 
 @triton.jit
 def _dqk_kernel(
-    q, k, g, v_new, do, hs, dq, dk_p, dG_p, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    q, k, g, v_new, do, hs, dpm, dqh, dk_p, dG_p, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr,
+    BV: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """dq, and summed over the query heads the scores' share of dk and of G's gradient (float32)."""
+    """The scores' dense part, per (chunk, KV head) over its G query heads: ``dP = scale·do Δᵀ`` strictly lower
+    (float32 ``dpm`` [tokens, HQ, BT]; its pairwise decays are ``_intra_bwd_kernel``'s); with dP's diagonal (no
+    decay) and the initial state's term ``γ⊙(do h₀ᵀ)``, per query head ``dqh = scale·(γ⊙(do h₀ᵀ) + dP_rr k)``
+    and summed over them ``dk_p = scale·dP_rr q``, ``dG_p = scale·q⊙γ⊙(do h₀ᵀ)`` (all float32)."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -149,54 +156,47 @@ def _dqk_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
     p_s = ((boh + i_c) * H + i_h) * K * V
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
-    b_G = chunk_log_decay(g, p_k, m_tk)
-    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    b_kf = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
+    b_gs = tl.exp(chunk_log_decay(g, p_k, m_tk)) * scale
     diag, before = o_r[:, None] == o_r[None, :], o_r[None, :] < o_r[:, None]
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     b_dG = tl.zeros([BT, BK], dtype=tl.float32)
     for i_g in range(G):
         p_q = (rows * HQ + i_h * G + i_g)[:, None]
-        b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
         b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-        for i_v in range(tl.cdiv(V, BV)):
-            o_v = i_v * BV + tl.arange(0, BV)
-            m_tv = m_t[:, None] & (o_v < V)[None, :]
-            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
-        b_dPd = tl.sum(tl.where(diag, b_dP, 0.0), 1)  # dP_rr: no decay on the diagonal
-        b_dPs = tl.where(before, b_dP, 0.0)
-        p0q = ((bos + i_c * BT) * HQ + i_h * G + i_g) * K  # the chunk's first row of q
-        b_dqs, b_dks = decayed_left_right(b_dPs, b_dPs, b_k, b_q, k + p0, q + p0q, g + p0, H * K, HQ * K, H * K, b_G,
-                                          n, K, SUB, IEEE)
-        # γ⊙(do h₀ᵀ) only now, in a second pass over V: its (BT, BK) float32 tile held through the decayed products
-        # spilled there
         b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
-            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+            m_tv = m_t[:, None] & m_v[None, :]
+            b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
+            b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
             b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
-            b_dqh += mm(b_do, tl.trans(b_h), b_do, IEEE)
-        b_dqh *= tl.exp(b_G)
-        b_dq = b_dqs + b_dqh + b_dPd[:, None] * b_k.to(tl.float32)
-        tl.store(dq + p_q * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
-        b_qf = b_q.to(tl.float32)
-        b_dk += (b_dks + b_dPd[:, None] * b_qf) * scale
-        b_dG += (b_qf * (b_dqs + b_dqh) - b_k.to(tl.float32) * b_dks) * scale
+            b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
+            b_dqh += mm(b_do, tl.trans(b_h), b_do, IEEE)  # do h₀ᵀ
+        b_dP *= scale
+        b_dPd = tl.sum(tl.where(diag, b_dP, 0.0), 1)  # dP_rr: no decay on the diagonal
+        tl.store(dpm + p_q * BT + o_r[None, :], tl.where(before, b_dP, 0.0), mask=m_t[:, None])
+        b_dqh *= b_gs
+        tl.store(dqh + p_q * K + o_k[None, :], b_dqh + b_dPd[:, None] * b_kf, mask=m_tk)
+        b_qf = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
+        b_dk += b_dPd[:, None] * b_qf
+        b_dG += b_qf * b_dqh
     tl.store(dk_p + p_k, b_dk, mask=m_tk)
     tl.store(dG_p + p_k, b_dG, mask=m_tk)
 
 
 @triton.jit
 def _wy_bwd_kernel(
-    k, v, g, beta, tm, v_new, hs, dhs, dd, dk_p, dG_p, dk, dv, dbeta, dg, cu_seqlens, chunk_indices,
-    chunk_offsets,
+    k, v, g, beta, tm, v_new, hs, dhs, dd, dk_p, dG_p, dam, dv, dbp, cu_seqlens, chunk_indices, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    SUB: tl.constexpr, IEEE: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Through ``K̃``, ``γ_C``, ``Δ = U − W h₀``, T and A; with ``_dqk_kernel``'s shares: dk, dv, dβ, dg."""
+    """The dense part through ``K̃``, ``γ_C``, ``Δ = U − W h₀`` and T, per (chunk, KV head): dv, and
+    ``dA = −Tᵀ dT Tᵀ`` strictly lower (float32 ``dam`` [tokens, H, BT]; its pairwise decays are
+    ``_intra_bwd_kernel``'s). Adds the terms through W and K̃ to ``_dqk_kernel``'s ``dk_p`` (in place), turns
+    ``dG_p`` with them into their share of dg (its reverse cumulative sum plus the state's terms, in place), and
+    stores dβ's share ``(TᵀdΔ)·v + (TᵀdW)·(γ⊙k)`` (float32, ``dbp``)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     n = tl.minimum(T - i_c * BT, BT)
@@ -234,22 +234,15 @@ def _wy_bwd_kernel(
         b_dT += mm(b_dd, tl.trans(b_bv), b_v, IEEE)
     b_kg = b_kf * tl.exp(b_G)  # γ⊙k
     b_tdw = mm(tl.trans(b_T), b_dW, b_k, IEEE)  # Tᵀ dW
-    b_dk = b_tdw * tl.exp(b_G) * b_beta[:, None]
-    b_db += tl.sum(b_tdw * b_kg, 1)
-    b_dG = b_tdw * b_kg * b_beta[:, None]
     b_dT += mm(b_dW, tl.trans(b_kg * b_beta[:, None]), b_k, IEEE)
     b_dA = -mm(mm(tl.trans(b_T), b_dT, b_k, IEEE), tl.trans(b_T), b_k, IEEE)
-    b_dA = tl.where((o_r[None, :] < o_r[:, None]) & m_t[:, None], b_dA, 0.0)
-    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
-    b_X, b_Y = decayed_left_right(b_dA, b_dA * b_beta[:, None], b_k, b_k, k + p0, k + p0, g + p0, H * K, H * K, H * K,
-                                  b_G, n, K, SUB, IEEE)
-    b_dk += b_X * b_beta[:, None]
-    b_db += tl.sum(b_X * b_kf, 1)
-    b_dG += b_X * b_kf * b_beta[:, None]
-    b_dk += b_Y
-    b_dG -= b_Y * b_kf
+    tl.store(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], tl.where(o_r[None, :] < o_r[:, None], b_dA, 0.0),
+             mask=m_t[:, None])
+    tl.store(dbp + rows * H + i_h, b_db + tl.sum(b_tdw * b_kg, 1), mask=m_t)
+    b_dk = b_tdw * tl.exp(b_G) * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
+    b_dG = b_tdw * b_kg * b_beta[:, None] + tl.load(dG_p + p_k, mask=m_tk, other=0.0)
     # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C; dK̃ = Δ dh₁ᵀ in a second pass over V rather than
-    # held through the decayed products above (its (BT, BK) float32 tile spilled there)
+    # held with dW through the first
     b_dKt = tl.zeros([BT, BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -261,12 +254,79 @@ def _wy_bwd_kernel(
     b_e = tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
     b_dk += b_dKt * b_e
     b_sp = b_kf * b_dKt * b_e
-    b_dk += tl.load(dk_p + p_k, mask=m_tk, other=0.0)
-    b_dG += tl.load(dG_p + p_k, mask=m_tk, other=0.0)
     b_dg = tl.cumsum(b_dG, 0, reverse=True) + (tl.exp(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
+    tl.store(dk_p + p_k, b_dk, mask=m_tk)
+    tl.store(dG_p + p_k, b_dg, mask=m_tk)
+
+
+@triton.jit
+def _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, pp, pa, pbeta, rows, i_hq, n, o_k, m_k,
+                m_tk, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, WITH_A: tl.constexpr,
+                SUB: tl.constexpr, IEEE: tl.constexpr):
+    """One query head of ``_intra_bwd_kernel``: stores its ``dq = dqh + L_P``; returns ``b_R`` plus its right
+    products, its share ``q⊙L_P`` of G's gradient, and with ``WITH_A`` A's left product X on the same decays
+    (:func:`kda_tiles.decayed_pairs`)."""
+    o_r = tl.arange(0, BT)
+    p_q = (rows * HQ + i_hq)[:, None]
+    b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
+    b_P = tl.load(dpm + p_q * BT + o_r[None, :], mask=(o_r < n)[:, None], other=0.0)
+    b_dqs, b_X, b_R = decayed_pairs(b_P, b_A, b_R, b_k, b_q, b_beta, pk, pq, pg, pp, pa, pbeta, H * K, HQ * K, HQ * BT,
+                                    H * BT, H, b_G, n, m_k, WITH_A, SUB, IEEE)
+    b_dq = tl.load(dqh + p_q * K + o_k[None, :], mask=m_tk, other=0.0) + b_dqs
+    tl.store(dq + p_q * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
+    return b_R, b_q.to(tl.float32) * b_dqs, b_X
+
+
+@triton.jit
+def _intra_bwd_kernel(
+    q, k, g, beta, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, NB, cu_seqlens, chunk_indices, chunk_offsets,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Every pairwise decay of the backward, per (slice of BK channels, chunk, KV head): the channels are
+    independent, so G is the cumulative sum of the slice's own log-decays. From the dense kernels' dP (``dpm``,
+    every query head) and dA (``dam``), on one ``exp`` per pair (:func:`kda_tiles.decayed_pairs`), with
+    ``R = Σ_g R_P + Y``: ``dq = dqh + L_P`` per query head, ``dk = dk_p + R + β⊙X``,
+    ``dg = dG_p + revcumsum(Σ_g q⊙L_P − k⊙R + βk⊙X)`` (dq, dk, dg in their dtypes), and the slice's share
+    ``k·X`` of dβ (float32, at ``dbp + (1 + slice)·NB``)."""
+    HQ: tl.constexpr = H * G
+    i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    bos, T, _boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    n = tl.minimum(T - i_c * BT, BT)
+    o_k, o_r = i_k * BK + tl.arange(0, BK), tl.arange(0, BT)
+    m_k, m_t = o_k < K, o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk = m_t[:, None] & m_k[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    b_A = tl.load(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    p0, p0q = (bos + i_c * BT) * H + i_h, (bos + i_c * BT) * HQ + i_h * G  # the chunk's first row, KV and query
+    pk, pq, pg = k + p0 * K + i_k * BK, q + p0q * K + i_k * BK, g + p0 * K + i_k * BK
+    b_R = tl.zeros([BT, BK], dtype=tl.float32)
+    b_R, b_dG, b_X = _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, dpm + p0q * BT, dam + p0 * BT,
+                                 beta + p0, rows, i_h * G, n, o_k, m_k, m_tk, H, HQ, K, BT, True, SUB, IEEE)
+    for i_g in range(1, G):  # the other query heads: A's products are done
+        b_R, b_dGs, _ = _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq + i_g * K, pg,
+                                    dpm + (p0q + i_g) * BT, dam + p0 * BT, beta + p0, rows, i_h * G + i_g, n, o_k, m_k,
+                                    m_tk, H, HQ, K, BT, False, SUB, IEEE)
+        b_dG += b_dGs
+    b_kf = b_k.to(tl.float32)
+    b_dk = b_R + b_X * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
+    b_dG += (b_X * b_beta[:, None] - b_R) * b_kf
+    b_dg = tl.load(dG_p + p_k, mask=m_tk, other=0.0) + tl.cumsum(b_dG, 0, reverse=True)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
-    tl.store(dbeta + rows * H + i_h, b_db.to(dbeta.dtype.element_ty), mask=m_t)
+    tl.store(dbp + (1 + i_k) * NB + rows * H + i_h, tl.sum(b_X * b_kf, 1), mask=m_t)
+
+
+def intra_bk(K: int) -> int:
+    """Channels per ``_intra_bwd_kernel`` program: 32 (as fla's ``chunk_kda_bwd_kernel_intra``), 16 for K ≤ 16.
+    It runs 8 warps: compiled for sm_90 (``scripts/kernel_resources.py --launchers``, Triton 3.9) its bf16
+    launches take 197–239 registers and no stack (K = 8 to 256, G = 1 to 7), where 4 warps spilled 336–440 B at
+    K = 128 and 64-channel slices 528–656 B."""
+    return min(32, block_k(K))
 
 
 def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens, tm=None, pm=None) -> tuple:
@@ -292,8 +352,11 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0)
     del u, kd, gc
     dhs = torch.empty_like(hs)
-    dd = torch.empty(L.tokens, H, V, dtype=torch.float32, device=dev)
-    dk_p, dG_p = (torch.empty(L.tokens, H, K, dtype=torch.float32, device=dev) for _ in range(2))
+    f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
+    dd, dk_p, dG_p, dqh, dpm, dam = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K), f32(HQ, BT), f32(H, BT)
+    BKI = intra_bk(K)
+    NK = cdiv(K, BKI)
+    dbp = torch.empty(1 + NK, L.tokens, H, dtype=torch.float32, device=dev)  # dβ's shares: dense, then per slice
     dht = dht.contiguous() if dht is not None else None
     BK, BV = block_k(K), kda_bv(K, V)
     c = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
@@ -305,11 +368,15 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         L.cu_seqlens, L.chunk_offsets, float(scale), G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **c,
         num_warps=4, num_stages=kda_stages(K, ieee, "state_bwd", G))
     _dqk_kernel[(L.NC, H)](
-        qf, kf, gf, v_new, dof, hs, dq, dk_p, dG_p, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
-        G=G, SUB=SUB, **c, num_warps=chunk_warps(K))
+        qf, kf, gf, v_new, dof, hs, dpm, dqh, dk_p, dG_p, L.cu_seqlens, L.chunk_indices, L.chunk_offsets,
+        float(scale), G=G, **c, num_warps=chunk_warps(K))
     _wy_bwd_kernel[(L.NC, H)](
-        kf, vf, gf, bf, tm, v_new, hs, dhs, dd, dk_p, dG_p, dk, dv, dbeta, dg, L.cu_seqlens, L.chunk_indices,
-        L.chunk_offsets, SUB=SUB, **c, num_warps=chunk_warps(K), num_stages=kda_stages(K, ieee, "wy_bwd"))
+        kf, vf, gf, bf, tm, v_new, hs, dhs, dd, dk_p, dG_p, dam, dv, dbp, L.cu_seqlens, L.chunk_indices,
+        L.chunk_offsets, **c, num_warps=chunk_warps(K), num_stages=kda_stages(K, ieee, "wy_bwd"))
+    _intra_bwd_kernel[(NK, L.NC, H)](
+        qf, kf, gf, bf, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, L.tokens * H, L.cu_seqlens, L.chunk_indices,
+        L.chunk_offsets, H=H, G=G, K=K, BT=BT, BK=BKI, SUB=SUB, IEEE=ieee, num_warps=8)
+    dbeta.copy_(dbp.sum(0))
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
 
 

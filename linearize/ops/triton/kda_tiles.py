@@ -13,11 +13,13 @@ through the log-decay at the start of the row's sub-chunk, ``exp(G_r − G_s)·e
 sub-diagonal ``d`` at a time (``SUB − 1`` steps, the rows ``d`` away read again from memory), with the decay
 between the two rows summed from the ``d`` log-decays between them rather than taken as a difference of
 cumulative sums. Only the ``n`` rows inside the document are read; every exponent is masked before ``exp``,
-so nothing overflows where a mask drops it. The backward takes left and right of one chunk together
-(:func:`decayed_left_right`): step d of a sub-chunk's rows then does left's pairs on the rows at least d in and
-right's on the others, so no row idles and one ``exp`` serves both.
+so nothing overflows where a mask drops it. The backward takes the left and right products of the scores' and
+of A's gradients together, on a slice of the channels (:func:`decayed_pairs`, in ``kda_bwd._intra_bwd_kernel``):
+step d of a sub-chunk's rows then does left's pairs on the rows at least d in and right's on the others, so no
+row idles and one ``exp`` serves all four.
 
-Tiles: (BT, BK) rows of a chunk, G float32; products in float32 (the dots in the inputs' dtype, or IEEE fp32).
+Tiles: (BT, BK) rows of a chunk (BK all of K, or a slice of it), G float32; products in float32 (the dots in the
+inputs' dtype, or IEEE fp32).
 """
 
 from __future__ import annotations
@@ -146,49 +148,64 @@ def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb,
 
 
 @triton.jit
-def decayed_left_right(W, V, b, a, pb, pa, pg, stride_b, stride_a, stride_g, G, n, K: tl.constexpr,
-                       SUB: tl.constexpr, IEEE: tl.constexpr):
-    """``(L, R)``, each (BT, BK) float32: ``L_r = Σ_{j<r} W_rj b_j ⊙ exp(G_r − G_j)`` and
-    ``R_j = Σ_{r>j} V_rj a_r ⊙ exp(G_r − G_j)``. Between sub-chunks the products go through the log-decay at
-    the later sub-chunk's start, the factors taken once for both; inside a sub-chunk the decays are sums of
-    log-decays one sub-diagonal at a time, one ``exp`` of the tile per step serving both products with no row
-    masked (below). W, V: (BT, BT) float32, read below the diagonal (one tile twice for the scores' dq and dk); b, a:
-    (BT, BK) in the dots' dtype; ``pb``, ``pa``, ``pg``: b's, a's and the log-decays' first row in memory (row
-    strides ``stride_b``, ``stride_a``, ``stride_g``)."""
-    BT: tl.constexpr = b.shape[0]
-    BK: tl.constexpr = b.shape[1]
-    o = tl.arange(0, BT)
-    bf, af = b.to(tl.float32), a.to(tl.float32)
-    L = tl.zeros(b.shape, dtype=tl.float32)
-    R = tl.zeros(a.shape, dtype=tl.float32)
+def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a, stride_beta,
+                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
+    """``(L_P, L_A, R + R_P + R_A)``, each (BT, BK) float32, on one slice of BK channels (``m_k``: those inside K):
+    ``L_P,r = Σ_{j<r} P_rj k_j⊙D_rj``, ``R_P,j = Σ_{r>j} P_rj q_r⊙D_rj``, and with ``WITH_A`` (else L_A = 0 and
+    no R_A) ``L_A,r = Σ_{j<r} A_rj k_j⊙D_rj``, ``R_A,j = Σ_{r>j} A_rj β_r k_r⊙D_rj``: one ``exp`` per pair for all
+    four, and the right products summed into R (the gradient takes them only summed, so one tile holds them).
+    P, A: (BT, BT) float32, strictly lower, zero on rows past the document's end; k, q: (BT, BK) in the dots'
+    dtype, beta (BT,) float32, G and R (BT, BK) float32. ``pk``, ``pq``, ``pg``: the chunk's first row of the slice of
+    k, q and the log-decays (g's row stride is k's); ``pp``, ``pa``, ``pbeta``: the first row of P, A (in memory
+    too: the steps inside a sub-chunk read their weights from there) and β.
+
+    Between sub-chunks the products go through the log-decay at the later sub-chunk's start (:func:`_factors`),
+    the factors taken once for all four. Inside the sub-chunks step d pairs row r at position p = r % SUB with
+    r − d while d ≤ p (the left products' pair (r, r − d)), then with r + d − p, the row at d in its sub-chunk
+    (the right products' pair (r + d − p, r)): every row works at every step, and the decay of the pair is a
+    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it."""
+    BT: tl.constexpr = k.shape[0]
+    BK: tl.constexpr = k.shape[1]
+    o, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    kf, qf = k.to(tl.float32), q.to(tl.float32)
+    bk = kf * beta[:, None]
+    Lp = tl.zeros(k.shape, dtype=tl.float32)
+    La = tl.zeros(k.shape, dtype=tl.float32)
+    if not IEEE:  # the dots' operands: held in their dtype
+        P = P.to(k.dtype)
+        A = A.to(k.dtype)
     for s in tl.static_range(1, BT // SUB):
         if s * SUB < n:
             ea, fb = _factors(G, s, SUB)
-            L += ea * mm(W, bf * fb, b, IEEE)
-            R += fb * mm(tl.trans(V), af * ea, a, IEEE)
-    # inside the sub-chunks, one step d for both: row r at position p = r % SUB takes L's pair (r, r − d) while
-    # d ≤ p, then R's pair (r + d − p, r), the row at d in its sub-chunk; so every row does useful work at every
-    # step (one exp of the tile for both products, where each alone left half the rows masked). Each row's S
-    # restarts at its switch; L_r and R_j sum the same log-decays and pairs in the same order as two separate
-    # walks would.
+            kb = kf * fb
+            Lp += ea * mm(P, kb, k, IEEE)
+            R += fb * mm(tl.trans(P), qf * ea, q, IEEE)
+            if WITH_A:
+                La += ea * mm(A, kb, k, IEEE)
+                R += fb * mm(tl.trans(A), bk * ea, k, IEEE)
     p = o % SUB
-    Vt = tl.trans(V)
-    o_k = tl.arange(0, BK)
-    m_k = (o_k < K)[None, :]
-    S = tl.zeros(b.shape, dtype=tl.float32)
+    S = tl.zeros(k.shape, dtype=tl.float32)
     for d in range(1, SUB):
         left = p >= d
-        top = o - p + d  # the row at d in r's sub-chunk: R's row r + d − p
+        top = o - p + d  # the row at d in r's sub-chunk: the right products' later row
         m_l = left & (o < n)
         m_r = (p < d) & (top < n)
-        gl = tl.where(left, o + 1 - d, top)
-        S = tl.where((p == d - 1)[:, None], 0.0, S) + tl.load(pg + gl[:, None] * stride_g + o_k[None, :],
-                                                              mask=(m_l | m_r)[:, None] & m_k, other=0.0)
-        px = tl.where(left[:, None], pb + (o - d)[:, None] * stride_b, pa + top[:, None] * stride_a)
-        x = tl.load(px + o_k[None, :], mask=(m_l | m_r)[:, None] & m_k, other=0.0).to(tl.float32)
-        col = tl.where(left, o - d, top)  # W[r, r − d], or V[r + d − p, r] = Vᵀ[r, r + d − p]
-        w_d = tl.sum(tl.where(o[None, :] == col[:, None], tl.where(left[:, None], W, Vt), 0.0), 1)
-        x = w_d[:, None] * x * tl.exp(tl.where((m_l | m_r)[:, None], S, float("-inf")))
-        L = tl.where(left[:, None], L + x, L)
-        R = tl.where(left[:, None], R, R + x)
-    return L, R
+        m_x = m_l | m_r
+        m_xk = m_x[:, None] & m_k[None, :]
+        row = tl.where(left, o + 1 - d, top)
+        S = tl.where((p == d - 1)[:, None], 0.0, S) + tl.load(pg + row[:, None] * stride_k + o_k[None, :],
+                                                              mask=m_xk, other=0.0)
+        e = tl.exp(tl.where(m_x[:, None], S, float("-inf")))
+        row = tl.where(left, o - d, top)  # k's row of the pair: j = r − d (left), r + d − p (right)
+        xk = tl.load(pk + row[:, None] * stride_k + o_k[None, :], mask=m_xk, other=0.0).to(tl.float32) * e
+        xq = tl.load(pq + top[:, None] * stride_q + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
+                     other=0.0).to(tl.float32) * e
+        wp = tl.load(pp + tl.where(left, o * stride_p + o - d, top * stride_p + o), mask=m_x, other=0.0)
+        Lp = tl.where(left[:, None], Lp + wp[:, None] * xk, Lp)
+        R = tl.where(left[:, None], R, R + wp[:, None] * xq)
+        if WITH_A:
+            wa = tl.load(pa + tl.where(left, o * stride_a + o - d, top * stride_a + o), mask=m_x, other=0.0)
+            wa = tl.where(left, wa, wa * tl.load(pbeta + top * stride_beta, mask=m_r, other=0.0).to(tl.float32))
+            La = tl.where(left[:, None], La + wa[:, None] * xk, La)
+            R = tl.where(left[:, None], R, R + wa[:, None] * xk)
+    return Lp, La, R

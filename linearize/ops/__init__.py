@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import gated_delta_rule_chunk
-from .common import TRITON_MAX_K, check_inputs
+from .common import TRITON_MAX_K, check_inputs, wants_grad
 from .kda import check_kda_inputs, kda_chunk, kda_reference, kda_step
 from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
@@ -99,8 +99,7 @@ def gated_delta_rule(
         if fits and per_channel:  # KDA: key heads up to the width its GPU tests passed at (128), and not
             from .triton.kda_bwd import backward_compiles  # where ptxas would miscompile a 16-bit backward
 
-            grad = torch.is_grad_enabled() and any(
-                x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state, v_offset))
+            grad = wants_grad(q, k, v, g, beta, initial_state, v_offset)
             fits = q.shape[-1] <= KDA_AUTO_MAX_K and (not grad or backward_compiles(q.dtype, q.device))
         backend = "triton" if fits else "torch"
     if backend == "triton":

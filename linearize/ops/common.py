@@ -120,6 +120,11 @@ def chunked_over_sequences(one, q, k, v, g, b, scale, initial_state, output_fina
     return o.to(out_dtype), (torch.stack(finals) if output_final_state else None)
 
 
+def wants_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd will differentiate a call on these tensors (None entries skipped)."""
+    return torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in tensors)
+
+
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulate in at least float32; float64 stays float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import TRITON_MAX_K, check_inputs, chunked_over_sequences, recurrent_over_sequences
+from .common import TRITON_MAX_K, check_inputs, chunked_over_sequences, recurrent_over_sequences, wants_grad
 from .taylor import taylor_back
 
 CHUNK = 64
@@ -190,8 +190,7 @@ def linear_attention(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
-    grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (q, k, v, g, w, initial_state,
-                                                                                        v_offset))
+    grad = wants_grad(q, k, v, g, w, initial_state, v_offset)
     if backend == "auto":  # the backward kernels are opt-in (backend="triton") until their GPU tests have run
         backend = "triton" if q.is_cuda and not grad and _triton_ok(q) else "torch"
     if backend == "triton":

@@ -43,7 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import cdiv
+from ..common import cdiv, wants_grad
 from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_states
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
@@ -452,7 +452,6 @@ def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, outp
         raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
-    inputs = (q, k, v, g, beta, initial_state, v_offset)
-    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+    if wants_grad(q, k, v, g, beta, initial_state, v_offset):
         check_backward_compiler(q.dtype, q.device)
     return KDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens, v_offset)

@@ -32,9 +32,10 @@ STEP_BACKENDS = ("auto", "torch", "triton")
 
 
 def taylor_gdn_step_torch(q, k, v, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, beta_max: float,
-                          scale: float, mask=None, eps: float = 1e-12) -> torch.Tensor:
+                          scale: float, mask=None, eps: float = 1e-12, decays: bool = True) -> torch.Tensor:
     """The step in PyTorch, computed in the state's dtype (float32 or float64); same contract as
-    :func:`taylor_gdn_step_`."""
+    :func:`taylor_gdn_step_`. ``decays=False``: the ``deltanet`` target's form, α = 1, ``u ← t·u`` and the
+    read with ``q/t`` (:func:`linearize.ops.taylor.fold_decay`); ``gate_factor`` is then not read."""
     N, H, K = k.shape
     dt, out_dtype = state.dtype, v.dtype
     k, v, rho, f_b, f_g = (x.to(dt) for x in (k, v, rho, beta_factor, gate_factor))
@@ -49,8 +50,11 @@ def taylor_gdn_step_torch(q, k, v, state, sum_k, sum_v, count, rho, beta_factor,
     k_hat = k_c / n.clamp_min(eps)[..., None]
     beta = torch.where(live, (rho * n / tm1 * f_b).clamp(0.0, beta_max), 0.0)
     coef = torch.where(beta > 0, n / (t_safe * beta.clamp_min(eps)), 0.0)
+    if decays:
+        g = scale_log_decay(torch.log(torch.where(live, 1.0 - 1.0 / t_safe, 1.0)), f_g)  # log α: (N, H) or (N, H, K)
+    else:
+        g, coef, q = torch.zeros_like(beta), coef * t_safe, q.to(dt) / t_safe[..., None]
     u = coef[..., None] * (v - sum_v / tm1[..., None])
-    g = scale_log_decay(torch.log(torch.where(live, 1.0 - 1.0 / t_safe, 1.0)), f_g)  # log α: (N, H) or (N, H, K)
     o, h = gated_delta_rule_step(q, k_hat, u, g, beta, state, scale)
     v_mean = new_v / t_safe[..., None]  # v̄_t
     o = (o.view(N, H, -1, v.shape[-1]) + v_mean[:, :, None]).view(o.shape)

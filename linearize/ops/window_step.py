@@ -27,8 +27,10 @@ new token at position ``p = c + 1`` (row position ``r``), in the layout of :mod:
 This is what ``GDNAttention._attend_window`` computes for one token per row (``mask=None``) from a cache,
 together with the buffers ``cached_inputs`` returns and the state and running sums ``set_state`` stores.
 :func:`sink_window_gdn_step_` runs the Triton kernel of ``ops/triton/window_step.py`` on CUDA (one launch)
-and elsewhere the PyTorch body below, which composes those very functions; both update every buffer in
-place and read nothing back to the host, so a CUDA graph can capture the step.
+and elsewhere the PyTorch body below, which writes the step out for all rows and heads at once (the old
+stream through :func:`linearize.ops.decode.taylor_gdn_step_torch`); tests/test_window_step.py ties it to the
+model's composed path. Both update every buffer in place and read nothing back to the host, so a CUDA graph
+can capture the step.
 """
 
 from __future__ import annotations
@@ -36,38 +38,52 @@ from __future__ import annotations
 import torch
 
 from .common import TRITON_MAX_K
-from .decode import STEP_BACKENDS
-from .kda import scale_log_decay
-from .reference import gated_delta_rule_step
-from .taylor import RunningSums, fold_decay, taylor_back, taylor_front
-from .window import mix_by_mass, sink_window_softmax
-from .window_inputs import WindowBuffers, cached_inputs
+from .decode import STEP_BACKENDS, taylor_gdn_step_torch
+from .window_inputs import WindowBuffers
 
 
 def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, sum_v, count, rho, beta_factor,
                                gate_factor, mix_bias, beta_max: float, window: int, sinks: int, decays: bool = True,
                                eps: float = 1e-12) -> torch.Tensor:
-    """The step as ``_attend_window`` composes it (``cached_inputs``, ``sink_window_softmax``, ``taylor_front``,
-    ``gated_delta_rule_step``, ``taylor_back``, ``mix_by_mass``), the results copied into the arguments;
+    """The step in PyTorch for all rows and heads at once, as the kernel takes it (about 60 operations, where
+    composing ``_attend_window``'s functions for one token takes several hundred: the decode step off CUDA);
     same contract as :func:`sink_window_gdn_step_`."""
+    N, Hq, D = q.shape
+    H, W, S, b = k.shape[1], window, sinks, buffers
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-    q = q.to(dt)[:, None]  # (N, 1, G·H, D)
-    inp, after = cached_inputs(k[:, None], v[:, None], buffers, window, sinks)
-    o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, window, inp.sink_k, inp.sink_v,
-                                       inp.sink_ok)
-    front = taylor_front(q, inp.old_k.to(dt), inp.old_v.to(dt), form="stable", rho=rho.to(dt), beta_max=beta_max,
-                         beta_factor=beta_factor.to(dt)[:, None], mask=inp.old_ok,
-                         initial=RunningSums(sum_k, sum_v, count), eps=eps)
-    front.g = scale_log_decay(front.g, gate_factor.to(dt)[:, None])
-    q_old, front = (q, front) if decays else fold_decay(q, front)
-    o_old, h = gated_delta_rule_step(q_old[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], state)
-    o_old = taylor_back(o_old[:, None], front.v_mean)
-    o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, mix_bias)
-    for dst, src in zip(buffers.tensors(), after.tensors()):
-        dst.copy_(src)
-    for dst, src in ((state, h), (sum_k, front.sums.k), (sum_v, front.sums.v), (count, front.sums.count)):
-        dst.copy_(src)
-    return o[:, 0]
+    q = q.to(dt)
+    c, r = b.count, b.rows
+    # the old stream: slot 0 leaves the window and enters the state when it is real and no sink
+    m = b.win_pos[:, 0] > S
+    o_old = taylor_gdn_step_torch(q, b.win_k[:, 0].to(dt), b.win_v[:, 0].to(dt), state, sum_k, sum_v, count, rho,
+                                  beta_factor, gate_factor, beta_max, 1.0, mask=m, eps=eps, decays=decays)
+    # the exact part: window slots 1 … W − 1 holding a token, the new token, the sinks outside the window
+    keys = torch.cat([b.win_k[:, 1:], k.to(b.win_k.dtype)[:, None], b.sink_k], 1).to(dt)  # (N, W + S, H, D)
+    values = torch.cat([b.win_v[:, 1:], v.to(b.win_v.dtype)[:, None], b.sink_v], 1).to(dt)
+    sink_ok = (b.sink_index >= 0) & (b.sink_index <= (r - W)[:, None])
+    ok = torch.cat([b.win_pos[:, 1:] > 0, torch.ones_like(m)[:, None], sink_ok], 1)  # (N, W + S)
+    qh = q.view(N, H, Hq // H, D)
+    logits = (qh @ keys.permute(0, 2, 3, 1)).masked_fill(~ok[:, None, None], float("-inf"))  # (N, H, G, W + S)
+    lse = torch.logsumexp(logits, -1, keepdim=True)  # finite: the new token is always a key
+    o_exact = torch.exp(logits - lse) @ values.transpose(1, 2)  # (N, H, G, D)
+    # the mix by mass, with the old stream's count and mean key after this step
+    t = count.to(dt)[:, None, None, None].clamp_min(1)
+    log_z = (qh @ sum_k.to(dt)[..., None]) / t + torch.log(t) + mix_bias.to(dt).view(H, -1, 1)
+    w = torch.where(count[:, None, None, None] > 0, torch.sigmoid(lse - log_z), 1.0)
+    o = (o_old.view(N, H, -1, D) + w * (o_exact - o_old.view(N, H, -1, D))).reshape(N, Hq, D)
+    # the buffers move on: the new token becomes sink c while there are fewer than S, and enters the window
+    if S:
+        at = c.clamp_max(S - 1)[:, None]
+        fill = (c[:, None] < S) & (b.sink_index.gather(1, at) < 0)  # (N, 1)
+        for buf, x in ((b.sink_k, k), (b.sink_v, v)):
+            slot = buf.gather(1, at[..., None, None].expand(-1, -1, H, D))
+            buf.scatter_(1, at[..., None, None].expand(-1, -1, H, D), torch.where(fill[..., None, None], x[:, None].to(buf.dtype), slot))
+        b.sink_index.scatter_(1, at, torch.where(fill, r[:, None], b.sink_index.gather(1, at)))
+    for buf, x in ((b.win_k, k), (b.win_v, v), (b.win_pos, c + 1)):
+        buf.copy_(torch.cat([buf[:, 1:], x.to(buf.dtype)[:, None]], 1))
+    c.add_(1)
+    r.add_(1)
+    return o
 
 
 def sink_window_gdn_step_(

@@ -159,9 +159,9 @@ def convert(
     sinks: int | None = typer.Option(None, "--sinks", help="With --window: also exact over each document's first N tokens (default 4; 0 without a window)."),
     output_gate: bool = typer.Option(False, "--output-gate", help="A gate and mixed RMSNorm before o_proj (identity at init)."),
     decay_rank: int = typer.Option(16, "--decay-rank", help="With --to kda: rank of the per-channel decay correction."),
-    write_gate: bool = typer.Option(False, "--write-gate", help="A learnable strength on each token's write into the "
-                                                                "state (1 at init; decoding takes the composed ops)."),
+    write_gate: bool = typer.Option(False, "--write-gate", help="A learnable strength on each token's write (1 at init)."),
     calibrate_mix: bool = typer.Option(False, "--calibrate-mix", help="With --window: fit the mix's per-head bias on the calibration text."),
+    mix_order: int = typer.Option(1, "--mix-order", help="With --window: the older tokens' normalizer to first (1) or second (2) order."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
     calibrate_steps: int = typer.Option(0, "--calibrate-steps", help="Adam steps per layer fitting the block's own parameters on it."),
@@ -182,7 +182,7 @@ def convert(
         try:
             options = GDNOptions(form=form, target=to, beta_max=beta_max, short_conv=short_conv, window=window,
                                  sinks=(4 if window else 0) if sinks is None else sinks, output_gate=output_gate,
-                                 calibrate_mix=calibrate_mix, decay_rank=decay_rank, write_gate=write_gate)
+                                 calibrate_mix=calibrate_mix, decay_rank=decay_rank, write_gate=write_gate, mix_order=mix_order)
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
         checks.positive(tokens, "--tokens", 2)

@@ -37,6 +37,7 @@ class ConvertConfig:
     decay_rank: int = 16  # kda: rank of the per-channel decay correction
     write_gate: bool = False  # a learnable strength on each token's write into the state (1 at init)
     calibrate_mix: bool = False  # with a window: fit the mix's per-head bias on the calibration text
+    mix_order: int = 1  # with a window: the older tokens' normalizer to first (1) or second (2) order
     calibration_tokens: int = 512
     calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
 
@@ -299,6 +300,8 @@ def validate(cfg: RecipeConfig) -> None:
     _need(isinstance(c.write_gate, bool), "convert.write_gate", "true or false", c.write_gate)
     _need(not (c.write_gate and c.to == "linear"), "convert.write_gate", "false with convert.to: linear", c.write_gate)
     _need(isinstance(c.calibrate_mix, bool), "convert.calibrate_mix", "true or false", c.calibrate_mix)
+    _need(c.mix_order in (1, 2) and not isinstance(c.mix_order, bool) and (c.mix_order == 1 or c.window),
+          "convert.mix_order", "1, or 2 with a convert.window", c.mix_order)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     _need(c.calibration_steps >= 0, "convert.calibration_steps", ">= 0", c.calibration_steps)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))

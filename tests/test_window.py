@@ -107,7 +107,8 @@ def test_window_block_is_the_teacher_for_the_first_window_plus_sinks_tokens(fami
 def block_reference(gdn, h, pe, docs):
     """The block on one packed row, independently, in float64: per document and per query, softmax over
     its exact set; the Taylor recurrence (by loops) over the tokens older than its window and sinks,
-    fed in order, read with its query; the two mixed by w = σ(lse_E − log n_O − q·k̄_O − bias)."""
+    fed in order, read with its query; the two mixed by w = σ(lse_E − log n_O − q·k̄_O − bias), and with
+    ``mix_order`` 2 the variance of the query's logits over those tokens, halved, in the normalizer too."""
     W, S = gdn.options.window, gdn.options.sinks
     g64 = copy.deepcopy(gdn).double()
     q, k, v = project_qkv(g64, h.double()[None], tuple(x.double() for x in pe))
@@ -127,22 +128,26 @@ def block_reference(gdn, h, pe, docs):
                 if n <= 0:
                     out[a + t, hq] = o_exact[0, t, hq]
                     continue
-                k_mean = ks[0, S:S + n, hq // G].mean(0)
-                log_z = math.log(n) + gdn.scaling * qs[0, t, hq] @ k_mean + g64.mix_bias[hq]
+                logits = gdn.scaling * ks[0, S:S + n, hq // G] @ qs[0, t, hq]
+                log_z = math.log(n) + logits.mean() + g64.mix_bias[hq]
+                if gdn.options.mix_order == 2:
+                    log_z = log_z + logits.var(unbiased=False) / 2
                 w = torch.sigmoid(lse[0, t, hq] - log_z)
                 out[a + t, hq] = w * o_exact[0, t, hq] + (1 - w) * o_old[0, n - 1, hq]
     return out.flatten(1)
 
 
-@pytest.mark.parametrize("family,window,sinks", [("llama", 4, 2), ("qwen3", 6, 0), ("llama", 3, 5)])
-def test_window_block_equals_reference_per_document(family, window, sinks):
+@pytest.mark.parametrize("family,window,sinks,mix_order", [("llama", 4, 2, 1), ("qwen3", 6, 0, 1), ("llama", 3, 5, 1),
+                                                            ("llama", 4, 2, 2), ("qwen3", 3, 1, 2)])
+def test_window_block_equals_reference_per_document(family, window, sinks, mix_order):
     """Two packed documents per row, a random per-head mix bias: the block's output before o_proj and
-    its gradient with respect to the input equal the float64 reference."""
+    its gradient with respect to the input equal the float64 reference (either order of the mix)."""
     teacher = tiny_model(family)
     x = ids(teacher, B=1, T=30)
     pos = torch.cat([torch.arange(12), torch.arange(18)])[None]
     cap = capture_attention(teacher, x, [1], position_ids=pos)[1]
-    gdn = linearize.linearize_layer(teacher.model.layers[1].self_attn, GDNOptions(window=window, sinks=sinks),
+    gdn = linearize.linearize_layer(teacher.model.layers[1].self_attn,
+                                    GDNOptions(window=window, sinks=sinks, mix_order=mix_order),
                                     cap.hidden_states, cap.position_embeddings)
     with torch.no_grad():
         gdn.mix_bias.normal_(0, 1.0)
@@ -158,13 +163,14 @@ def test_window_block_equals_reference_per_document(family, window, sinks):
 
 
 @pytest.mark.parametrize("prefill", [3, 14])
-@pytest.mark.parametrize("keep", [None, [1]])
-def test_window_prefill_and_decode_equal_full_forward(prefill, keep):
+@pytest.mark.parametrize("keep,mix_order", [(None, 1), ([1], 1), (None, 2)])
+def test_window_prefill_and_decode_equal_full_forward(prefill, keep, mix_order):
     """Prefill shorter and longer than window + sinks, then token by token: the full forward's logits; the
-    cache holds a fixed number of keys (sinks + window) whatever the length; beam reordering permutes it."""
+    cache holds a fixed number of keys (sinks + window) whatever the length — with the second-order mix,
+    also Σkkᵀ of the old keys; beam reordering permutes it."""
     teacher = tiny_model("llama")
     model = linearize.convert(teacher, calibration_ids=calib(teacher), keep_softmax=keep,
-                              options=GDNOptions(window=5, sinks=2, short_conv=3, output_gate=True))
+                              options=GDNOptions(window=5, sinks=2, short_conv=3, output_gate=True, mix_order=mix_order))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, GDNAttention):
@@ -180,15 +186,22 @@ def test_window_prefill_and_decode_equal_full_forward(prefill, keep):
     buf = cache.layers[0].window_buffers
     assert buf.win_k.shape[1] == 5 and buf.sink_k.shape[1] == 2 and buf.count.tolist() == [24, 24]
     assert buf.sink_index.tolist() == [[0, 1], [0, 1]] and buf.win_pos[0].tolist() == list(range(20, 25))
+    kk = cache.layers[0].sums.kk
+    assert (kk is None) == (mix_order == 1)
+    if kk is not None:  # Σkkᵀ over the 24 - 5 - 2 old keys: symmetric, positive semidefinite, a fixed size
+        d = model.model.layers[0].self_attn.head_dim
+        assert kk.shape[-2:] == (d, d) and torch.allclose(kk, kk.transpose(-1, -2))
     before = buf.win_k.clone()
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(cache.layers[0].window_buffers.win_k, before[[1, 0]])
 
 
-def test_window_left_padding_matches_unpadded():
+@pytest.mark.parametrize("mix_order", [1, 2])
+def test_window_left_padding_matches_unpadded(mix_order):
     """A left-padded row decodes as the same row alone: padding is no key, no sink, no position."""
     teacher = tiny_model("llama")
-    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    model = linearize.convert(teacher, calibration_ids=calib(teacher),
+                              options=GDNOptions(window=4, sinks=2, mix_order=mix_order))
     x = ids(model, B=1, T=16)
     padded = torch.cat([torch.zeros(1, 5, dtype=torch.long), x], 1)
     both = torch.cat([padded, torch.cat([ids(model, B=1, T=21, seed=5)], 1)])
@@ -201,13 +214,14 @@ def test_window_left_padding_matches_unpadded():
     assert (inc[0, 5:] - alone[0]).abs().max() < 1e-4
 
 
-@pytest.mark.parametrize("prefill", [6, 14])
-def test_window_mask_with_a_hole_fresh_equals_decoding(prefill):
+@pytest.mark.parametrize("prefill,mix_order", [(6, 1), (14, 1), (14, 2)])
+def test_window_mask_with_a_hole_fresh_equals_decoding(prefill, mix_order):
     """A padding slot inside a row (a mask with a hole): the fresh path and decoding agree — the token
     leaving the window at the padded slot still enters the state, with correction factors 1 — and the
     token under the mask changes nothing."""
     teacher = tiny_model("llama")
-    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
+    model = linearize.convert(teacher, calibration_ids=calib(teacher),
+                              options=GDNOptions(window=4, sinks=2, mix_order=mix_order))
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, GDNAttention):
@@ -231,7 +245,8 @@ def test_window_mask_with_a_hole_fresh_equals_decoding(prefill):
 def test_window_options_checked_and_off_the_fused_path():
     from linearize.layers.gdn_attention import fused_path
 
-    for bad in (dict(window=-1), dict(sinks=4), dict(window=True), dict(output_gate=1), dict(calibrate_mix=1)):
+    for bad in (dict(window=-1), dict(sinks=4), dict(window=True), dict(output_gate=1), dict(calibrate_mix=1),
+                dict(mix_order=2), dict(window=4, mix_order=3), dict(window=4, mix_order=True)):
         with pytest.raises(ValueError):
             GDNOptions(**bad)
     h = torch.zeros(1, 4, 8)
@@ -322,3 +337,34 @@ def test_sink_window_flex_compiled_equals_banded_on_gpu(mask_rows, dtype, tol):
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
     assert rel(o2, o1) < tol and rel(l2, l1) < tol
     assert all(rel(a, b) < tol for a, b in zip(g2, g1))
+
+
+def test_second_order_mix_from_the_cli_and_recipe(tiny_dir, tmp_path):
+    """``--mix-order 2`` saves its option and the converted model reloads to the same logits; without a window
+    the CLI says so in one line (exit 2, nothing written) and a recipe names the key."""
+    import json
+
+    from test_cli import run
+
+    from linearize.config import load_recipe
+
+    out = tmp_path / "mo2"
+    code, text = run("convert", "--model", tiny_dir, "--output", out, "--window", 4, "--sinks", 1, "--mix-order", 2,
+                     "--tokens", 64, "--calibration-tokens", 64)
+    assert code == 0, text
+    assert json.loads((out / "config.json").read_text())["linearize"]["options"]["mix_order"] == 2
+    model = linearize.load(out)
+    blocks = [m for m in model.modules() if isinstance(m, GDNAttention)]
+    assert blocks and all(m.options.mix_order == 2 for m in blocks)
+    x = torch.randint(1, 100, (1, 20))
+    with torch.no_grad():
+        second = model(x).logits
+        for m in blocks:
+            m.options.mix_order = 1
+        first = model(x).logits
+    assert torch.equal(second[:, :5], first[:, :5]) and not torch.allclose(second, first)  # equal while t <= W + S
+    code, text = run("convert", "--model", tiny_dir, "--output", tmp_path / "bad", "--window", 0, "--mix-order", 2)
+    assert code == 2 and "mix-order" in text and not (tmp_path / "bad").exists()
+    assert load_recipe(None, [f"teacher.model={tiny_dir}", "convert.window=4", "convert.mix_order=2"]).convert.mix_order == 2
+    with pytest.raises(Exception, match="convert.mix_order"):
+        load_recipe(None, [f"teacher.model={tiny_dir}", "convert.mix_order=2"])

@@ -23,6 +23,7 @@ _STATE, _SUM_K, _SUM_V, _COUNT = range(4)  # recurrent state slots: A, Σk, Σv,
 _CONV_INPUTS = (4, 5, 6)
 # a sink + sliding-window block's sinks and last tokens (GDNOptions.window; ops/window_inputs.py's WindowBuffers)
 _WINDOW = tuple(range(7, 15))
+_SUM_KK = 15  # Σkkᵀ of the old keys, for the window block's second-order mix (GDNOptions.mix_order = 2)
 
 
 # Also a CacheLayerMixin: beside A it keeps running sums (3 more slots), and a model whose every layer
@@ -36,7 +37,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
     def __init__(self, **kwargs):
         CacheLayerMixin.__init__(self)
-        LinearAttentionLayer.__init__(self, number_of_states=15)
+        LinearAttentionLayer.__init__(self, number_of_states=16)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
 
     @property
@@ -48,7 +49,8 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         if not self.has_previous_state[_STATE]:
             return None
         r = self.recurrent_states
-        return RunningSums(k=r[_SUM_K], v=r[_SUM_V], count=r[_COUNT])
+        return RunningSums(k=r[_SUM_K], v=r[_SUM_V], count=r[_COUNT],
+                           kk=r[_SUM_KK] if self.has_previous_state[_SUM_KK] else None)
 
     @property
     def conv_inputs(self) -> tuple[torch.Tensor, ...] | None:
@@ -72,6 +74,8 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         slots = [(_STATE, state), (_SUM_K, sums.k), (_SUM_V, sums.v), (_COUNT, sums.count)]
         slots += list(zip(_CONV_INPUTS, conv_inputs or []))
         slots += list(zip(_WINDOW, window.tensors() if window is not None else []))
+        if sums.kk is not None:
+            slots.append((_SUM_KK, sums.kk))
         for i, x in slots:
             if not (self.is_recurrent_states_initialized[i] and self.recurrent_states[i] is x):  # updated in place
                 self.update_recurrent_state(x, state_idx=i)

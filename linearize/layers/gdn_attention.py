@@ -39,6 +39,7 @@ from ..ops.window import (
     first_order_gap,
     flex_usable,
     mix_by_mass,
+    old_square_sums,
     sink_window_flex,
     sink_window_softmax,
     window_triton_usable,
@@ -113,6 +114,8 @@ class GDNAttention(nn.Module):
             self.out_gate = OutputGate(hidden, self.num_heads, self.head_dim, device=p.device, dtype=p.dtype)
         if self.options.write_gate:  # the fused step kernels know no write strength: steps take the composed ops
             self.write_gate = WriteGate(self.num_kv_heads, self.head_dim, device=p.device)
+            self.fused_step = False
+        if self.options.mix_order == 2:  # nor the old keys' second moment
             self.fused_step = False
 
     def _add_corrections(self, hidden: int, p: torch.Tensor) -> None:
@@ -313,7 +316,15 @@ class GDNAttention(nn.Module):
                 q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=g, beta=front.beta, initial_state=h0,
                 output_final_state=layer is not None, cu_seqlens=cu_seqlens, backend=self.options.backend,
                 v_offset=front.v_mean)
-        o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, self.mix_bias)
+        square_sum = None
+        if self.options.mix_order == 2:  # Σ (q·k)² over the old tokens, from Σkkᵀ carried in the running sums
+            square_sum, moment = old_square_sums(q, inp.old_k.to(dt), inp.old_ok,
+                                                 initial=layer.sums.kk if h0 is not None else None,
+                                                 output_final_state=layer is not None, cu_seqlens=cu_seqlens,
+                                                 backend=self.options.backend)
+            if layer is not None:
+                front.sums.kk = moment
+        o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, self.mix_bias, square_sum)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails, buffers
 
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,

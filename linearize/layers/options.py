@@ -69,6 +69,12 @@ class GDNOptions:
     # text instead of 0. On SmolLM2 at conversion: median layer error 0.221 -> 0.200 but perplexity 12.0 ->
     # 12.6 (teacher 10.6), so it is off by default until a training ablation says otherwise
     calibrate_mix: bool = False
+    # the window block's estimate of the older tokens' normalizer: 1 = first order (log n + q·k̄), 2 = second
+    # order (+ ½ the variance of the query's logits over them, from a running Σkkᵀ: a second state the size of
+    # the GDN state). A retrieval head picks one token out of thousands, where the first order puts the old
+    # share near 0 and the mix's gradient with it (scripts/retrieval_capacity.py). Decode steps then take the
+    # composed ops, not the fused step kernels
+    mix_order: int = 1
     # a gate and a mixed RMSNorm on the output before o_proj (linearize.layers.output_gate; identity at init)
     output_gate: bool = False
     # the kda target: rank of the low-rank per-channel decay correction (linearize.layers.channel_decay)
@@ -100,6 +106,10 @@ class GDNOptions:
             raise ValueError(f"decay_rank must be a whole number from 1 to 4096; got {r!r}")
         if not isinstance(self.calibrate_mix, bool):
             raise ValueError(f"calibrate_mix must be true or false; got {self.calibrate_mix!r}")
+        if self.mix_order not in (1, 2) or isinstance(self.mix_order, bool):
+            raise ValueError(f"mix_order must be 1 (first-order normalizer) or 2 (second order); got {self.mix_order!r}")
+        if self.mix_order == 2 and not self.window:
+            raise ValueError("mix_order=2 is an option of the sink + sliding-window block: set window (e.g. 64)")
         if not isinstance(self.write_gate, bool):
             raise ValueError(f"write_gate must be true or false; got {self.write_gate!r}")
         if self.write_gate and self.target == "linear":

@@ -44,11 +44,13 @@ class TaylorInputs:
 
 @dataclass
 class RunningSums:
-    """The prefix-mean part of a decoding state: ``Σk (B, H, K)``, ``Σv (B, H, V)``, ``t (B,)``."""
+    """The prefix-mean part of a decoding state: ``Σk (B, H, K)``, ``Σv (B, H, V)``, ``t (B,)``; with the
+    window block's second-order mix (``GDNOptions.mix_order = 2``) also ``Σkkᵀ (B, H, K, K)`` of its old keys."""
 
     k: torch.Tensor
     v: torch.Tensor
     count: torch.Tensor
+    kk: torch.Tensor | None = None
 
 
 def _documents(T: int, cu_seqlens: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .linear import linear_attention
+
 
 def sink_window_softmax(
     q: torch.Tensor,
@@ -96,6 +98,7 @@ def mix_by_mass(
     k_mean_old: torch.Tensor,
     n_old: torch.Tensor,
     bias: torch.Tensor | None = None,
+    square_sum: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``w·o_exact + (1 − w)·o_old`` with ``w = Z_E / (Z_E + Z_O)`` the exact part's share of the mass.
 
@@ -103,18 +106,43 @@ def mix_by_mass(
     their mean logit, plus the log of their count), with a learnable per-query-head ``bias`` ``(G·H,)`` on
     top (0 at init). q: ``(B, T, G·H, D)`` scaled; ``k_mean_old`` ``(B, T, H, D)`` the old tokens' mean key;
     ``n_old`` ``(B, T)`` their count — where it is 0, ``w = 1``. Outputs ``(B, T, G·H, D)``.
+
+    ``square_sum`` ``(B, T, G·H)``: each query's ``Σ_s (q·k_s)²`` over its old tokens
+    (:func:`old_square_sums`); given, the second-order form (the cumulant expansion, exact for Gaussian
+    logits) adds half their variance, ``log Z_O ≈ log n_O + mean + ½·var``. A head that picks one token out
+    of thousands has a large variance there, where the first-order form puts the old share near 0.
     """
     B, T, Hq, D = q.shape
     H = k_mean_old.shape[2]
     acc = lse_exact.dtype
-    mean_logit = torch.einsum("bthgd,bthd->bthg", q.to(acc).view(B, T, H, Hq // H, D), k_mean_old.to(acc))
+    mean_logit = torch.einsum("bthgd,bthd->bthg", q.to(acc).view(B, T, H, Hq // H, D),
+                              k_mean_old.to(acc)).reshape(B, T, Hq)
     has_old = (n_old > 0)[..., None]  # (B, T, 1)
-    log_z_old = torch.log(n_old.to(acc).clamp_min(1))[..., None] + mean_logit.reshape(B, T, Hq)
+    n = n_old.to(acc).clamp_min(1)[..., None]
+    log_z_old = torch.log(n) + mean_logit
+    if square_sum is not None:  # var = E[l²] − E[l]², never negative (rounding can make it so)
+        log_z_old = log_z_old + 0.5 * (square_sum.to(acc) / n - mean_logit.square()).clamp_min(0)
     if bias is not None:
         log_z_old = log_z_old + bias.to(acc)
     lse = torch.where(torch.isfinite(lse_exact), lse_exact, torch.zeros_like(lse_exact))
     w = torch.where(has_old, torch.sigmoid(lse - log_z_old), torch.ones_like(lse))[..., None]
     return w * o_exact.to(acc) + (1 - w) * o_old.to(acc)
+
+
+def old_square_sums(q: torch.Tensor, old_k: torch.Tensor, old_ok: torch.Tensor, initial: torch.Tensor | None = None,
+                    output_final_state: bool = False, cu_seqlens: torch.Tensor | None = None,
+                    backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each query's ``Σ_s (q·k_s)²`` over the old stream so far, ``(B, T, G·H)``, and the running moment
+    ``M = Σ_s k_s k_sᵀ`` ``(N, H, D, D)`` it is read from (``qᵀ M q``), for :func:`mix_by_mass`'s
+    second-order form. A decayless linear attention whose values are its keys: ``o_t = M_t q_t``, so
+    ``q_t·o_t = Σ_s (q_t·k_s)²``, through :func:`linearize.ops.linear.linear_attention` (its kernels,
+    packed documents and states). q ``(B, T, G·H, D)`` scaled; ``old_k`` ``(B, T, H, D)``: the old stream
+    (the token leaving the window at each step); ``old_ok`` ``(B, T)``: which of its steps write;
+    ``initial``: the moment after the tokens before these."""
+    w = old_ok.to(old_k.dtype)[..., None].expand(*old_ok.shape, old_k.shape[2])
+    o, moment = linear_attention(q.to(old_k.dtype), old_k, old_k, torch.zeros_like(w), w, initial_state=initial,
+                                 output_final_state=output_final_state, cu_seqlens=cu_seqlens, backend=backend)
+    return (o * q.to(o.dtype)).sum(-1), moment
 
 
 def first_order_gap(q: torch.Tensor, k: torch.Tensor, window: int, sinks: int) -> torch.Tensor:

@@ -1,13 +1,11 @@
 """Triton forward of KDA, the gated delta rule with one decay per key channel (:mod:`linearize.ops.kda`: read
-its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stages:
+its docstring first), chunk 64, GQA-native and varlen. Four kernels in four stages:
 
-0. ``_scores_kernel``   per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel, the in-chunk
-   scores with their pairwise decays per channel, ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``
-   (float32 scratch) and every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r), in the same
-   pass as A (they share the pairwise decays: :func:`kda_tiles.cross_scores_pair`,
-   :func:`kda_tiles.sub_chunk_pairs`);
-   ``_solve_kernel`` per (chunk, KV head), one warp: ``T = (I + A)⁻¹`` as the GDN solve inverts it
-   (:func:`solve.store_inverse`). T and P are kept for the backward.
+0. ``_solve_kernel``    per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``, held
+   in registers as ten 16×16 blocks, ``T = (I + A)⁻¹`` as the GDN solve inverts it
+   (:func:`solve.store_inverse`), and every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r), the
+   pairwise decays per channel taken over K in blocks (:func:`kda_tiles.band_scores`). T and P are kept for
+   the backward.
 1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, and for the state kernel
    ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C``, the chunk's total log-decay per channel.
 2. ``_state_kernel``    per (V block, sequence × KV head), over the chunks in order — the only sequential part:
@@ -27,103 +25,63 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .kda_tiles import chunk_log_decay, cross_scores_pair, decayed_scores, row_of, sub_chunk_pairs
+from .kda_tiles import band_scores, chunk_log_decay, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k, sms_for
-from .solve import store_inverse
+from .solve import store_band, store_inverse
 from .tiles import mm
 
 SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_tiles)
 
 
 @triton.jit
-def _scores_kernel(
-    q, k, g, beta, am, pm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-    STORE_P: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (float32, to ``am``) and,
-    with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
-    dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays: those
-    between sub-chunks per head (:func:`kda_tiles.cross_scores_pair`), those inside a sub-chunk once for the
-    whole GQA group (:func:`kda_tiles.sub_chunk_pairs`)."""
-    HQ: tl.constexpr = H * G
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    n = tl.minimum(T - i_c * BT, BT)
-    o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    m_t = o_r < n
-    rows = bos + i_c * BT + o_r
-    m_tk, m_tt = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_r < BT)[None, :]
-    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
-    b_G = chunk_log_decay(g, p_k, m_tk)
-    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
-    p_a = (rows * H + i_h)[:, None] * BT + o_r[None, :]
-    if STORE_P:
-        p_q = (rows * HQ + i_h * G)[:, None] * K + o_k[None, :]
-        p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
-        b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
-        # the products between sub-chunks as (BT, BT) tiles, A with the first query head, stored but for the
-        # sub-chunks' strictly lower triangles, which sub_chunk_pairs then stores, rows by half sub-chunks
-        b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
-        m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
-        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
-        tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
-        for i_g in range(1, G):  # the other query heads of a GQA group
-            b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
-            b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
-            tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
-        HS: tl.constexpr = SUB // 2
-        o_h = tl.arange(0, BT // 2)
-        c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
-        c_hi = c_lo + HS  # the second half: keys up to SUB − 1 back
-        r0 = bos + i_c * BT
-        pa = q + (r0 * HQ + i_h * G) * K
-        pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
-        w_lo = tl.load(beta + (r0 + c_lo) * H + i_h, mask=c_lo < n, other=0.0).to(tl.float32)
-        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_lo, n, w_lo, pma, HQ * BT, pmb, H * BT, K, BK, SUB, HS,
-                        G, BT)
-        w_hi = tl.load(beta + (r0 + c_hi) * H + i_h, mask=c_hi < n, other=0.0).to(tl.float32)
-        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
-                        SUB, G, BT)
-    else:
-        b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE)
-        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_tt)
-
-
-@triton.jit
-def _a_block(am, rows, m, c0: tl.constexpr, i_h, H: tl.constexpr, BT: tl.constexpr):
-    """The (BT/4)² block of ``am`` at rows ``rows`` (token indices, ``m`` inside the document) and columns
-    ``c0 …``, float32, 0 past the document's end."""
-    o_c = tl.arange(0, BT // 4)
-    return tl.load(am + (rows * H + i_h)[:, None] * BT + c0 + o_c[None, :], mask=m[:, None], other=0.0)
+def _store_scores(pm, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33, r0, r1, r2, r3, m0, m1, m2, m3, i_hq,
+                  HQ: tl.constexpr, BT: tl.constexpr):
+    """Store one query head's scores, held as :func:`kda_tiles.band_scores` gives them, to
+    ``pm[token, i_hq, 0:BT]``, whole rows (0 above the diagonal blocks: the output kernel reads them)."""
+    z = tl.zeros(P00.shape, dtype=tl.float32)
+    store_band(pm, P00, z, z, z, r0, m0, i_hq, HQ, BT, BT // 4)
+    store_band(pm, P10, P11, z, z, r1, m1, i_hq, HQ, BT, BT // 4)
+    store_band(pm, P20, P21, P22, z, r2, m2, i_hq, HQ, BT, BT // 4)
+    store_band(pm, P30, P31, P32, P33, r3, m3, i_hq, HQ, BT, BT // 4)
 
 
 @triton.jit
 def _solve_kernel(
-    am, tm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
+    q, k, g, beta, tm, pm, chunk_indices, cu_seqlens, chunk_offsets,
+    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, STORE_P: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
-    """Per (chunk, KV head): ``T = (I + A)⁻¹`` of the ``A`` that :func:`_scores_kernel` stored, read as the GDN
-    solve holds it, ten (BT/4)² blocks, and inverted by its :func:`solve.store_inverse`."""
+    """Per (chunk, KV head): ``T = (I + A)⁻¹`` with ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``
+    and, with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
+    dtype the output kernel's product takes it in). A is held in registers as the GDN solve holds it, ten 16×16
+    blocks (:func:`kda_tiles.band_scores`, over K in blocks of ``BKB``), and inverted by
+    :func:`solve.store_inverse` with no round trip through memory; then one pass per query head for P (a pass
+    holds one set of ten blocks: A's and P's together would spill)."""
+    HQ: tl.constexpr = H * G
     BC: tl.constexpr = BT // 4
     i_t, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     n = tl.minimum(T - i_c * BT, BT)
     o_c = tl.arange(0, BC)
     r0 = bos + i_c * BT + o_c
     r1, r2, r3 = r0 + BC, r0 + 2 * BC, r0 + 3 * BC
     m0, m1, m2, m3 = o_c < n, o_c + BC < n, o_c + 2 * BC < n, o_c + 3 * BC < n
-    A00 = _a_block(am, r0, m0, 0, i_h, H, BT)
-    A10, A11 = _a_block(am, r1, m1, 0, i_h, H, BT), _a_block(am, r1, m1, BC, i_h, H, BT)
-    A20, A21 = _a_block(am, r2, m2, 0, i_h, H, BT), _a_block(am, r2, m2, BC, i_h, H, BT)
-    A22 = _a_block(am, r2, m2, 2 * BC, i_h, H, BT)
-    A30, A31 = _a_block(am, r3, m3, 0, i_h, H, BT), _a_block(am, r3, m3, BC, i_h, H, BT)
-    A32, A33 = _a_block(am, r3, m3, 2 * BC, i_h, H, BT), _a_block(am, r3, m3, 3 * BC, i_h, H, BT)
-    store_inverse(tm, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, r0, r1, r2, r3, m0, m1, m2, m3, i_h, H, BT,
-                  IEEE)
+    pq, pk, pg = q + i_h * G * K, k + i_h * K, g + i_h * K
+    A00, A10, A11, A20, A21, A22, A30, A31, A32, A33, _0, _1, _2, _3, _4, _5, _6, _7, _8, _9 = band_scores(
+        pk, H * K, pk, pg, H * K, bos + i_c * BT, n, K, BKB, BC, True, False, IEEE)
+    b0 = tl.load(beta + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)[:, None]
+    b1 = tl.load(beta + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)[:, None]
+    b2 = tl.load(beta + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)[:, None]
+    b3 = tl.load(beta + r3 * H + i_h, mask=m3, other=0.0).to(tl.float32)[:, None]
+    store_inverse(tm, A00 * b0, A11 * b1, A22 * b2, A33 * b3, A10 * b1, A20 * b2, A21 * b2, A30 * b3, A31 * b3,
+                  A32 * b3, r0, r1, r2, r3, m0, m1, m2, m3, i_h, H, BT, IEEE)
+    if STORE_P:
+        for i_g in range(G):  # the query heads of the GQA group
+            _0, _1, _2, _3, _4, _5, _6, _7, _8, _9, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33 = band_scores(
+                pq + i_g * K, HQ * K, pk, pg, H * K, bos + i_c * BT, n, K, BKB, BC, False, True, IEEE)
+            _store_scores(pm, P00, P10, P11, P20, P21, P22, P30, P31, P32, P33, r0, r1, r2, r3, m0, m1, m2, m3,
+                          i_h * G + i_g, HQ, BT)
 
 
 @triton.jit
@@ -203,7 +161,7 @@ def _output_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, query head), over the V blocks, with the scores ``P`` :func:`_scores_kernel` stored."""
+    """Per (chunk, query head), over the V blocks, with the scores ``P`` :func:`_solve_kernel` stored."""
     HQ: tl.constexpr = H * G
     i_t, i_hq = tl.program_id(0), tl.program_id(1)
     i_h = i_hq // G  # query heads h·G … h·G + G − 1 read KV head h
@@ -235,6 +193,13 @@ def _output_kernel(
 def kda_bv(K: int, V: int) -> int:
     """V block of every KDA kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
+
+
+def solve_bkb(K: int) -> int:
+    """K block of :func:`_solve_kernel`, which runs one warp: 16 channels. Compiled for sm_90 (Triton 3.6,
+    bf16, K = 128) it takes 255 registers at every K block and 1, 2 or 4 warps; only one warp with 16-channel
+    blocks spills nothing (2 warps 8 B, 4 warps 16–24 B, BKB = 32 at one warp 352 B)."""
+    return 16
 
 
 def chunk_warps(K: int) -> int:
@@ -277,13 +242,10 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
     tm = torch.empty(L.tokens, L.H, BT, dtype=dt, device=L.device)
     pm = torch.empty(L.tokens, L.HQ, BT, dtype=dt, device=L.device) if q is not None else None
     if L.NC:
-        am = torch.empty(L.tokens, L.H, BT, dtype=torch.float32, device=L.device)
-        _scores_kernel[(L.NC, L.H)](
-            q if q is not None else k, k, g, beta, am, pm if pm is not None else am, L.chunk_indices, L.cu_seqlens,
-            L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BK=block_k(L.K), SUB=SUB, STORE_P=q is not None,
-            IEEE=L.ieee, num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
-        _solve_kernel[(L.NC, L.H)](am, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, BT=BT, IEEE=L.ieee,
-                                   num_warps=1, num_stages=1)
+        _solve_kernel[(L.NC, L.H)](
+            q if q is not None else k, k, g, beta, tm, pm if pm is not None else tm, L.chunk_indices, L.cu_seqlens,
+            L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BKB=solve_bkb(L.K), STORE_P=q is not None, IEEE=L.ieee,
+            num_warps=1, num_stages=1)
     return tm, pm
 
 

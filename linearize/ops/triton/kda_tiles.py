@@ -16,7 +16,11 @@ cumulative sums. Only the ``n`` rows inside the document are read; every exponen
 so nothing overflows where a mask drops it. The backward takes the left and right products of the scores' and
 of A's gradients together, on a slice of the channels (:func:`decayed_pairs`, in ``kda_bwd._intra_bwd_kernel``):
 step d of a sub-chunk's rows then does left's pairs on the rows at least d in and right's on the others, so no
-row idles and one ``exp`` serves all four.
+row idles and one ``exp`` serves all four. The forward's scores (:func:`band_scores`, in
+``kda_fwd._solve_kernel``) are held as the GDN solve holds A, ten 16×16 blocks, built over K in blocks of a few
+channels: the same factors between sub-chunks (one band of 16 rows at a time, nothing masked), and inside one a
+column at a time, the decay a difference of the band's cumulative sums (at most 16 rows apart), in log2 units
+(``exp2``).
 
 Tiles: (BT, BK) rows of a chunk (BK all of K, or a slice of it), G float32; products in float32 (the dots in the
 inputs' dtype, or IEEE fp32).
@@ -28,6 +32,8 @@ import triton
 import triton.language as tl
 
 from .tiles import mm
+
+LOG2E = tl.constexpr(1.4426950408889634)  # the cumulative log-decays of band_scores are in log2 units (exp2)
 
 
 @triton.jit
@@ -93,58 +99,129 @@ def decayed_scores(a, b, pb, pg, stride, G, n, K: tl.constexpr, STRICT: tl.const
 
 
 @triton.jit
-def cross_scores_pair(a, b, G, n, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
-    """``(M_bb, M_ab)``: the parts of :func:`decayed_scores` of (b, b) (strict; only with ``PAIR``, else 0) and
-    of (a, b) (with the diagonal) outside the sub-chunks' strictly lower triangles, which are 0 here
-    (:func:`sub_chunk_pairs` gives them): the products between sub-chunks, which share their decay factors and
-    b's decayed tiles, and the diagonal of M_ab. Each entry as :func:`decayed_scores` computes it."""
-    BT: tl.constexpr = a.shape[0]
-    o = tl.arange(0, BT)
-    af, bf = a.to(tl.float32), b.to(tl.float32)
-    Mb = tl.zeros([BT, BT], dtype=tl.float32)
-    Ma = tl.zeros([BT, BT], dtype=tl.float32)
-    for s in tl.static_range(1, BT // SUB):
-        if s * SUB < n:
-            ea, fb = _factors(G, s, SUB)
-            bt = tl.trans(bf * fb)
-            if PAIR:
-                Mb += mm(bf * ea, bt, b, IEEE)
-            Ma += mm(af * ea, bt, a, IEEE)
-    Ma += tl.where(o[:, None] == o[None, :], tl.sum(af * bf, 1)[:, None], 0.0)
-    return Mb, Ma
+def _band(p, stride, r, m, o_k, m_k):
+    """Rows ``r`` (``m``: inside the document) and channels ``o_k`` (``m_k``: inside K) of the row-major tile
+    at ``p`` (row stride ``stride``), 0 elsewhere."""
+    return tl.load(p + r[:, None] * stride + o_k[None, :], mask=m[:, None] & m_k[None, :], other=0.0)
 
 
 @triton.jit
-def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb, stride_mb, K: tl.constexpr,
-                    BK: tl.constexpr, SUB: tl.constexpr, D: tl.constexpr, NA: tl.constexpr, BT: tl.constexpr):
-    """The entries of :func:`decayed_scores` inside the sub-chunks, ``M_cj`` for ``0 < c − j < D``, of (b, b)
-    times ``ws`` (float32, at ``pmb + c·stride_mb + j``) and of (a_h, b) for ``NA`` matrices a_h (the query
-    heads of a GQA group, ``K`` apart in memory; in ``pma``'s dtype, at ``pma + c·stride_ma + h·BT + j``),
-    stored as they come, one sub-diagonal at a time, for the rows ``c`` of the chunk (a vector; ``c < n`` inside
-    the document). ``pa``, ``pb``, ``pg``: the chunk's first row of a_0, b and the log-decays (row strides
-    ``stride_a``, ``stride``, ``stride``). Each entry as :func:`decayed_scores` computes it (the same sums of
-    log-decays, products and order); every pairwise decay is taken once for all NA + 1 products, and only the
-    rows given are worked on: the caller passes the rows that have keys up to ``D − 1`` back, rather than a
-    whole (BT, BK) tile of which half the rows have no key ``d ≥ SUB / 2`` back."""
-    o_k = tl.arange(0, BK)
-    p = c % SUB  # position in the sub-chunk
-    m_r = c < n
-    m_k = (o_k < K)[None, :]
-    p_a = pa + c[:, None] * stride_a + o_k[None, :]
-    af = tl.load(p_a, mask=m_r[:, None] & m_k, other=0.0).to(tl.float32)
-    bf = tl.load(pb + c[:, None] * stride + o_k[None, :], mask=m_r[:, None] & m_k, other=0.0).to(tl.float32)
-    S = tl.zeros(af.shape, dtype=tl.float32)
-    for d in range(1, D):
-        m_d = (p >= d) & m_r
-        m_dk = m_d[:, None] & m_k
-        S += tl.load(pg + (c + 1 - d)[:, None] * stride + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
-        rb = tl.load(pb + (c - d)[:, None] * stride + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
-        e = tl.exp(tl.where(m_d[:, None], S, float("-inf")))
-        tl.store(pmb + c * stride_mb + c - d, tl.sum(bf * rb * e, 1) * ws, mask=m_d)
-        tl.store(pma + c * stride_ma + c - d, tl.sum(af * rb * e, 1).to(pma.dtype.element_ty), mask=m_d)
-        for h in range(1, NA):  # the other a_h: read again at every step (L1), not held
-            ah = tl.load(p_a + h * K, mask=m_dk, other=0.0).to(tl.float32)
-            tl.store(pma + c * stride_ma + h * BT + c - d, tl.sum(ah * rb * e, 1).to(pma.dtype.element_ty), mask=m_d)
+def _row(p, stride, j, nb, o_k, K: tl.constexpr):
+    """Row ``j`` of the row-major tile at ``p`` (row stride ``stride``), channels ``o_k`` < K, as a float32
+    vector; 0 unless ``j < nb`` (inside the document)."""
+    return tl.load(p + j * stride + o_k, mask=o_k < tl.where(j < nb, K, 0), other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _in_band(Ma, Mb, a, b, c, pb, pg, stride, nb, o_k, K: tl.constexpr, WITH_A: tl.constexpr, WITH_B: tl.constexpr):
+    """Add a 16-row band's pairs inside itself, column ``j`` at a time, to ``Ma`` (of (a, b), j ≤ r; with
+    ``WITH_A``) and ``Mb`` (of (b, b), j < r; with ``WITH_B``): b's row j and the log-decays' row j are read as
+    vectors (``pb``, ``pg``: the band's first row; ``nb`` rows inside the document) and one exp per pair serves
+    both. ``c``: the band's in-band cumulative log-decay, log2-scaled (:data:`LOG2E`); the decay of a pair is
+    the difference ``c_r − c_j`` (at most 16 rows apart), masked to −inf for j > r before the exp."""
+    o = tl.arange(0, a.shape[0])
+    cj = tl.zeros(o_k.shape, dtype=tl.float32)
+    for j in range(a.shape[0]):
+        cj += _row(pg, stride, j, nb, o_k, K) * LOG2E
+        bj = _row(pb, stride, j, nb, o_k, K)
+        e = tl.exp2(tl.where((o >= j)[:, None], c - cj[None, :], float("-inf"))) * bj[None, :]
+        col = o[None, :] == j
+        if WITH_A:
+            Ma += tl.where(col & (o >= j)[:, None], tl.sum(a * e, 1)[:, None], 0.0)
+        if WITH_B:
+            Mb += tl.where(col & (o > j)[:, None], tl.sum(b * e, 1)[:, None], 0.0)
+    return Ma, Mb
+
+
+@triton.jit
+def _load_band(pa, stride_a, pb, pg, stride, r, m, o_k, m_k, WITH_A: tl.constexpr):
+    """``(b in its dtype, b, a (b without WITH_A), x)`` of a band's rows ``r`` (``m``: inside the document) and
+    channels ``o_k``: b and a float32, x the log-decays in log2 units; 0 outside."""
+    kb = _band(pb, stride, r, m, o_k, m_k)
+    bf = kb.to(tl.float32)
+    af = bf
+    if WITH_A:
+        af = _band(pa, stride_a, r, m, o_k, m_k).to(tl.float32)
+    return kb, bf, af, _band(pg, stride, r, m, o_k, m_k) * LOG2E
+
+
+@triton.jit
+def band_scores(pa, stride_a, pb, pg, stride, r0, n, K: tl.constexpr, BKB: tl.constexpr, BC: tl.constexpr,
+                WITH_B: tl.constexpr, WITH_A: tl.constexpr, IEEE: tl.constexpr):
+    """The scores of one chunk as the ten lower (BC, BC) blocks of 4 bands of ``BC`` = 16 rows, for the GDN
+    solve's :func:`solve.store_inverse`: ``(B00, B10, B11, B20, B21, B22, B30, B31, B32, B33, M00, …, M33)``,
+    ``B`` of (b, b) (strict; with ``WITH_B``, else 0) and ``M`` of (a, b) (with the diagonal; with ``WITH_A``,
+    else 0), each entry ``Σ_i x_ri b_ji exp(G_ri − G_ji)``, float32. ``pa``, ``pb``, ``pg``: row 0 of the
+    document's a, b and log-decays (row strides ``stride_a``, ``stride``, ``stride``), the chunk's rows
+    ``r0 …`` of which ``n`` are inside the document.
+
+    Over K in blocks of ``BKB`` channels (channels are independent, so G is cumulated per block and per band,
+    in log2 units), one band after the other, holding one band's tiles at a time: inside a band,
+    :func:`_in_band`; between bands, dots of (BC, BKB) tiles through the log-decay ``G_s`` at the first row of
+    the later band s, ``exp(G_r − G_s)`` on its rows and ``exp(G_s − G_j)`` on the earlier band's: every
+    earlier band's decayed b, ``R_t = b_t ⊙ exp(G_s − G_t)``, is carried from one band's first row to the next
+    (times a per-channel ``exp(G_{s+1} − G_s)``). Every factor ≤ 1, and no exp is masked."""
+    o = tl.arange(0, BC)
+    z = tl.zeros([BC, BC], dtype=tl.float32)
+    B00, B10, B11, B20, B21, B22, B30, B31, B32, B33 = z, z, z, z, z, z, z, z, z, z
+    M00, M10, M11, M20, M21, M22, M30, M31, M32, M33 = z, z, z, z, z, z, z, z, z, z
+    for i_k in range(tl.cdiv(K, BKB)):
+        o_k = i_k * BKB + tl.arange(0, BKB)
+        m_k = o_k < K
+        # band 0
+        kb, b, a, x = _load_band(pa, stride_a, pb, pg, stride, r0 + o, o < n, o_k, m_k, WITH_A)
+        c = tl.cumsum(x, 0)
+        M00, B00 = _in_band(M00, B00, a, b, c, pb + r0 * stride, pg + r0 * stride, stride, n, o_k, K, WITH_A,
+                            WITH_B)
+        f = _row(pg, stride, r0 + BC, r0 + n, o_k, K) * LOG2E  # the log-decay at band 1's first row
+        R0 = b * tl.exp2(tl.sum(x, 0)[None, :] - c + f[None, :])  # b_j ⊙ exp(G_16 − G_j)
+        # band 1
+        kb, b, a, x = _load_band(pa, stride_a, pb, pg, stride, r0 + BC + o, o + BC < n, o_k, m_k, WITH_A)
+        c = tl.cumsum(x, 0)
+        e = tl.exp2(c - f[None, :])  # exp(G_r − G_16)
+        if WITH_B:
+            B10 += mm(b * e, tl.trans(R0), kb, IEEE)
+        if WITH_A:
+            M10 += mm(a * e, tl.trans(R0), kb, IEEE)
+        M11, B11 = _in_band(M11, B11, a, b, c, pb + (r0 + BC) * stride, pg + (r0 + BC) * stride, stride, n - BC,
+                            o_k, K, WITH_A, WITH_B)
+        f1 = f
+        f = _row(pg, stride, r0 + 2 * BC, r0 + n, o_k, K) * LOG2E
+        R0 *= tl.exp2(tl.sum(x, 0) - f1 + f)[None, :]  # on to band 2's first row
+        R1 = b * tl.exp2(tl.sum(x, 0)[None, :] - c + f[None, :])
+        # band 2
+        kb, b, a, x = _load_band(pa, stride_a, pb, pg, stride, r0 + 2 * BC + o, o + 2 * BC < n, o_k, m_k, WITH_A)
+        c = tl.cumsum(x, 0)
+        e = tl.exp2(c - f[None, :])
+        if WITH_B:
+            B20 += mm(b * e, tl.trans(R0), kb, IEEE)
+            B21 += mm(b * e, tl.trans(R1), kb, IEEE)
+        if WITH_A:
+            M20 += mm(a * e, tl.trans(R0), kb, IEEE)
+            M21 += mm(a * e, tl.trans(R1), kb, IEEE)
+        M22, B22 = _in_band(M22, B22, a, b, c, pb + (r0 + 2 * BC) * stride, pg + (r0 + 2 * BC) * stride, stride,
+                            n - 2 * BC, o_k, K, WITH_A, WITH_B)
+        f2 = f
+        f = _row(pg, stride, r0 + 3 * BC, r0 + n, o_k, K) * LOG2E
+        u = tl.exp2(tl.sum(x, 0) - f2 + f)[None, :]
+        R0 *= u
+        R1 *= u
+        R2 = b * tl.exp2(tl.sum(x, 0)[None, :] - c + f[None, :])
+        # band 3
+        kb, b, a, x = _load_band(pa, stride_a, pb, pg, stride, r0 + 3 * BC + o, o + 3 * BC < n, o_k, m_k, WITH_A)
+        c = tl.cumsum(x, 0)
+        e = tl.exp2(c - f[None, :])
+        if WITH_B:
+            B30 += mm(b * e, tl.trans(R0), kb, IEEE)
+            B31 += mm(b * e, tl.trans(R1), kb, IEEE)
+            B32 += mm(b * e, tl.trans(R2), kb, IEEE)
+        if WITH_A:
+            M30 += mm(a * e, tl.trans(R0), kb, IEEE)
+            M31 += mm(a * e, tl.trans(R1), kb, IEEE)
+            M32 += mm(a * e, tl.trans(R2), kb, IEEE)
+        M33, B33 = _in_band(M33, B33, a, b, c, pb + (r0 + 3 * BC) * stride, pg + (r0 + 3 * BC) * stride, stride,
+                            n - 3 * BC, o_k, K, WITH_A, WITH_B)
+    return B00, B10, B11, B20, B21, B22, B30, B31, B32, B33, M00, M10, M11, M20, M21, M22, M30, M31, M32, M33
 
 
 @triton.jit

@@ -119,15 +119,16 @@ def store_inverse(tm, A00, A11, A22, A33, A10, A20, A21, A30, A31, A32, r0, r1, 
     T31 = -dot(T33, dot(A31, T11, IEEE) + dot(A32, T21, IEEE), IEEE)
     T30 = -dot(T33, dot(A30, T00, IEEE) + dot(A31, T10, IEEE) + dot(A32, T20, IEEE), IEEE)
     zero = tl.zeros([BC, BC], dtype=tl.float32)
-    _store_t_row(tm, T00, zero, zero, zero, r0, m0, i_h, H, BT, BC)
-    _store_t_row(tm, T10, T11, zero, zero, r1, m1, i_h, H, BT, BC)
-    _store_t_row(tm, T20, T21, T22, zero, r2, m2, i_h, H, BT, BC)
-    _store_t_row(tm, T30, T31, T32, T33, r3, m3, i_h, H, BT, BC)
+    store_band(tm, T00, zero, zero, zero, r0, m0, i_h, H, BT, BC)
+    store_band(tm, T10, T11, zero, zero, r1, m1, i_h, H, BT, BC)
+    store_band(tm, T20, T21, T22, zero, r2, m2, i_h, H, BT, BC)
+    store_band(tm, T30, T31, T32, T33, r3, m3, i_h, H, BT, BC)
 
 
 @triton.jit
-def _store_t_row(tm, t0, t1, t2, t3, rows, m_rows, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
-    """Store one 16-row band of T (its four 16×16 blocks; ``rows`` are token indices) to ``tm[token, head, 0:BT]``."""
+def store_band(tm, t0, t1, t2, t3, rows, m_rows, i_h, H: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr):
+    """Store one 16-row band of T (its four 16×16 blocks; ``rows`` are token indices) to ``tm[token, head, 0:BT]``;
+    the KDA forward stores its scores P with it too."""
     o_c = tl.arange(0, BC)
     m = m_rows[:, None] & (o_c < BC)[None, :]
     base = tm + rows[:, None] * (H * BT) + i_h * BT + o_c[None, :]

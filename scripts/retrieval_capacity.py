@@ -28,6 +28,7 @@ represent of retrieval at the teacher's q/k/v, not a training result. Writes JSO
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import sys
@@ -148,13 +149,14 @@ def measure(block, cap, t, split) -> dict:
     }
 
 
-def fit(block, cap, t, steps: int, lr: float) -> float:
-    """Adam on the block's new parameters against the teacher's output at the answer queries; the best
-    point seen is kept. Returns the squared relative error there after the fit."""
+def fit(block, cap, t, steps: int, lr: float, every: bool = False) -> float:
+    """Adam on the block's new parameters (``every``: on all of them, the teacher's q/k/v too) against the
+    teacher's output at the answer queries; the best point seen is kept. Returns the squared relative error
+    there after the fit."""
     from linearize.calibration import NEW_PARAMETERS
 
-    params = [p for n, p in block.named_parameters() if n.endswith(NEW_PARAMETERS)]
-    frozen = [p for n, p in block.named_parameters() if not n.endswith(NEW_PARAMETERS)]
+    params = [p for n, p in block.named_parameters() if every or n.endswith(NEW_PARAMETERS)]
+    frozen = [p for n, p in block.named_parameters() if not (every or n.endswith(NEW_PARAMETERS))]
     for p in frozen:
         p.requires_grad_(False)
     ref = cap.output[:, t].double()
@@ -192,6 +194,7 @@ def main():
     p.add_argument("--per-depth", type=int, default=2, help="prompts per depth, held-out and calibration alike")
     p.add_argument("--fit-steps", type=int, default=0)
     p.add_argument("--lr", type=float, default=1e-2)
+    p.add_argument("--fit-every", action="store_true", help="fit every parameter of the block, q/k/v included")
     p.add_argument("--output", type=Path, required=True)
     p.add_argument("--markdown", type=Path, default=None, help="also the table of each layer's best retrieval head")
     args = p.parse_args()
@@ -215,17 +218,18 @@ def main():
     result = {"command": " ".join(["python", *sys.argv]), "model": args.model, "tokens": int(held_ids.shape[1]),
               "held_out_prompts": int(held_ids.shape[0]), "calibration_prompts": int(cal_ids.shape[0]),
               "answer_queries": len(t), "options": {str(m): o.to_dict() for m, o in options.items()},
-              "fit_steps": args.fit_steps, "lr": args.lr, "torch": torch.__version__, "layers": {}}
+              "fit_steps": args.fit_steps, "fit_every": args.fit_every, "lr": args.lr, "torch": torch.__version__, "layers": {}}
     for i in args.layers:
         t0 = time.perf_counter()
         split = teacher_split(mods[i], held[i], t, args.window, args.sinks, held_at, needle)
         row = {}
         for m, opts in options.items():
-            block = linearize_layer(mods[i], opts, cal[i].hidden_states, cal[i].position_embeddings)
+            teacher_attn = copy.deepcopy(mods[i]) if args.fit_every else mods[i]  # the block shares its q/k/v
+            block = linearize_layer(teacher_attn, opts, cal[i].hidden_states, cal[i].position_embeddings)
             block.eval()
             row[f"mix{m}"] = measure(block, held[i], t, split)
             if args.fit_steps:
-                fit(block, cal[i], t_cal, args.fit_steps, args.lr)
+                fit(block, cal[i], t_cal, args.fit_steps, args.lr, args.fit_every)
                 row[f"mix{m}_fitted"] = measure(block, held[i], t, split)
         row["seconds"] = time.perf_counter() - t0
         result["layers"][str(i)] = row

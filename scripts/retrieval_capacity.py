@@ -267,23 +267,23 @@ def markdown(result: dict) -> str:
     lines = [f"`{result['command']}`", "",
              "Each layer's best retrieval head (the largest mass on the key sentence), means over the answer queries "
              "of the held-out prompts. Log-odds are log(exact share / old share): the teacher's, and the first- and "
-             "second-order normalizers' (what a `mix_order` 1 or 2 block computes at conversion). `err_old`: the "
-             "state's read against the teacher's softmax over the old tokens. Per block: its old share, the mix's "
-             "gradient w(1 − w), its output error `err` and `err_true_old`, the error it would have with the "
-             "teacher's old-token output in place of the state's (what its mix alone allows).", "",
-             "| layer.head | key mass | old share, teacher | log-odds teacher / 1st / 2nd order | err_old | "
-             + " | ".join(f"{n}: old share, gradient, err, err_true_old" for n in names) + " |",
-             "|---" * (5 + len(names)) + "|"]
+             "second-order normalizers' (what a `mix_order` 1 or 2 block computes at conversion). Per block: its old "
+             "share, the mix's gradient w(1 − w), `err_old` (the state's read against the teacher's softmax over the "
+             "old tokens), its output error `err` and `err_true_old`, the error it would have with the teacher's "
+             "old-token output in place of the state's (what its mix alone allows).", "",
+             "| layer.head | key mass | old share, teacher | log-odds teacher / 1st / 2nd order | "
+             + " | ".join(f"{n}: old share, gradient, err_old, err, err_true_old" for n in names) + " |",
+             "|---" * (4 + len(names)) + "|"]
     for layer, row in result["layers"].items():
         h = best_head(row)
         first = row[names[0]]
         cells = [f"{layer}.{h}", f"{first['key_mass'][h]:.2f}", f"{first['share_true'][h]:.3f}",
                  f"{first['log_odds_true'][h]:.1f} / {first['log_odds_first_order'][h]:.1f} / "
-                 f"{first['log_odds_second_order'][h]:.1f}", f"{first['err_old'][h]:.2f}"]
+                 f"{first['log_odds_second_order'][h]:.1f}"]
         for n in names:
             m = row[n]
-            cells.append(f"{m['share_block'][h]:.3f}, {m['mix_gradient'][h]:.3f}, {m['err'][h]:.2f}, "
-                         f"{m['err_true_old'][h]:.2f}")
+            cells.append(f"{m['share_block'][h]:.3f}, {m['mix_gradient'][h]:.3f}, {m['err_old'][h]:.2f}, "
+                         f"{m['err'][h]:.2f}, {m['err_true_old'][h]:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

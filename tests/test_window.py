@@ -254,10 +254,12 @@ def test_window_options_checked_and_off_the_fused_path():
     assert not fused_path(GDNOptions(output_gate=True, fused_front=True), h)
 
 
-def test_first_order_gap_equals_loops_and_calibration_sets_it():
-    """The mean normalizer gap per head by loops over queries and heads; convert with calibrate_mix puts
-    it in mix_bias (and without, 0); the gap is never negative (Jensen)."""
-    from linearize.ops.window import first_order_gap
+@pytest.mark.parametrize("order", [1, 2])
+def test_normalizer_gap_equals_loops_and_calibration_sets_it(order):
+    """The mean normalizer gap per head by loops over queries and heads, against the first-order estimate
+    (log n + mean logit) or the second (+ half the logits' variance); convert with calibrate_mix puts it in
+    mix_bias (and without, 0); the first-order gap is never negative (Jensen)."""
+    from linearize.ops.window import normalizer_gap
 
     g = torch.Generator().manual_seed(3)
     q, k = torch.randn(2, 20, 4, 8, generator=g, dtype=f64), torch.randn(2, 20, 2, 8, generator=g, dtype=f64)
@@ -272,14 +274,19 @@ def test_first_order_gap_equals_loops_and_calibration_sets_it():
             count += b == 0
             for h in range(4):
                 x = torch.stack([q[b, t, h] @ k[b, i, h // 2] for i in old])
-                gaps[h] += torch.logsumexp(x, 0) - math.log(len(old)) - x.mean()
+                estimate = math.log(len(old)) + x.mean() + (0.5 * x.var(unbiased=False) if order == 2 else 0)
+                gaps[h] += torch.logsumexp(x, 0) - estimate
     ref = gaps / (2 * count)
-    got = first_order_gap(q, k, W, S)
-    assert (got - ref).abs().max() < 1e-10 and bool((got > 0).all())
+    got = normalizer_gap(q, k, W, S, order)
+    assert (got - ref).abs().max() < 1e-10
+    assert order == 2 or bool((got > 0).all())
     teacher = tiny_model("llama")
-    on = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2, calibrate_mix=True))
-    off = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
-    assert bool((on.model.layers[0].self_attn.mix_bias > 0).all()) and not off.model.layers[0].self_attn.mix_bias.any()
+    opts = dict(window=4, sinks=2, mix_order=order)
+    on = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(calibrate_mix=True, **opts))
+    off = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib(teacher), options=GDNOptions(**opts))
+    assert on.model.layers[0].self_attn.mix_bias.abs().min() > 0 and not off.model.layers[0].self_attn.mix_bias.any()
+    with pytest.raises(ValueError, match="order"):
+        normalizer_gap(q, k, W, S, 3)
 
 
 def flex_against_banded(device, dtype, mask_rows, grads):

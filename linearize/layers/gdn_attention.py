@@ -36,9 +36,9 @@ from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import (
-    first_order_gap,
     flex_usable,
     mix_by_mass,
+    normalizer_gap,
     old_square_sums,
     sink_window_flex,
     sink_window_softmax,
@@ -134,7 +134,7 @@ class GDNAttention(nn.Module):
     @torch.no_grad()
     def calibrate(self, hidden_states: torch.Tensor, position_embeddings) -> None:
         """Set ρ per KV head to the mean norm of the scaled queries on calibration activations; with a window
-        (and ``calibrate_mix``), ``mix_bias`` per head to the mean gap of the first-order normalizer there."""
+        (and ``calibrate_mix``), ``mix_bias`` per head to the mean gap of the mix's normalizer (its order) there."""
         mix = (lambda q, k, v: conv_qkv(self, q, k, v)[:3]) if self.options.short_conv else None  # noqa: E731
         q, _, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
         rho = calibrate_rho(q.float() * self.scaling, self.num_kv_heads)
@@ -143,7 +143,8 @@ class GDNAttention(nn.Module):
         self.rho.copy_(rho)
         if self.options.window and self.options.calibrate_mix:  # the mix's normalizer gap, per head, on these rows
             q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
-            self.mix_bias.copy_(first_order_gap(q.float() * self.scaling, k.float(), self.options.window, self.options.sinks))
+            self.mix_bias.copy_(normalizer_gap(q.float() * self.scaling, k.float(), self.options.window, self.options.sinks,
+                                              self.options.mix_order))
 
     def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None,
                 projections=None):

@@ -145,12 +145,15 @@ def old_square_sums(q: torch.Tensor, old_k: torch.Tensor, old_ok: torch.Tensor, 
     return (o * q.to(o.dtype)).sum(-1), moment
 
 
-def first_order_gap(q: torch.Tensor, k: torch.Tensor, window: int, sinks: int) -> torch.Tensor:
-    """Per query head, the mean gap ``log Z_O − (log n_O + q·k̄_O)`` between the older tokens' true
-    log-normalizer and its first-order form (Jensen: never negative), over the queries that have older
-    tokens: the ``bias`` of :func:`mix_by_mass` that calibrates the mix on these rows. q ``(B, T, G·H, D)``
-    scaled, k ``(B, T, H, D)``, each row one document from its start. Returns ``(G·H,)`` float64 (zeros
-    when no query has older tokens)."""
+def normalizer_gap(q: torch.Tensor, k: torch.Tensor, window: int, sinks: int, order: int = 1) -> torch.Tensor:
+    """Per query head, the mean gap between the older tokens' true log-normalizer ``log Z_O`` and the form
+    :func:`mix_by_mass` estimates it with — ``log n_O + q·k̄_O`` (order 1; Jensen: never negative), plus
+    ``½·var(q·k)`` over those tokens (order 2; either sign) — over the queries that have older tokens: the
+    ``bias`` of :func:`mix_by_mass` that calibrates the mix on these rows. q ``(B, T, G·H, D)`` scaled,
+    k ``(B, T, H, D)``, each row one document from its start. Returns ``(G·H,)`` float64 (zeros when no
+    query has older tokens)."""
+    if order not in (1, 2):
+        raise ValueError(f"order must be 1 or 2; got {order!r}")
     B, T, Hq, D = q.shape
     H = k.shape[2]
     q64 = q.double().view(B, T, H, Hq // H, D)
@@ -164,7 +167,10 @@ def first_order_gap(q: torch.Tensor, k: torch.Tensor, window: int, sinks: int) -
         return torch.zeros(Hq, dtype=torch.float64, device=q.device)
     lz = torch.logsumexp(logits.masked_fill(~old, float("-inf")), -1)  # (B, H, G, T)
     mean_logit = (logits * old).sum(-1) / n.clamp_min(1)
-    gap = (lz - torch.log(n.clamp_min(1).double()) - mean_logit)[..., has]  # (B, H, G, tokens with older ones)
+    estimate = torch.log(n.clamp_min(1).double()) + mean_logit
+    if order == 2:
+        estimate = estimate + 0.5 * ((logits.square() * old).sum(-1) / n.clamp_min(1) - mean_logit.square()).clamp_min(0)
+    gap = (lz - estimate)[..., has]  # (B, H, G, tokens with older ones)
     return gap.mean(dim=(0, 3)).reshape(Hq)
 
 

@@ -191,6 +191,7 @@ def main():
     p.add_argument("--window", type=int, default=0, help="GDNOptions.window: the sink + sliding-window block")
     p.add_argument("--sinks", type=int, default=0, help="GDNOptions.sinks (with --window)")
     p.add_argument("--output-gate", action="store_true", help="GDNOptions.output_gate")
+    p.add_argument("--mix-order", type=int, default=1, help="GDNOptions.mix_order (with --window)")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
@@ -219,7 +220,7 @@ def main():
     res = {"command": " ".join(["python", *sys.argv]),
            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu (--tiny: a check of the script)",
            "B": B, "T": T, "iters": args.iters, "dtype": str(dt).split(".")[-1], "model": "SmolLM2-135M architecture, random weights"}
-    block = dict(window=args.window, sinks=args.sinks, output_gate=args.output_gate)
+    block = dict(window=args.window, sinks=args.sinks, output_gate=args.output_gate, mix_order=args.mix_order)
     res["block"] = block
     variants = []
     for name, pos, fused in plan:

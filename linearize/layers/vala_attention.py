@@ -11,9 +11,8 @@ runs the first-order linear attention of :mod:`linearize.ops.vala`:
 with ``q`` carrying the softmax scale and one state per KV head read by its G query heads. Its one new
 parameter is ``gate_proj`` (``a_t = w·x_t + b``, zero init): at initialization the block is eq. va-la exactly.
 There is no ρ or β: the write is the equation's own ``1/t``. No sink/window form (``GDNOptions`` refuses
-``window``/``sinks`` for this target). On CUDA, inference runs the operator's Triton forward kernels, and
-training its Triton backward too with ``backend="triton"`` (``"auto"`` trains through the chunkwise PyTorch
-form, as the CPU does, until the backward has run on a GPU).
+``window``/``sinks`` for this target). On CUDA the operator runs its Triton forward and backward kernels;
+the CPU trains through the chunkwise PyTorch form.
 """
 
 from __future__ import annotations

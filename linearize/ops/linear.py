@@ -172,9 +172,7 @@ def linear_attention(
             starts from its own initial state (zero by default).
         backend: ``"reference"`` (the loop that defines the op), ``"torch"`` (chunkwise PyTorch),
             ``"triton"`` (the kernels of ``ops/triton/linear_fwd.py``, and of ``linear_bwd.py`` for every
-            input's gradient when one is needed) or ``"auto"`` (Triton on CUDA where nothing needs a
-            gradient, else torch: the backward kernels are verified under the Triton interpreter but not
-            yet run on a GPU — ``tests/test_linear_triton_bwd.py -m gpu``).
+            input's gradient when one is needed) or ``"auto"`` (Triton on CUDA, else torch).
         v_offset: ``[B, T, H, V]`` or None — added to the output of every query head of its KV head
             (the VaLA back ``+ v̄``).
     Returns:
@@ -191,8 +189,8 @@ def linear_attention(
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     grad = wants_grad(q, k, v, g, w, initial_state, v_offset)
-    if backend == "auto":  # the backward kernels are opt-in (backend="triton") until their GPU tests have run
-        backend = "triton" if q.is_cuda and not grad and _triton_ok(q) else "torch"
+    if backend == "auto":
+        backend = "triton" if q.is_cuda and _triton_ok(q) else "torch"
     if backend == "triton":
         check_inputs(q, k, v, g, w, initial_state, cu_seqlens, _NAMES)
         if not _triton_ok(q):

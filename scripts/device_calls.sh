@@ -12,9 +12,10 @@
 #                                        seconds from now (default 1200)
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
+#   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
 # Gemma 3 270M (recipes/gemma3-270m-gdn-25m.yaml, the parts of scripts/device_carry_gemma.sh), alone or beside
 # the SmolLM2 runs on the same machine:
-#   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl, then .carry/gm2 … gm4): a part of
+#   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl .carry/w, then .carry/gm2 … gm4): a part of
 #                                        the teacher into W/gemma; with .whl carried, the wheels and the repo too
 #   scripts/device_calls.sh gemma-start [DEADLINE] [STEPS]   carry .carry/gm5: the teacher joined and checked, its
 #                                        tokenizer beside it, the corpus (and the task data unless W/ev is there);
@@ -101,12 +102,17 @@ case ${1:-} in
             sleep 5
         done
         records ;;
+    fla)
+        [ -d .carry/fla ] || die "no .carry/fla here: carry it"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl
+        python3 -c "import fla; print('fla', fla.__version__)" ;;
     gemma-part)
         src=${2:-}
         [ -d "$src" ] && ls "$src"/gguf.part0? >/dev/null 2>&1 || die "no teacher part in '$src': carry .carry/gm1 … .carry/gm4"
         mkdir -p "$w/gemma" "$site" && cp "$src"/gguf.part0? "$w/gemma"/
         if [ -d .whl ]; then
-            python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl 2>&1 | grep -v "already exists"
+            [ -d .carry/w ] || die "carry .carry/w (the training wheels) with .whl"
+            python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .whl/*.whl .carry/w/*.whl 2>&1 | grep -v "already exists"
             [ -d "$repo" ] || { mkdir -p "$repo" && cp -r linearize recipes scripts pyproject.toml "$repo"/; }
         fi
         ls "$w/gemma" ;;

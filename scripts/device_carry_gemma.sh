@@ -11,8 +11,8 @@
 # Then, one call after the other while the machine stays warm (30 s), carrying the parts named
 # (P=PYTHONPATH=/root/site:$PWD; R="recipes/gemma3-270m-gdn-25m.yaml /root/w/runs G=";
 #  C="teacher.model=/root/w/gemma-3-270m-q4_k_m.gguf data.source=corpus:/root/w/corpus_gemma"):
-#   1. carry .whl .carry/gm1:  mkdir -p /root/w && cp .carry/gm1/* /root/w/ && python3 -m pip install -q \
-#        --no-index --no-deps --target /root/site .whl/*.whl
+#   1. carry .whl .carry/w .carry/gm1:  mkdir -p /root/w && cp .carry/gm1/* /root/w/ && python3 -m pip install -q \
+#        --no-index --no-deps --target /root/site .whl/*.whl .carry/w/*.whl
 #   2-4. carry .carry/gm2 (then gm3, gm4):  cp .carry/gm2/* /root/w/
 #   5. carry .carry/gm5:  export START=$(date +%s) DEADLINE=560; cp .carry/gm5/* /root/w/ && (cd /root/w &&
 #        cat gguf.part0? > gemma-3-270m-q4_k_m.gguf && rm gguf.part0? && sha256sum -c SHA256SUMS &&
@@ -42,7 +42,7 @@ gguf=$(python3 -c "from linearize.models.loading import resolve_model; s = resol
 cd "$(git rev-parse --show-toplevel)"
 grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-[ -d .whl ] && ls .whl/omegaconf-*.whl .whl/gguf-*.whl >/dev/null 2>&1 || scripts/device_carry.sh --wheels
+[ -d .whl ] && ls .carry/w/omegaconf-*.whl .carry/w/gguf-*.whl >/dev/null 2>&1 || scripts/device_carry.sh --wheels
 tmp=$(mktemp -d) && trap 'rm -rf "$tmp"' EXIT
 rm -rf .carry/gm1 .carry/gm2 .carry/gm3 .carry/gm4 .carry/gm5 && mkdir -p .carry/gm1 .carry/gm2 .carry/gm3 .carry/gm4 .carry/gm5
 
@@ -62,7 +62,7 @@ tar -C "$tmp/tok" -cf - tokenizer.json tokenizer_config.json | xz -T0 -6 > .carr
 
 # the teacher in five parts: the first beside the wheels, three full ones, the last beside the two archives
 limit=60000000 part=59000000                # 1 MB of slack in every call
-size=$(stat -c %s "$gguf") whl=$(du -cb .whl/*.whl | tail -1 | cut -f1) extra=$(du -cb .carry/gm5/*.tar.xz | tail -1 | cut -f1)
+size=$(stat -c %s "$gguf") whl=$(du -cb .whl/*.whl .carry/w/*.whl | tail -1 | cut -f1) extra=$(du -cb .carry/gm5/*.tar.xz | tail -1 | cut -f1)
 first=$(( part - whl ))
 last=$(( size - first - 3 * part ))
 [ "$last" -gt 0 ] && [ $(( last + extra )) -le "$part" ] \
@@ -74,11 +74,11 @@ for i in 1 2 3 4; do mv ".carry/gguf.part0$i" ".carry/gm$(( i + 1 ))/"; done
 cat .carry/gm?/gguf.part0? | cmp - "$gguf"   # the parts join back into the teacher
 
 # every call's carry under the limit
-for c in ".whl .carry/gm1" .carry/gm2 .carry/gm3 .carry/gm4 .carry/gm5; do
+for c in ".whl .carry/w .carry/gm1" .carry/gm2 .carry/gm3 .carry/gm4 .carry/gm5; do
     # shellcheck disable=SC2086  # the folders are words
     n=$(du -cb $c | tail -1 | cut -f1)
     printf '  %-16s %11d bytes\n' "$c" "$n"
     [ "$n" -le "$limit" ] || { echo "error: $c is over $limit bytes" >&2; exit 1; }
 done
 ls -l .carry/gm?/* | awk '{printf "    %11d  %s\n", $5, $NF}'
-echo "calls 1-5 carry .whl + .carry/gm1, then .carry/gm2 ... .carry/gm5 (each under 64 MiB with the tree)"
+echo "calls 1-5 carry .whl + .carry/w + .carry/gm1, then .carry/gm2 ... .carry/gm5 (each under 64 MiB with the tree)"

@@ -13,6 +13,11 @@
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
+#   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': each variant of ABLATE_RECIPE
+#                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained in its own
+#                                        background scripts/ablate.sh into W/aruns/NAME, beside the runs of 'start',
+#                                        then measured by `linearize eval` as those are (the teacher's figures are
+#                                        theirs: the same rows); records_ablate.tgz
 # Gemma 3 270M (recipes/gemma3-270m-gdn-25m.yaml, the parts of scripts/device_carry_gemma.sh), alone or beside
 # the SmolLM2 runs on the same machine:
 #   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl .carry/w, then .carry/gm2 … gm4): a part of
@@ -40,6 +45,14 @@ records() {
     [ -x "$repo/scripts/recover_smollm2.sh" ] && bash "$repo/scripts/recover_smollm2.sh" --records "$w" "$out"
     cp "$w"/recover.log "$out"/ 2>/dev/null
     tail -n 3 "$w"/[LH]*.log "$w"/teacher.log "$w"/init.log 2>/dev/null | cut -c1-300
+    if [ -d "$w/aruns" ]; then  # the variants of 'ablate'
+        local runs
+        runs=$(cd "$w" && ls -d aruns/*/metrics.jsonl aruns/*/recipe.yaml aruns/*/initial_eval.json aruns/*/quality.* \
+            ablate_*.log 2>/dev/null)
+        # shellcheck disable=SC2086  # the file names are words
+        [ -z "$runs" ] || tar czf "$out/records_ablate.tgz" -C "$w" $runs
+        tail -n 2 "$w"/ablate_*.log 2>/dev/null | cut -c1-300
+    fi
     if [ -e "$w/gemma.log" ]; then  # the Gemma run's records and logs
         local files
         files=$(cd "$w" && ls -d gruns/*/metrics.jsonl gruns/*/recipe.yaml gruns/*/initial_eval.json gruns/*/quality.* \
@@ -52,6 +65,9 @@ records() {
 }
 running() {  # PIDFILE: its process is alive
     kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null
+}
+ablating() {  # a variant of 'ablate' is still training or being measured
+    pgrep -f "scripts/ablate.sh .*/aruns" > /dev/null
 }
 gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the teacher
     echo "--eval-data $w/ev --corpus $w/corpus_gemma ${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
@@ -98,9 +114,24 @@ case ${1:-} in
     wait)
         limit=${2:?wait needs SECONDS}
         for _ in $(seq 1 $(( limit / 5 ))); do
-            running "$w/recover.pid" || gemma_running || { echo "== the runs are not running"; break; }
+            running "$w/recover.pid" || gemma_running || ablating || { echo "== the runs are not running"; break; }
             sleep 5
         done
+        records ;;
+    ablate)
+        deadline=${2:?ablate needs DEADLINE and NAME=OVERRIDES}
+        shift 2
+        [ $# -ge 1 ] || die "ablate needs at least one NAME=OVERRIDES"
+        [ -f "$w/smollm2.gguf" ] && [ -f "$w/corpus/manifest.json" ] || die "run 'wheels', 'teacher' and 'start' first"
+        for spec in "$@"; do
+            [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"
+            (cd "$repo" && START=$(date +%s) DEADLINE=$deadline PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus" EVAL="--eval-data $w/ev --limit 1000 \
+--batch-size 64 --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16" \
+                setsid nohup bash scripts/ablate.sh "${ABLATE_RECIPE:-recipes/smollm2-135m-gdn-corpus.yaml}" "$w/aruns" \
+                "$spec" >> "$w/ablate_${spec%%=*}.log" 2>&1 < /dev/null &)
+        done
+        sleep 5
         records ;;
     fla)
         [ -d .carry/fla ] || die "no .carry/fla here: carry it"

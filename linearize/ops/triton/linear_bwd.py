@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..common import cdiv
 from .layout import BT, Layout, chunk_at, sequence_at
-from .linear_fwd import chunk_gates, linear_attention_triton, linear_bv, linear_fwd_h
+from .linear_fwd import chunk_gates, linear_attention_triton, linear_bv, linear_fwd_h, linear_state_bv
 from .settings import block_k
 from .tiles import mm
 
@@ -215,9 +215,11 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     BK, BV = block_k(K), linear_bv(K, V)
     c = {"H": H, "G": G, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee,
          "num_stages": 1 if BK > 128 else (2 if ieee else 3)}  # the GDN backward's rule (shared memory)
-    _state_bwd_kernel[(cdiv(V, BV), L.N * H)](
+    SBV = linear_state_bv(L, dev)
+    _state_bwd_kernel[(cdiv(V, SBV), L.N * H)](
         qf, gf, dof, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, L.cu_seqlens,
-        L.chunk_offsets, float(scale), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **c, num_warps=4)
+        L.chunk_offsets, float(scale), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BV": SBV},
+        num_warps=4)
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, wf, dof, dhs, dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), **c, num_warps=4)
     _dqkwg_kernel[(L.NC, H)](

@@ -18,7 +18,7 @@ import triton.language as tl
 
 from ..common import cdiv, next_pow2
 from .layout import BT, Layout, chunk_at, sequence_at
-from .settings import block_k
+from .settings import block_k, sms_for, state_bv
 from .tiles import mm
 
 
@@ -102,12 +102,20 @@ def linear_bv(K: int, V: int) -> int:
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
 
 
+def linear_state_bv(layout: Layout, device: torch.device) -> int:
+    """V block of the sequential state kernels (forward and backward): the GDN state kernels' rule
+    (:func:`~linearize.ops.triton.settings.state_bv`), narrower while too few (sequence, head) pairs fill the
+    GPU — at long T and a small batch the chain over the chunks is the whole cost."""
+    L = layout
+    return state_bv(L.K, L.V, L.ieee, L.N * L.H, sms_for(L.N * L.H, device))
+
+
 def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None) -> None:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
     ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None."""
     L = layout
-    BV = linear_bv(L.K, L.V)
+    BV = linear_state_bv(L, k.device)
     _linear_state_kernel[(cdiv(L.V, BV), L.N * L.H)](
         k, v, g, w, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens, L.chunk_offsets,
         H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,

@@ -98,9 +98,12 @@ def test_linear_attention_triton_grads_without_states(h0, final):
 
 
 def test_linear_attention_triton_grads_strong_decay():
-    """Decays down to exp(−31) per step: no exponent in the backward is positive either."""
+    """Decays down to exp(−31) per step: no exponent in the backward is positive either, and every result
+    within 1e-6 of the float64 loop over 1,000 tokens — the in-chunk decays between two tokens summed from
+    the g between them; taken as differences of G (|G| reaches thousands) dg's error was 1.2e-5, the
+    output's 7.8e-7 (an fp32 loop: 1e-7)."""
     interpreted()
-    check(torch.float32, "cpu", 1, 150, 2, 2, 16, 16, None, decay=30.0)
+    check(torch.float32, "cpu", 1, 1000, 2, 2, 64, 64, None, decay=30.0, tol=1e-6)
 
 
 def test_linear_attention_triton_narrow_state_blocks(monkeypatch):

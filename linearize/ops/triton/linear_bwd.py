@@ -40,7 +40,7 @@ import triton.language as tl
 
 from ..common import cdiv
 from .layout import BT, Layout, chunk_at, sequence_at
-from .linear_fwd import chunk_gates, linear_attention_triton, linear_bv, linear_fwd_h, linear_state_bv
+from .linear_fwd import chunk_gates, linear_attention_triton, linear_bv, linear_fwd_h, linear_state_bv, pair_decays
 from .settings import block_k
 from .tiles import mm
 
@@ -102,13 +102,12 @@ def _dv_kernel(
     rows = bos + t0 + o_r
     m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G, b_w, g_last = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
+    _, b_w, _, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
     b_dh = tl.load(dhs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.0)
-    b_ew = tl.where(m_t, tl.exp(g_last - b_G), 0.0) * b_w  # e_j w_j
+    b_ew = tl.where(m_t, tl.exp(b_tail), 0.0) * b_w  # e_j w_j
     b_dv = mm(b_k, b_dh, b_k, IEEE) * b_ew[:, None]
-    causal = (o_r[:, None] >= o_r[None, :]) & m_t[None, :]
-    b_Dw = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf"))) * b_w[None, :] * scale  # D_rj w_j scale
+    b_Dw = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT) * b_w[None, :] * scale  # D_rj w_j scale
     for i_g in range(G):
         b_q = tl.load(q + (rows * HQ + i_h * G + i_g)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
         b_do = tl.load(do + (rows * HQ + i_h * G + i_g)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
@@ -132,10 +131,9 @@ def _dqkwg_kernel(
     rows = bos + t0 + o_r
     m_tk = m_t[:, None] & m_k[None, :]
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G, b_w, g_last = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
-    b_e = tl.where(m_t, tl.exp(g_last - b_G), 0.0)
-    causal = (o_r[:, None] >= o_r[None, :]) & m_t[None, :]
-    b_D = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))
+    b_G, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
+    b_e = tl.where(m_t, tl.exp(b_tail), 0.0)
+    b_D = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)  # dg is made of these off-diagonal terms
     p_s = ((boh + i_c) * H + i_h) * K * V
     # through the state leaving the chunk: v dh₁ᵀ (dk, dw), and ⟨dh₁, h₀⟩ (dg)
     b_vdh = tl.zeros([BT, BK], dtype=tl.float32)

@@ -5,7 +5,8 @@
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
-``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0. The backward
+``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0, and the
+decays between two tokens are summed from the g between them (:func:`chunk_gates`, :func:`pair_decays`). The backward
 is ``ops/triton/linear_bwd.py``, which recomputes stage 1 with :func:`linear_fwd_h`. Packed documents
 and dense batches share the chunk tables of :class:`~linearize.ops.triton.layout.Layout`.
 """
@@ -24,14 +25,27 @@ from .tiles import mm
 
 @triton.jit
 def chunk_gates(g, w, t0, o_r, m_t, H: tl.constexpr, BT: tl.constexpr):
-    """``(G, w, G_C)`` of one chunk: the in-chunk cumulative log-decay, the write weights (0 past the end)
-    and the chunk's total log-decay, as float32. ``g``, ``w`` point at the sequence's first token and head.
-    ``G_C`` is the cumsum's last element (g is 0 past the end), not a separate sum: rounded the same way,
-    ``G_C − G_j`` is exactly 0 at the last token however large ``|G|`` grows under strong decays."""
+    """``(G, w, G_C, tail)`` of one chunk as float32: the in-chunk cumulative log-decay, the write weights
+    (0 past the end), the chunk's total log-decay and ``tail_j = Σ_{i>j} g_i`` (= G_C − G_j). ``g``, ``w`` point
+    at the sequence's first token and head. The tail is summed from the g after each token (a reverse
+    cumsum less the token's own g; every g ≤ 0, so nothing cancels), not taken as G_C − G_j: under strong
+    decays |G| reaches thousands inside a chunk, and that difference keeps ~1e-4 of absolute error in the
+    exponent. ``G_C`` is the cumsum's last element (g is 0 past the end)."""
     b_g = tl.load(g + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
     b_w = tl.load(w + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
     b_G = tl.cumsum(b_g, 0)
-    return b_G, b_w, tl.sum(tl.where(o_r == BT - 1, b_G, 0.0), 0)
+    b_tail = tl.cumsum(b_g, 0, reverse=True) - b_g
+    return b_G, b_w, tl.sum(tl.where(o_r == BT - 1, b_G, 0.0), 0), b_tail
+
+
+@triton.jit
+def pair_decays(g, t0, o_r, m_t, H: tl.constexpr, BT: tl.constexpr):
+    """``D[r, j] = exp(Σ_{j<i≤r} g_i)`` (= exp(G_r − G_j)) for r ≥ j at a token of the chunk, else 0; the sum
+    taken over the g between the two tokens, for the reason :func:`chunk_gates` gives its tail."""
+    b_g = tl.load(g + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
+    b_L = tl.cumsum(tl.where(o_r[:, None] > o_r[None, :], b_g[:, None], 0.0), 0)  # [i → r, j]: Σ_{j<i≤r} g_i
+    causal = (o_r[:, None] >= o_r[None, :]) & m_t[None, :]
+    return tl.exp(tl.where(causal, b_L, float("-inf")))
 
 
 @triton.jit
@@ -58,10 +72,10 @@ def _linear_state_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
-        b_G, b_w, g_last = chunk_gates(g, w, t0, o_r, m_t, H, BT)
+        b_G, b_w, g_last, b_tail = chunk_gates(g, w, t0, o_r, m_t, H, BT)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_kw = b_k.to(tl.float32) * (b_w * tl.exp(g_last - b_G))[:, None]  # w_j k_j exp(G_C − G_j)
+        b_kw = b_k.to(tl.float32) * (b_w * tl.exp(b_tail))[:, None]  # w_j k_j exp(G_C − G_j)
         b_h = b_h * tl.exp(g_last) + mm(tl.trans(b_kw), b_v, b_v, IEEE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
@@ -84,12 +98,11 @@ def _linear_output_kernel(
     b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_G, b_w, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
+    b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
     b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
-    causal = (o_r[:, None] >= o_r[None, :]) & m_t[None, :]
-    b_d = tl.exp(tl.where(causal, b_G[:, None] - b_G[None, :], float("-inf")))  # exp(G_r − G_j), 0 above the diagonal
+    b_d = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)  # exp(G_r − G_j), 0 above the diagonal
     b_s = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_d * b_w[None, :]
     b_o = (b_o + mm(b_s, b_v, b_v, IEEE)) * scale
     if USE_OFFSET:

@@ -80,7 +80,7 @@ gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/g
         >> "$w/gemma.log" 2>&1 < /dev/null &)
 }
 gemma_running() {  # a Gemma run's ablate.sh is alive (its launching shell is gone by then)
-    pgrep -f "scripts/ablate.sh .*gemma3" > /dev/null
+    pgrep -f "scripts/ablate.sh .*gemma3.*/gruns" > /dev/null
 }
 case ${1:-} in
     wheels)
@@ -123,13 +123,18 @@ case ${1:-} in
         shift 2
         [ $# -ge 1 ] || die "ablate needs at least one NAME=OVERRIDES"
         [ -f "$w/smollm2.gguf" ] && [ -f "$w/corpus/manifest.json" ] || die "run 'wheels', 'teacher' and 'start' first"
+        recipe=${ABLATE_RECIPE:-recipes/smollm2-135m-gdn-corpus.yaml}
+        eval_opts="--eval-data $w/ev --limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
+--passkey --passkey-len 2048 --dtype bfloat16"
         for spec in "$@"; do
             [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"
-            (cd "$repo" && START=$(date +%s) DEADLINE=$deadline PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-                COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus" EVAL="--eval-data $w/ev --limit 1000 \
---batch-size 64 --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16" \
-                setsid nohup bash scripts/ablate.sh "${ABLATE_RECIPE:-recipes/smollm2-135m-gdn-corpus.yaml}" "$w/aruns" \
-                "$spec" >> "$w/ablate_${spec%%=*}.log" 2>&1 < /dev/null &)
+            # trained first; measured once the task data is there ('evaldata' may come later), as
+            # recover_smollm2.sh does: the second ablate.sh finds the model trained and only measures it
+            (cd "$repo" && export START=$(date +%s) DEADLINE=$deadline PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+                COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus" && setsid nohup bash -c \
+                'bash scripts/ablate.sh "$0" "$1" "$2"; until [ -d "$3/hf_datasets" ] || [ $(( $(date +%s) - START )) -gt \
+                $(( DEADLINE - 300 )) ]; do sleep 10; done; EVAL="$4" bash scripts/ablate.sh "$0" "$1" "$2"' \
+                "$recipe" "$w/aruns" "$spec" "$w/ev" "$eval_opts" >> "$w/ablate_${spec%%=*}.log" 2>&1 < /dev/null &)
         done
         sleep 5
         records ;;

@@ -108,15 +108,16 @@ def test_linear_attention_triton_grads_strong_decay():
 
 def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
     """With few (sequence, head) pairs for the GPU's SMs the state kernels take narrower V blocks than the
-    output kernels (down to 16 of 48 here: three blocks and a masked tail); forced on the interpreter as
-    a 132-SM GPU would pick them, the output, final state and every gradient still match the reference."""
+    output kernels (16 of V = 40 here: two full blocks and a masked one, against one block of 64); forced
+    on the interpreter as a 132-SM GPU would pick them, the output, final state and every gradient still
+    match the reference."""
     interpreted()
     from linearize.ops.triton import linear_fwd
     from linearize.ops.triton.settings import state_bv
 
     monkeypatch.setattr(linear_fwd, "sms_for", lambda programs, device: 132)
-    assert state_bv(16, 48, True, 2, 132) == 16 and linear_fwd.linear_bv(16, 48) == 64
-    check(torch.float32, "cpu", 1, 150, 2, 2, 16, 48, [0, 40, 40, 150])
+    assert state_bv(16, 40, True, 3 * 2, 132) == 16 and linear_fwd.linear_bv(16, 40) == 64  # 3 documents × 2 heads
+    check(torch.float32, "cpu", 1, 150, 2, 2, 16, 40, [0, 40, 40, 150])
 
 
 def test_linear_attention_triton_grads_fp16_interpreted():

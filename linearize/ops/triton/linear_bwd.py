@@ -102,7 +102,7 @@ def _dv_kernel(
     rows = bos + t0 + o_r
     m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    _, b_w, _, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
+    _, b_w, _, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
     b_dh = tl.load(dhs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                    mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_ew = tl.where(m_t, tl.exp(b_tail), 0.0) * b_w  # e_j w_j
@@ -131,7 +131,7 @@ def _dqkwg_kernel(
     rows = bos + t0 + o_r
     m_tk = m_t[:, None] & m_k[None, :]
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
+    b_G, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
     b_e = tl.where(m_t, tl.exp(b_tail), 0.0)
     b_D = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)  # dg is made of these off-diagonal terms
     p_s = ((boh + i_c) * H + i_h) * K * V

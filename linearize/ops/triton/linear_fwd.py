@@ -24,18 +24,19 @@ from .tiles import mm
 
 
 @triton.jit
-def chunk_gates(g, w, t0, o_r, m_t, H: tl.constexpr, BT: tl.constexpr):
+def chunk_gates(g, w, t0, o_r, n, H: tl.constexpr, BT: tl.constexpr):
     """``(G, w, G_C, tail)`` of one chunk as float32: the in-chunk cumulative log-decay, the write weights
-    (0 past the end), the chunk's total log-decay and ``tail_j = Σ_{i>j} g_i`` (= G_C − G_j). ``g``, ``w`` point
-    at the sequence's first token and head. The tail is summed from the g after each token (a reverse
-    cumsum less the token's own g; every g ≤ 0, so nothing cancels), not taken as G_C − G_j: under strong
-    decays |G| reaches thousands inside a chunk, and that difference keeps ~1e-4 of absolute error in the
-    exponent. ``G_C`` is the cumsum's last element (g is 0 past the end)."""
+    (0 past the end), the chunk's total log-decay and ``tail_j = Σ_{i>j} g_i`` (= G_C − G_j). ``g``, ``w``
+    point at the sequence's first token and head; ``n``: its tokens from ``t0`` on. The tail is a reverse
+    cumsum of the g that follow each token (loaded one token on), a sum of exactly those terms, not
+    G_C − G_j: under strong decays |G| reaches thousands inside a chunk, and that difference keeps ~1e-4 of
+    absolute error in the exponent. ``G_C`` is the cumsum's last element (g is 0 past the end)."""
+    m_t = o_r < n
     b_g = tl.load(g + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
     b_w = tl.load(w + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
+    b_next = tl.load(g + (t0 + o_r + 1) * H, mask=(o_r + 1 < BT) & (o_r + 1 < n), other=0.0).to(tl.float32)
     b_G = tl.cumsum(b_g, 0)
-    b_tail = tl.cumsum(b_g, 0, reverse=True) - b_g
-    return b_G, b_w, tl.sum(tl.where(o_r == BT - 1, b_G, 0.0), 0), b_tail
+    return b_G, b_w, tl.sum(tl.where(o_r == BT - 1, b_G, 0.0), 0), tl.cumsum(b_next, 0, reverse=True)
 
 
 @triton.jit
@@ -72,7 +73,7 @@ def _linear_state_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
-        b_G, b_w, g_last, b_tail = chunk_gates(g, w, t0, o_r, m_t, H, BT)
+        b_G, b_w, g_last, b_tail = chunk_gates(g, w, t0, o_r, T - t0, H, BT)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_kw = b_k.to(tl.float32) * (b_w * tl.exp(b_tail))[:, None]  # w_j k_j exp(G_C − G_j)
@@ -98,7 +99,7 @@ def _linear_output_kernel(
     b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, m_t, H, BT)
+    b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
     b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                   mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0

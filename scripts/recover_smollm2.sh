@@ -11,6 +11,7 @@
 #        quality*.json/.md, the teacher's, the logs), rewritten as each run ends
 # usage: scripts/recover_smollm2.sh W OUT [DEADLINE seconds, default 560]
 #        scripts/recover_smollm2.sh --records W OUT     # OUT/records.tgz of what exists now, then stop
+#        scripts/recover_smollm2.sh --eval-options W    # the `linearize eval` options the runs take
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
 # INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
@@ -36,6 +37,15 @@ records() {  # W OUT
     # shellcheck disable=SC2086  # the file names are words
     tar czf "$2/records.tgz.$BASHPID" -C "$1" $files && mv "$2/records.tgz.$BASHPID" "$2/records.tgz"  # one writer each
 }
+eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default)
+    echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --seq-len 2048 \
+--ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
+}
+if [ "${1:-}" = "--eval-options" ]; then  # for other runs measured on the same rows (scripts/device_calls.sh ablate)
+    [ $# -eq 2 ] || { echo "usage: scripts/recover_smollm2.sh --eval-options W" >&2; exit 2; }
+    eval_options "$2"
+    exit 0
+fi
 if [ "${1:-}" = "--records" ]; then
     [ $# -eq 3 ] || { echo "usage: scripts/recover_smollm2.sh --records W OUT" >&2; exit 2; }
     records "$2" "$3"
@@ -52,8 +62,7 @@ echo $$ > "$w/recover.pid"  # for a caller that waits on it (scripts/device_call
 export START=${START:-$(date +%s)} DEADLINE=${3:-560} EVAL_SECONDS=${EVAL_SECONDS:-300}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus"
-eval_options="--eval-data $w/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $w/corpus --seq-len 2048 \
---ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
+eval_options=$(eval_options "$w")
 left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
 echo "== $(left) s left; an evaluation starts while more than $EVAL_SECONDS s are left"
 wait_ev() {  # the task data, which a later call may bring

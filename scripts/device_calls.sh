@@ -135,12 +135,15 @@ case ${1:-} in
             mine=()
             for (( i = lane; i < $#; i += lanes )); do mine+=("${@:i+1:1}"); done
             [ ${#mine[@]} -gt 0 ] || continue
-            # trained first; measured once the task data is there ('evaldata' may come later), as
-            # recover_smollm2.sh does: the second ablate.sh finds the models trained and only measures them
+            # each variant measured as soon as it is trained when the task data is there ('evaldata' may
+            # come later); the last ablate.sh waits for the data and measures the ones still unmeasured (it
+            # finds them trained), as recover_smollm2.sh does
             (cd "$repo" && export START=$(date +%s) DEADLINE=$deadline PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
                 COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus" && setsid nohup bash -c \
-                'bash scripts/ablate.sh "$0" "$1" "${@:4}"; until [ -d "$2/hf_datasets" ] || [ $(( $(date +%s) - START )) \
-                -gt $(( DEADLINE - 300 )) ]; do sleep 10; done; EVAL="$3" bash scripts/ablate.sh "$0" "$1" "${@:4}"' \
+                'for v in "${@:4}"; do if [ -d "$2/hf_datasets" ]; then EVAL="$3" bash scripts/ablate.sh "$0" "$1" "$v"
+                else bash scripts/ablate.sh "$0" "$1" "$v"; fi; done
+                until [ -d "$2/hf_datasets" ] || [ $(( $(date +%s) - START )) -gt $(( DEADLINE - 300 )) ]; do sleep 10; done
+                EVAL="$3" bash scripts/ablate.sh "$0" "$1" "${@:4}"' \
                 "$recipe" "$w/aruns" "$w/ev" "$eval_opts" "${mine[@]}" >> "$w/ablate_${mine[0]%%=*}.log" 2>&1 < /dev/null &)
         done
         sleep 5

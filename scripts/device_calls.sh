@@ -10,6 +10,8 @@
 #                                        then recover_smollm2.sh in the background (its environment —
 #                                        ONLY, EXTRA, TAG, DISTILL_STEPS, INIT, ROPE, MMLU — passed on); DEADLINE in
 #                                        seconds from now (default 1200)
+#   scripts/device_calls.sh corpus-part DIR   before 'start', for a subset in parts (above ~25M tokens): carry
+#                                        DIR (.carry/corpus_2, then _3 …): its training shards, which 'start' joins
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
@@ -104,9 +106,17 @@ case ${1:-} in
         [ -f "$w/smollm2.gguf" ] && [ -d "$repo" ] || die "run 'wheels' and 'teacher' first, on the same machine"
         [ ! -e "$w/recover.log" ] || die "the runs have started already ($w/recover.log): 'wait' for them"
         rm -rf "$w/corpus" && cp -r "$src" "$w/corpus"
+        [ ! -d "$w/corpus.parts" ] || cp -r "$w/corpus.parts/." "$w/corpus/"
+        missing=$(python3 -c "import json, pathlib, sys; d = pathlib.Path(sys.argv[1]); m = json.loads((d / 'manifest.json').read_text())
+print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.values() for s in split['shards'] if not (d / s['file']).is_file()))" "$w/corpus")
+        [ -z "$missing" ] || { rm -rf "$w/corpus"; die "the corpus lacks $missing: carry its parts with 'corpus-part' first"; }
         (cd "$repo" && setsid nohup bash scripts/recover_smollm2.sh "$w" "$w/out" "$deadline" > "$w/recover.log" 2>&1 < /dev/null &)
         sleep 20
         records ;;
+    corpus-part)
+        src=${2:-}
+        ls "$src"/*/train-*.safetensors > /dev/null 2>&1 || die "no training shards in '$src': carry .carry/corpus_2 (… _3) and name it"
+        mkdir -p "$w/corpus.parts" && cp -r "$src/." "$w/corpus.parts/" && du -sh "$w/corpus.parts" ;;
     evaldata)
         [ -d .carry/ev/hf_datasets ] || die "no .carry/ev here: carry it"
         [ ! -d "$w/ev" ] || die "$w/ev is there already"

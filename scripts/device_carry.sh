@@ -4,7 +4,8 @@
 #                  each part fits beside a teacher part: .carry/w (datasets, omegaconf, gguf: what training
 #                  needs) and .carry/fla (flash-linear-attention, the kernel benchmarks' anchor)
 #   .carry/g1, g2  the SmolLM2-135M GGUF teacher split in two
-#   .carry/corpus  a subset of a built corpus (linearize data subset), TRAIN_TOKENS training tokens
+#   .carry/corpus  a subset of a built corpus (linearize data subset), TRAIN_TOKENS training tokens; above
+#                  ~25M, its other training shards in .carry/corpus_2, _3 … ('corpus-part' carries each)
 #   .carry/ev      the zero-shot task data of `linearize eval` (the six tasks; MMLU with --mmlu)
 # Then the calls of scripts/device_calls.sh (its header), one after the other while the machine stays warm
 # (30 s): 'wheels' (carry .carry/w .carry/g1), 'teacher' (.carry/g2 .whl), 'start' (.carry/corpus: a subset of
@@ -59,9 +60,29 @@ mv .carry/gguf.part00 .carry/g1/ && mv .carry/gguf.part01 .carry/g2/
 # the corpus subset and the task data
 linearize data subset "$corpus" --out .carry/corpus --train-tokens "$tokens"
 rm -f .carry/corpus/*/train-*.parquet  # the training split's text: training reads its token shards only
+# more than one call carries (above ~25M tokens): .carry/corpus keeps the manifest, the held-out files and
+# the training shards that fit; .carry/corpus_2, _3 … take the others (shards of 16M tokens, 32 MB each)
+rm -rf .carry/corpus_[0-9]*
+python3 - <<'PY'
+from pathlib import Path
+root, limit = Path(".carry/corpus"), 56 * 2**20
+shards = sorted(root.glob("*/train-*.safetensors"), key=lambda p: p.stat().st_size, reverse=True)
+parts = [sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p not in shards)]
+for shard in shards:  # first fit, largest first; part 1 is .carry/corpus itself
+    size = shard.stat().st_size
+    i = next((i for i, used in enumerate(parts) if used + size <= limit), len(parts))
+    if i == len(parts):
+        parts.append(0)
+    parts[i] += size
+    if i > 0:
+        dest = Path(f".carry/corpus_{i + 1}") / shard.parent.name
+        dest.mkdir(parents=True, exist_ok=True)
+        shard.rename(dest / shard.name)
+PY
 cp -r "$evdata"/hf_datasets/{piqa,ai2_arc,hellaswag,winogrande} .carry/ev/hf_datasets/
 cp -r "$evdata"/oe_eval_tasks/lambada .carry/ev/oe_eval_tasks/
 [ "$mmlu" = 1 ] && cp -r "$evdata"/hf_datasets/hails .carry/ev/hf_datasets/
-du -sh .whl .carry/w .carry/fla .carry/g1 .carry/g2 .carry/corpus .carry/ev | sed 's/^/  /'
+du -sh .whl .carry/w .carry/fla .carry/g1 .carry/g2 .carry/corpus* .carry/ev | sed 's/^/  /'
+[ ! -d .carry/corpus_2 ] || echo "the corpus is in parts: 'corpus-part' carries each .carry/corpus_N before 'start'"
 echo "scripts/device_calls.sh: 'wheels' carries .carry/w + .carry/g1, 'teacher' .carry/g2 + .whl, 'start' .carry/corpus,"
 echo "'evaldata' .carry/ev, 'fla' .carry/fla (each under 64 MiB with the tree)"

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -38,6 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+READ_ORDERS = (1, 2, 3, 4)  # the Taylor reads of the older tokens measured beside the block (teacher_split)
 
 
 def prompts(tok, length: int, depths, seed: int, per_depth: int) -> tuple[torch.Tensor, list[int], list[int]]:
@@ -107,13 +110,21 @@ def teacher_split(module, cap, t: torch.Tensor, window: int, sinks: int, key_at,
     }
     share = (p * old).sum(-1)  # (B, H, G, Q)
     o_old = torch.einsum("bhgqs,bshd->bhgqd", p * old, v.double()) / share.clamp_min(1e-300)[..., None]
+    # what a state read with the r-th order Taylor polynomial of exp as its kernel would give over the older
+    # tokens, r = 1 … READ_ORDERS[-1] (r = 1 is the Taylor-GDN's read; order r needs a state of K^r × V): the
+    # polynomial of the logit centred on its mean over those tokens (q·k̄, which the running sums give)
+    x = (logits - mean[..., None]).masked_fill(~old, 0)
+    reads = {}
+    for r in READ_ORDERS:
+        w = sum(x.pow(j) / math.factorial(j) for j in range(r + 1)).masked_fill(~old, 0)
+        reads[f"read_order{r}"] = torch.einsum("bhgqs,bshd->bhgqd", w, v.double()) / w.sum(-1)[..., None]
     key = torch.zeros(B, T, dtype=torch.bool)
     for b, a in enumerate(key_at):
         key[b, a:a + needle] = True
     key_mass = (p * key[:, None, None, None]).sum(-1)
     flat = lambda x: x.reshape(B, H * G, Q, *x.shape[4:]).transpose(1, 2)  # noqa: E731  (B, Q, Hq, ...)
     return {"share": flat(share), "o_old": flat(o_old), "key_mass": flat(key_mass),
-            **{f"log_odds_{k}": flat(x) for k, x in log_odds.items()}}
+            **{f"log_odds_{k}": flat(x) for k, x in log_odds.items()}, **{k: flat(x) for k, x in reads.items()}}
 
 
 def measure(block, cap, t, split) -> dict:
@@ -135,6 +146,7 @@ def measure(block, cap, t, split) -> dict:
     recon = (1 - s_true)[..., None] * o_ex + s_true[..., None] * old_true
     w = mc.got["w"][:, t]
     return {
+        **{f"err_{k}": rel(split[k], old_true).tolist() for k in split if k.startswith("read_order")},
         "key_mass": split["key_mass"].mean((0, 1)).tolist(),
         **{k: split[k].mean((0, 1)).tolist() for k in split if k.startswith("log_odds")},
         "log_odds_block": (w.log() - (1 - w).log()).clamp(max=40).mean((0, 1)).tolist(),
@@ -260,6 +272,9 @@ def report(layer: int, row: dict) -> None:
         med = " ".join(f"{k} {statistics.median(m[k]):.3f}" for k in COLUMNS)
         print(f"layer {layer} {name}: head {h} (key mass {m['key_mass'][h]:.2f}): {best} | median over heads: {med}",
               flush=True)
+    m = next(v for k, v in row.items() if k != "seconds")
+    print(f"layer {layer} head {h}: err_old of the Taylor reads, order "
+          + ", ".join(f"{r}: {m[f'err_read_order{r}'][h]:.3f}" for r in READ_ORDERS), flush=True)
 
 
 def markdown(result: dict) -> str:
@@ -285,6 +300,14 @@ def markdown(result: dict) -> str:
             cells.append(f"{m['share_block'][h]:.3f}, {m['mix_gradient'][h]:.3f}, {m['err_old'][h]:.2f}, "
                          f"{m['err'][h]:.2f}, {m['err_true_old'][h]:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "The same heads, the teacher's q/k/v: the error against the teacher's softmax over the older tokens of a "
+              "read whose kernel is the Taylor polynomial of exp of order r in the logit centred on its mean over those "
+              "tokens (r = 1 is the Taylor-GDN's read; a state for order r holds K^r × V numbers a head).", "",
+              "| layer.head | " + " | ".join(f"order {r}" for r in READ_ORDERS) + " |", "|---" * (1 + len(READ_ORDERS)) + "|"]
+    for layer, row in result["layers"].items():
+        h = best_head(row)
+        m = row[names[0]]
+        lines.append(f"| {layer}.{h} | " + " | ".join(f"{m[f'err_read_order{r}'][h]:.3f}" for r in READ_ORDERS) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,17 +22,22 @@ token is a digit of the key), at the teacher's q/k/v in float64, per layer's str
   GDN state; ``err_state_all``: the same with the read of every older token, the cached ones too (a state
   written as today, the cache beside it: what the training kernels could compute unchanged).
 
-Scores (each causal but the oracle): ``recall``, how badly a linear state of the tokens before it recalls the
-token (``‖v_j − v̂(k_j)‖``, ``v̂`` the first-order Taylor read of ``k_j`` over the earlier tokens — LoLA's
-self-recall error), fixed when the token leaves the window; ``window_mass``, the attention the token got
-while in the window from the exact part's softmax of every query head of its KV head (H2O's accumulated
-attention, known when it leaves); ``recall_now``, the same against the state of
-every token older than the window at the answer (re-scored as the state grows); ``novelty``, ``‖k_j − k̄‖`` over the earlier tokens; ``random``; ``oracle``, the teacher's
-mass at the answer queries (the bound, not causal); ``probe``, a learned score: per KV head, a ridge regression
-of the log of the largest attention the teacher pays a token from ``window`` or more tokens later on the
-attention's input at that token, fitted on ``--probe-rows`` rows of ordinary text (the built-in training
-text, no passkey) — what a block could learn in distillation and compute causally. Writes JSON and prints a
-table.
+Scores (each causal but the oracle):
+
+- ``probe``, a learned score: per KV head, a ridge regression of the log of the largest attention the teacher
+  pays a token from ``window`` or more tokens later on the attention's input at that token, fitted on
+  ``--probe-rows`` rows of ordinary text (the built-in training text, no passkey) — what a block could learn
+  in distillation and compute causally;
+- ``window_mass``, the attention the token got while in the window from the exact part's softmax of every
+  query head of its KV head (H2O's accumulated attention, known when it leaves);
+- ``recall``, how badly a linear state of the tokens before it recalls the token (``‖v_j − v̂(k_j)‖``, ``v̂``
+  the first-order Taylor read of ``k_j`` over the earlier tokens — LoLA's self-recall error), fixed when the
+  token leaves the window; ``recall_now``, the same against the state of every token older than the window at
+  the answer (re-scored as the state grows);
+- ``novelty``, ``‖k_j − k̄‖`` over the earlier tokens; ``random``;
+- ``oracle``, the teacher's mass at the answer queries (the bound, not causal).
+
+Writes JSON and prints a table.
 """
 
 from __future__ import annotations

@@ -97,14 +97,11 @@ def scores(q, k, v, scaling: float, p_answer: torch.Tensor, window: int, sinks: 
 def far_attention(module, cap, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(features (B, T, F), target (B, H, T))``: the attention input of every token and the log of the largest
     attention any query head of its KV head pays it from ``window`` or more tokens later (the teacher's)."""
-    from linearize.models.adapters import project_qkv
+    from linearize.retrieval import attention_rows
 
-    q, k, _ = project_qkv(module, cap.hidden_states, cap.position_embeddings, with_v=False)
-    B, T, Hq, D = q.shape
-    H = k.shape[2]
-    lg = torch.einsum("bthgd,bshd->bhgts", q.double().view(B, T, H, Hq // H, D), k.double()) * float(module.scaling)
+    T = cap.hidden_states.shape[1]
     lag = torch.arange(T)[:, None] - torch.arange(T)[None]
-    p = lg.masked_fill(lag < 0, float("-inf")).softmax(-1).masked_fill(lag < window, 0)
+    p = attention_rows(module, cap, torch.arange(T)).masked_fill(lag < window, 0)  # (B, H, G, T, T)
     return cap.hidden_states.double(), p.amax((2, 3)).clamp_min(1e-6).log()
 
 

@@ -162,6 +162,7 @@ def convert(
     write_gate: bool = typer.Option(False, "--write-gate", help="A learnable strength on each token's write (1 at init)."),
     calibrate_mix: bool = typer.Option(False, "--calibrate-mix", help="With --window: fit the mix's per-head bias on the calibration text."),
     mix_order: int = typer.Option(1, "--mix-order", help="With --window: the older tokens' normalizer to first (1) or second (2) order."),
+    sparse_cache: int = typer.Option(0, "--sparse-cache", help="With --window: an exact cache of N older tokens per KV head, chosen by a fitted probe; 0 = off."),
     tokens: int = typer.Option(512, "--tokens", help="Held-out tokens for the fidelity report."),
     calibration_tokens: int = typer.Option(512, "--calibration-tokens", help="Tokens of calibration text (ρ, --keep-softmax N)."),
     calibrate_steps: int = typer.Option(0, "--calibrate-steps", help="Adam steps per layer fitting the block's own parameters on it."),
@@ -182,7 +183,8 @@ def convert(
         try:
             options = GDNOptions(form=form, target=to, beta_max=beta_max, short_conv=short_conv, window=window,
                                  sinks=(4 if window else 0) if sinks is None else sinks, output_gate=output_gate,
-                                 calibrate_mix=calibrate_mix, decay_rank=decay_rank, write_gate=write_gate, mix_order=mix_order)
+                                 calibrate_mix=calibrate_mix, decay_rank=decay_rank, write_gate=write_gate, mix_order=mix_order,
+                                 sparse_cache=sparse_cache)
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
         checks.positive(tokens, "--tokens", 2)

@@ -38,6 +38,7 @@ class ConvertConfig:
     write_gate: bool = False  # a learnable strength on each token's write into the state (1 at init)
     calibrate_mix: bool = False  # with a window: fit the mix's per-head bias on the calibration text
     mix_order: int = 1  # with a window: the older tokens' normalizer to first (1) or second (2) order
+    sparse_cache: int = 0  # with a window: an exact cache of this many older tokens per KV head (probe-chosen)
     calibration_tokens: int = 512
     calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
 
@@ -302,6 +303,9 @@ def validate(cfg: RecipeConfig) -> None:
     _need(isinstance(c.calibrate_mix, bool), "convert.calibrate_mix", "true or false", c.calibrate_mix)
     _need(c.mix_order in (1, 2) and not isinstance(c.mix_order, bool) and (c.mix_order == 1 or c.window),
           "convert.mix_order", "1, or 2 with a convert.window", c.mix_order)
+    _need(isinstance(c.sparse_cache, int) and not isinstance(c.sparse_cache, bool) and 0 <= c.sparse_cache <= 65536
+          and (c.window or not c.sparse_cache), "convert.sparse_cache", "0, or a number of tokens with a convert.window",
+          c.sparse_cache)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     _need(c.calibration_steps >= 0, "convert.calibration_steps", ">= 0", c.calibration_steps)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))

@@ -94,6 +94,24 @@ def linearize_layer(
     return gdn
 
 
+PROBE_ROWS, PROBE_TOKENS = 4, 2048  # the sparse cache's probe text: 8K tokens of the built-in train split
+
+
+def fit_cache_probes(model, blocks: dict, tokenizer=None, calibration_ids: torch.Tensor | None = None) -> None:
+    """Fit each converted block's sparse-cache probe (:meth:`GDNAttention.fit_cache_probe`) on the teacher's
+    attention over ``PROBE_ROWS`` rows of ``PROBE_TOKENS`` built-in tokens (``calibration_ids`` without a
+    tokenizer), the layers captured eight at a time. ``blocks``: layer index → the block, not yet swapped in."""
+    from .eval import capture_attention, text_ids
+
+    ids = text_ids(tokenizer, PROBE_TOKENS, split="train", batch=PROBE_ROWS) if tokenizer is not None else calibration_ids
+    ids = ids.to(next(model.parameters()).device)
+    order = sorted(blocks)
+    for j in range(0, len(order), 8):
+        caps = capture_attention(model, ids, order[j:j + 8], stop_early=True)
+        for i, cap in caps.items():
+            blocks[i].fit_cache_probe(cap.hidden_states, cap.position_embeddings)
+
+
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:
     return {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
 
@@ -183,6 +201,8 @@ def convert(
     caps = capture_attention(model, calibration_ids, candidates)
     gdn = {i: linearize_layer(decoder_layers(model)[i].self_attn, options, caps[i].hidden_states, caps[i].position_embeddings)
            for i in candidates}
+    if options.sparse_cache:  # before the calibration steps, which run the block with its cache
+        fit_cache_probes(model, gdn, tokenizer, calibration_ids)
     for i in candidates if calibration_steps else []:
         fit_block(gdn[i], caps[i].hidden_states, caps[i].position_embeddings, caps[i].output, calibration_steps)
     if isinstance(keep_softmax, int) and keep_softmax > 0 and rule == "induction":

@@ -95,7 +95,8 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
             options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv,
                                window=cfg.convert.window, sinks=cfg.convert.sinks, output_gate=cfg.convert.output_gate,
                                calibrate_mix=cfg.convert.calibrate_mix, decay_rank=cfg.convert.decay_rank,
-                               write_gate=cfg.convert.write_gate, mix_order=cfg.convert.mix_order))
+                               write_gate=cfg.convert.write_gate, mix_order=cfg.convert.mix_order,
+                               sparse_cache=cfg.convert.sparse_cache))
     for i, st in enumerate(cfg.stages):
         if st.name == "align":
             try:

@@ -24,6 +24,8 @@ _CONV_INPUTS = (4, 5, 6)
 # a sink + sliding-window block's sinks and last tokens (GDNOptions.window; ops/window_inputs.py's WindowBuffers)
 _WINDOW = tuple(range(7, 15))
 _SUM_KK = 15  # Σkkᵀ of the old keys, for the window block's second-order mix (GDNOptions.mix_order = 2)
+# the sparse cache's tokens and keys (GDNOptions.sparse_cache; ops/sparse_cache.py's CacheBuffers)
+_SPARSE = tuple(range(16, 20))
 
 
 # Also a CacheLayerMixin: beside A it keeps running sums (3 more slots), and a model whose every layer
@@ -37,7 +39,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
     def __init__(self, **kwargs):
         CacheLayerMixin.__init__(self)
-        LinearAttentionLayer.__init__(self, number_of_states=16)
+        LinearAttentionLayer.__init__(self, number_of_states=20)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
 
     @property
@@ -68,12 +70,22 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
         return WindowBuffers(*(self.recurrent_states[i] for i in _WINDOW))
 
+    @property
+    def cache_buffers(self):
+        """The sparse cache beside a window (a ``CacheBuffers``); None without one."""
+        if not (self.has_previous_state[_STATE] and self.has_previous_state[_SPARSE[0]]):
+            return None
+        from ..ops.sparse_cache import CacheBuffers
+
+        return CacheBuffers(*(self.recurrent_states[i] for i in _SPARSE))
+
     def set_state(self, state: torch.Tensor, sums: RunningSums, new_tokens: int,
-                  conv_inputs: list[torch.Tensor] | None = None, window=None) -> None:
+                  conv_inputs: list[torch.Tensor] | None = None, window=None, sparse=None) -> None:
         self.device, self.dtype = state.device, state.dtype  # what the library's reorder/prefetch read
         slots = [(_STATE, state), (_SUM_K, sums.k), (_SUM_V, sums.v), (_COUNT, sums.count)]
         slots += list(zip(_CONV_INPUTS, conv_inputs or []))
         slots += list(zip(_WINDOW, window.tensors() if window is not None else []))
+        slots += list(zip(_SPARSE, sparse.tensors() if sparse is not None else []))
         if sums.kk is not None:
             slots.append((_SUM_KK, sums.kk))
         for i, x in slots:

@@ -18,6 +18,9 @@ identity:
   the Taylor-GDN over the older tokens, mixed by their share of the softmax mass, with this per-head
   correction on the older part's normalizer (:mod:`linearize.ops.window`; 0 at init, where the block is
   the teacher exactly for the first ``window + sinks`` tokens);
+- ``cache_probe`` (with ``GDNOptions.sparse_cache``, a buffer: no gradient reaches it): the score that picks,
+  per KV head, which older tokens a sparse exact cache keeps beside the window (:mod:`linearize.ops.sparse_cache`;
+  fitted at convert by :meth:`GDNAttention.fit_cache_probe`);
 - ``out_gate`` (with ``GDNOptions.output_gate``): a gate and mixed RMSNorm on the output before ``o_proj``
   (:mod:`linearize.layers.output_gate`; identity init);
 - ``write_gate`` (with ``GDNOptions.write_gate``): a strength ``exp(w·v + b)`` on each token's write into the
@@ -34,6 +37,16 @@ from ..models.adapters import project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
+from ..ops.sparse_cache import (
+    CacheBuffers,
+    cached_cache,
+    far_attention,
+    fit_probe,
+    fresh_cache,
+    merge_softmax,
+    sink_window_cache_flex,
+    token_keys,
+)
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import (
     flex_usable,
@@ -117,6 +130,9 @@ class GDNAttention(nn.Module):
             self.fused_step = False
         if self.options.mix_order == 2:  # nor the old keys' second moment
             self.fused_step = False
+        if self.options.sparse_cache:  # nor the sparse cache: (H, hidden + 1), the score's weights then its bias
+            self.register_buffer("cache_probe", torch.zeros(self.num_kv_heads, hidden + 1, device=p.device, dtype=p.dtype))
+            self.fused_step = False
 
     def _add_corrections(self, hidden: int, p: torch.Tensor) -> None:
         """The Taylor-GDN's own parameters: ρ, the β factor and, where the state decays, the decay correction."""
@@ -145,6 +161,16 @@ class GDNAttention(nn.Module):
             q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
             self.mix_bias.copy_(normalizer_gap(q.float() * self.scaling, k.float(), self.options.window, self.options.sinks,
                                               self.options.mix_order))
+
+    @torch.no_grad()
+    def fit_cache_probe(self, hidden_states: torch.Tensor, position_embeddings) -> None:
+        """Fit ``cache_probe`` (``GDNOptions.sparse_cache``) by ridge regression: per KV head, the block's input
+        at a token against the log of the largest attention the teacher's q/k (the block's own at conversion)
+        pay it from ``window`` or more tokens later, on these rows (each one document from its start)."""
+        mix = (lambda q, k, v: conv_qkv(self, q, k, v)[:3]) if self.options.short_conv else None  # noqa: E731
+        q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
+        target = far_attention(q.double() * self.scaling, k, self.options.window)
+        self.cache_probe.copy_(fit_probe(hidden_states, target))
 
     def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None,
                 projections=None):
@@ -219,14 +245,14 @@ class GDNAttention(nn.Module):
         mask = None if kwargs.get("decode_step") and T == 1 else token_mask(attention_mask, B, T)
         if layer is None and mask is None:  # training/scoring: packed documents restart the state
             return self.o_proj(self._fresh_output(hidden_states, position_embeddings, kwargs.get("position_ids"))), None
-        buffers = None
+        buffers = sparse = None
         if self.options.window:
-            o, state, sums, tails, buffers = self._attend_window(hidden_states, position_embeddings, mask, layer)
+            o, state, sums, tails, buffers, sparse = self._attend_window(hidden_states, position_embeddings, mask, layer)
         else:
             o, state, sums, tails = self._attend(hidden_states, position_embeddings, mask, initial, h0, use_cache,
                                                  conv_past=conv_past)
         if layer is not None:
-            layer.set_state(state, sums, T, tails, buffers)
+            layer.set_state(state, sums, T, tails, buffers, sparse)
         return self.o_proj(self._gated(o, hidden_states)), None
 
     def attention_output(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None,
@@ -266,14 +292,15 @@ class GDNAttention(nn.Module):
         """The sink + sliding-window block (``GDNOptions.window``): exact softmax over each query's window and
         sinks, the Taylor-GDN over the older tokens — fed the token leaving the window at every step —
         mixed by :func:`mix_by_mass`. ``layer``: the cache layer to continue from (None: a fresh sequence).
-        Returns ``(o, state, sums, conv_tails, window buffers)``. The β and decay corrections are read off
-        the current token, as in GDN."""
+        Returns ``(o, state, sums, conv_tails, window buffers, sparse-cache buffers)``. The β and decay
+        corrections are read off the current token, as in GDN. With ``sparse_cache`` the exact part also
+        covers each query's cache (:mod:`linearize.ops.sparse_cache`)."""
         B, T, _ = hidden_states.shape
         W, S = self.options.window, self.options.sinks
         h0 = layer.state if layer is not None else None
         conv_past = layer.conv_inputs if h0 is not None else None
         if T == 1 and h0 is not None and mask is None and self.options.form == "stable" and self.fused_step:
-            return self._step(hidden_states, position_embeddings, None, layer.sums, h0, conv_past, layer.window_buffers)
+            return *self._step(hidden_states, position_embeddings, None, layer.sums, h0, conv_past, layer.window_buffers), None
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q.to(dt) * self.scaling
@@ -283,7 +310,15 @@ class GDNAttention(nn.Module):
         else:
             past = layer.window_buffers if h0 is not None else WindowBuffers.empty(k, W, S)
             inp, buffers = cached_inputs(k, v, past, W, S, mask)
-        if flex:
+        C, sparse = self.options.sparse_cache, None
+        if C:  # each token's selection key, from its position in its document
+            valid = torch.ones_like(inp.query_doc, dtype=torch.bool) if mask is None else mask.bool()
+            pos = inp.pos if layer is None else (past.count[:, None] + valid.long().cumsum(1)) * valid
+            token_key = token_keys(hidden_states, self.cache_probe, pos, S)
+        if flex and C:
+            o_exact, lse = sink_window_cache_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, token_key,
+                                                  inp.old_ok, C)
+        elif flex:
             o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
         elif window_triton_usable(q, self.options.backend):  # a prefill or scoring: one kernel, q in the keys' dtype
             from ..ops.triton.window_fwd import sink_window_triton
@@ -295,6 +330,14 @@ class GDNAttention(nn.Module):
         else:
             o_exact, lse = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
                                                inp.sink_ok)
+        if C and not flex:  # the cache beside the window and sinks, under one normalizer
+            if layer is None:
+                o_c, lse_c = fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, inp.key_doc[:, :T],
+                                         inp.query_doc, W, C)
+            else:
+                cpast = layer.cache_buffers if h0 is not None else CacheBuffers.empty(k, C, W)
+                o_c, lse_c, sparse = cached_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W, C)
+            o_exact, lse = merge_softmax(o_exact, lse, o_c, lse_c)
         beta_logit, gate_logit = self._logits(hidden_states)
         if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1
             m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
@@ -326,7 +369,7 @@ class GDNAttention(nn.Module):
             if layer is not None:
                 front.sums.kk = moment
         o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, self.mix_bias, square_sum)
-        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails, buffers
+        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails, buffers, sparse
 
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
                 cu_seqlens=None, conv_past=None):

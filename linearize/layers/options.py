@@ -82,6 +82,10 @@ class GDNOptions:
     # a learnable strength on each token's write into the state, exp(w·v + b) per KV head (linearize.layers.
     # write_gate; 1 at init). Decode steps then take the composed ops, not the fused step kernels
     write_gate: bool = False
+    # with a window: an exact cache of this many older tokens per KV head beside the window and sinks, chosen
+    # as they leave the window by a probe fitted at convert (linearize.ops.sparse_cache); decoding keeps them
+    # at a fixed size. 0 = off. Decode steps then take the composed ops, not the fused step kernels
+    sparse_cache: int = 0
 
     def __post_init__(self):
         check_form(self.form)
@@ -114,6 +118,11 @@ class GDNOptions:
             raise ValueError(f"write_gate must be true or false; got {self.write_gate!r}")
         if self.write_gate and self.target == "linear":
             raise ValueError("write_gate is an option of the delta-rule targets (gdn, deltanet, kda), not of linear")
+        c = self.sparse_cache
+        if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 65536:
+            raise ValueError(f"sparse_cache must be a whole number of tokens from 0 (off) to 65536; got {c!r}")
+        if c and not self.window:
+            raise ValueError(f"sparse_cache={c} is an option of the sink + sliding-window block: set window (e.g. 64)")
         if not isinstance(self.output_gate, bool):
             raise ValueError(f"output_gate must be true or false; got {self.output_gate!r}")
 

@@ -1,0 +1,237 @@
+"""A sparse exact cache beside the sink + sliding-window block (``GDNOptions.sparse_cache = C``).
+
+The window block reads every token older than its window through the Taylor-GDN state, which cannot be
+sharp: a head that retrieves one token out of thousands (a passkey, a name read back) misses it
+(``scripts/retrieval_capacity.py``). Sparse caching (LoLA, McDermott et al. 2025) keeps, per KV head, ``C``
+of the older tokens exactly — keys and values, a fixed size like the window — chosen by a score as they
+leave the window, the lowest-scored evicted when full. The exact softmax then covers sinks, window and
+cache under one normalizer; the state still takes every older token, so the mix by mass is unchanged.
+
+Here the score is a linear probe of the block's input per KV head, fitted at conversion by ridge
+regression on the log of the largest attention the teacher pays the token from ``window`` or more tokens
+later (:func:`far_attention`, :func:`fit_probe`) — causal and query-independent, so the cache at query
+``t`` is simply the ``C`` best-scored tokens older than its window: what a decoder keeping a top-``C``
+buffer holds. Ties (a token repeated at layer 0, whose input is its embedding alone) go to the newer token
+through :func:`selection_keys`, the same numbers in training and decoding.
+
+Candidates come as ``P`` carried entries (a decoder's cache, seen by every query) followed by one per query
+(the *old stream* of :mod:`linearize.ops.window_inputs`: the token leaving the window at that step, seen by
+that query and the later ones). Measured on SmolLM2-135M converted and untrained (every layer, window 64 +
+4 sinks): passkey at 2K 10% → 80% with ``C = 256`` (the teacher's 80%),
+``results/sparse_cache_passkey_smollm2_c256.json``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+_TIE = 1e-14  # far below float32's spacing: it orders equal scores without reordering different ones
+_BLOCK_ELEMENTS = 1 << 28  # queries per block: at most this many logits (1 GiB in float32) at a time
+
+
+def _query_block(block: int | None, rows: int, heads: int, candidates: int) -> int:
+    return block or max(16, min(1024, _BLOCK_ELEMENTS // max(1, rows * heads * candidates)))
+
+
+def selection_keys(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """``(B, T, H)`` float64: the order tokens are kept in — the probe's ``score`` ``(B, T, H)``, equal
+    scores broken towards the later ``pos`` ``(B, T)`` (position in its document) — so that training's
+    dense selection and a decoder's buffer pick the same tokens."""
+    s = score.double()
+    return s + _TIE * pos.double()[..., None] * (s.abs() + 1)
+
+
+def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
+    """``(B, T, H)`` float32: the probe ``(H, F + 1)`` (weights, then a bias) on the block's input ``(B, T, F)``."""
+    return F.linear(hidden_states.float(), probe[:, :-1].float(), probe[:, -1].float())
+
+
+def cache_threshold(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torch.Tensor | None = None,
+                    query_doc: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
+    """``(B, H, T)`` float64: each query's ``size``-th largest key among the candidates it sees (−inf when it
+    sees fewer): the ``prior`` carried ones and stream candidate ``prior + j`` for queries ``t ≥ j``, of its own
+    document where ``cand_doc`` ``(B, P + T)`` and ``query_doc`` ``(B, T)`` are given. ``cand_key``
+    ``(B, P + T, H)``: −inf where there is no candidate. A query keeps the candidates with a finite key at or
+    above its threshold: at most ``size`` (keys are distinct, :func:`selection_keys`)."""
+    B, N, H = cand_key.shape
+    T = N - prior
+    block = _query_block(block, B, H, N)
+    keys = cand_key.double().permute(0, 2, 1)[:, :, None, :]  # (B, H, 1, N)
+    c = torch.arange(N, device=cand_key.device)
+    out = []
+    for t0 in range(0, T, block):
+        t = torch.arange(t0, min(T, t0 + block), device=cand_key.device)
+        seen = ((c[None] < prior) | (c[None] - prior <= t[:, None]))[None]  # (1, Q, N)
+        if cand_doc is not None:
+            seen = seen & (cand_doc[:, None, :] == query_doc[:, t0:t0 + len(t), None])
+        ranked = keys.masked_fill(~seen[:, None], float("-inf"))  # (B, H, Q, N)
+        out.append(ranked.topk(min(size, N), dim=-1).values[..., -1])
+    return torch.cat(out, 2) if out else cand_key.new_empty(B, H, 0, dtype=torch.float64)
+
+
+def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, cand_key: torch.Tensor, prior: int,
+                  size: int, cand_doc: torch.Tensor | None = None, query_doc: torch.Tensor | None = None,
+                  block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of each query over its cache, densely in blocks of queries; ``(o, lse)``.
+
+    q ``(B, T, G·H, D)`` scaled; ``cand_k``/``cand_v`` ``(B, P + T, H, D)``, ``cand_key`` ``(B, P + T, H)`` as
+    :func:`cache_threshold`. Returns ``o (B, T, G·H, D)`` and ``lse (B, T, G·H)`` in float32 (float64 for
+    float64 q), ``lse`` −inf and ``o`` 0 for a query whose cache is empty."""
+    B, T, Hq, D = q.shape
+    N, H = cand_k.shape[1], cand_k.shape[2]
+    G = Hq // H
+    block = _query_block(block, B, Hq, N)
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    thr = cache_threshold(cand_key, prior, size, cand_doc, query_doc, block)  # (B, H, T)
+    keys = cand_key.double().permute(0, 2, 1)[:, :, None, :]
+    c = torch.arange(N, device=q.device)
+    ck, cv = cand_k.to(acc), cand_v.to(acc)
+    outs, lses = [], []
+    for t0 in range(0, T, block):
+        t = torch.arange(t0, min(T, t0 + block), device=q.device)
+        seen = ((c[None] < prior) | (c[None] - prior <= t[:, None]))[None]
+        if cand_doc is not None:
+            seen = seen & (cand_doc[:, None, :] == query_doc[:, t0:t0 + len(t), None])
+        kept = seen[:, None] & torch.isfinite(keys) & (keys >= thr[:, :, t0:t0 + len(t), None])  # (B, H, Q, N)
+        qb = q[:, t0:t0 + len(t)].to(acc).view(B, len(t), H, G, D)
+        logits = torch.einsum("bthgd,bnhd->bhgtn", qb, ck).masked_fill(~kept[:, :, None], float("-inf"))
+        lse = logits.logsumexp(-1)  # (B, H, G, Q)
+        p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
+        outs.append(torch.einsum("bhgtn,bnhd->bthgd", p, cv).reshape(B, len(t), Hq, D))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(B, len(t), Hq))
+    return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def merge_softmax(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,
+                  lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One softmax over two disjoint key sets from each's ``(o (B, T, Hq, D), lse (B, T, Hq))``: the outputs
+    weighted by their share of the mass, the normalizers added (−inf parts, empty sets, weigh 0)."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    finite = torch.isfinite(lse)
+    w_a = torch.where(finite, (lse_a - lse).exp(), torch.zeros_like(lse))[..., None]
+    w_b = torch.where(finite, (lse_b - lse).exp(), torch.zeros_like(lse))[..., None]
+    return w_a * o_a + w_b * o_b.to(o_a.dtype), lse
+
+
+def stream_keys(token_key: torch.Tensor, old_ok: torch.Tensor, window: int, past: torch.Tensor | None = None) -> torch.Tensor:
+    """``(B, T, H)`` float64: the selection key of the old stream's token at each step — the token ``window``
+    steps back, from ``past`` ``(B, W, H)`` (a decoder's window keys; −inf slots for a fresh sequence) then
+    ``token_key`` ``(B, T, H)`` — −inf where ``old_ok`` ``(B, T)`` says that step writes nothing."""
+    B, T, H = token_key.shape
+    past = token_key.new_full((B, window, H), float("-inf"), dtype=torch.float64) if past is None else past
+    keys = torch.cat([past.double(), token_key.double()], 1)[:, :T]
+    return keys.masked_fill(~old_ok[..., None], float("-inf"))
+
+
+def far_attention(q: torch.Tensor, k: torch.Tensor, window: int, block: int = 512) -> torch.Tensor:
+    """``(B, T, H)`` float64: per token and KV head, the log of the largest softmax attention any query head of
+    that KV head pays it from ``window`` or more tokens later (causal softmax over the whole row; clamped at
+    1e-6, the value of tokens no later query reaches). q ``(B, T, G·H, D)`` scaled, k ``(B, T, H, D)``, each row
+    one document from its start: the target :func:`fit_probe` fits."""
+    B, T, Hq, D = q.shape
+    H = k.shape[2]
+    kd = k.double()
+    best = torch.full((B, H, T), 1e-6, dtype=torch.float64, device=q.device)
+    s = torch.arange(T, device=q.device)
+    for t0 in range(0, T, block):
+        t = torch.arange(t0, min(T, t0 + block), device=q.device)
+        logits = torch.einsum("bthgd,bshd->bhgts", q[:, t0:t0 + len(t)].double().view(B, len(t), H, Hq // H, D), kd)
+        p = logits.masked_fill(s[None] > t[:, None], float("-inf")).softmax(-1)
+        p = p.masked_fill(t[:, None] - s[None] < window, 0)  # (B, H, G, Q, T)
+        best = torch.maximum(best, p.amax((2, 3)))
+    return best.log().transpose(1, 2)
+
+
+def fit_probe(features: torch.Tensor, target: torch.Tensor, ridge: float = 1e-2) -> torch.Tensor:
+    """``(H, F + 1)`` float64: per KV head, the ridge regression of ``target`` ``(B, T, H)`` on ``features``
+    ``(B, T, F)`` and a bias (``ridge`` scaled by the number of rows), as :func:`probe_scores` reads it."""
+    x = features.reshape(-1, features.shape[-1]).double()
+    x = torch.cat([x, torch.ones_like(x[:, :1])], 1)
+    y = target.reshape(-1, target.shape[-1]).double()
+    a = x.T @ x + ridge * x.shape[0] * torch.eye(x.shape[1], dtype=x.dtype, device=x.device)
+    return torch.linalg.solve(a, x.T @ y).T
+
+
+@dataclass
+class CacheBuffers:
+    """What decoding keeps of the cache, per row: ``C`` tokens per KV head and the window's selection keys
+    (a token's key must be known when it leaves the window)."""
+
+    k: torch.Tensor  # (B, C, H, D)
+    v: torch.Tensor
+    key: torch.Tensor  # (B, C, H) float64: the kept tokens' selection keys; -inf = empty slot
+    win_key: torch.Tensor  # (B, W, H) float64: the window's tokens' keys, oldest first; -inf = none
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.k, self.v, self.key, self.win_key]
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, size: int, window: int) -> CacheBuffers:
+        B, _, H, D = like.shape
+        inf = dict(dtype=torch.float64, device=like.device)
+        return cls(like.new_zeros(B, size, H, D), like.new_zeros(B, size, H, D),
+                   torch.full((B, size, H), float("-inf"), **inf), torch.full((B, window, H), float("-inf"), **inf))
+
+
+def token_keys(hidden_states: torch.Tensor, probe: torch.Tensor, pos: torch.Tensor, sinks: int) -> torch.Tensor:
+    """``(B, T, H)`` float64: each token's selection key, −inf for the sinks and padding (``pos`` ≤ ``sinks``;
+    ``pos`` ``(B, T)``: position in its document from 1, padding 0), which are never cache candidates."""
+    keys = selection_keys(probe_scores(hidden_states, probe), pos)
+    return keys.masked_fill((pos <= sinks)[..., None], float("-inf"))
+
+
+def fresh_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_ok: torch.Tensor, token_key: torch.Tensor,
+                cand_doc: torch.Tensor, query_doc: torch.Tensor, window: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(o, lse)`` of each query's cache in a sequence from its start (dense; see :func:`cache_softmax`): the
+    old stream ``old_k``/``old_v`` ``(B, T, H, D)``, ``old_ok`` ``(B, T)``, its documents ``cand_doc`` ``(B, T)``."""
+    keys = stream_keys(token_key, old_ok, window)
+    return cache_softmax(q, old_k, old_v, keys, 0, size, cand_doc, query_doc)
+
+
+def cached_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_ok: torch.Tensor, token_key: torch.Tensor,
+                 past: CacheBuffers, window: int, size: int) -> tuple[torch.Tensor, torch.Tensor, CacheBuffers]:
+    """``(o, lse, buffers after)``: a continuation from ``past``, whose ``size`` tokens every query sees beside
+    the old stream's. The buffers after keep the ``size`` best-keyed candidates and the window's last keys.
+    Reads nothing on the host (a decode step through it can be captured in a CUDA graph)."""
+    stream = stream_keys(token_key, old_ok, window, past.win_key)
+    cand_key = torch.cat([past.key, stream], 1)  # (B, C + T, H)
+    cand_k, cand_v = (torch.cat([a, b.to(a.dtype)], 1) for a, b in ((past.k, old_k), (past.v, old_v)))
+    o, lse = cache_softmax(q, cand_k, cand_v, cand_key, size, size)
+    best = cand_key.topk(size, dim=1).indices  # (B, C, H): what the next query sees of these
+    gather = lambda x: torch.gather(x, 1, best[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
+    win_key = torch.cat([past.win_key, token_key.double()], 1)[:, -window:]
+    return o, lse, CacheBuffers(gather(cand_k), gather(cand_v), torch.gather(cand_key, 1, best), win_key)
+
+
+def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_doc: torch.Tensor,
+                           query_doc: torch.Tensor, pos: torch.Tensor, window: int, sinks: int, token_key: torch.Tensor,
+                           old_ok: torch.Tensor, size: int, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linearize.ops.window.sink_window_flex` with the cache in the same softmax: query ``t`` also sees
+    the key ``s`` older than its window whose selection key is finite and at least its threshold
+    (:func:`cache_threshold` over its old stream). For a fresh sequence in training on CUDA: one fused kernel
+    each way, the selection (no gradient) beside it. Arguments as ``sink_window_flex``, plus ``token_key``
+    ``(B, T, H)`` (:func:`token_keys`) and the old stream's ``old_ok`` ``(B, T)``."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    from .window import _flex_attention
+
+    B, T, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    doc_before = torch.cat([key_doc.new_full((B, window), -1), key_doc], 1)[:, :T]  # the stream token's document
+    thr = cache_threshold(stream_keys(token_key, old_ok, window), 0, size, doc_before, query_doc)  # (B, H, T)
+    tk = token_key.double().permute(0, 2, 1).contiguous()  # (B, H, T)
+
+    def seen(b, h, t, s):
+        key = tk[b, h // G, s]
+        cached = (t - s >= window) & (key > float("-inf")) & (key >= thr[b, h // G, t])
+        return (query_doc[b, t] == key_doc[b, s]) & (s <= t) & ((t - s < window) | (pos[b, s] <= sinks) | cached)
+
+    mask = create_block_mask(seen, B, Hq, T, T, device=q.device, _compile=compiled)
+    dt = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
+    fn = _flex_attention() if compiled else flex_attention
+    o, lse = fn(q.to(dt).transpose(1, 2), k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2), block_mask=mask,
+                scale=1.0, enable_gqa=G != 1, return_lse=True)
+    return o.transpose(1, 2).float(), lse.transpose(1, 2).float()

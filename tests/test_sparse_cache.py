@@ -1,0 +1,226 @@
+"""The sparse exact cache beside the window (GDNOptions.sparse_cache) against references written here: which
+tokens a query keeps, by sorting (score, position) in Python; its softmax in float64 by loops; a cache with room
+for every token turning the exact part into the teacher's causal softmax; the full forward against prefill +
+decode steps; the probe's target and fit against loops and a known linear map."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_convert import calib, ids, incremental_logits
+from test_window import dense_sink_window
+
+import linearize
+from linearize.config import load_recipe
+from linearize.layers import GDNAttention, GDNOptions
+from linearize.ops.sparse_cache import (
+    far_attention,
+    fit_probe,
+    fresh_cache,
+    merge_softmax,
+    selection_keys,
+    sink_window_cache_flex,
+)
+from linearize.ops.window import sink_window_softmax
+from linearize.ops.window_inputs import fresh_inputs
+
+f64 = torch.float64
+
+
+def kept_by_sorting(score, pos, docs, t, window, sinks, size):
+    """Indices query t keeps: the ``size`` best (score, position) among its document's tokens older than its
+    window and not a sink, by Python's tuple order (ties to the later token)."""
+    a, _ = next(d for d in docs if d[0] <= t < d[1])
+    older = [s for s in range(a, t + 1) if t - s >= window and pos[s] > sinks]
+    return sorted(older, key=lambda s: (float(score[s]), int(pos[s])), reverse=True)[:size]
+
+
+def problem(T=40, Hq=4, H=2, D=8, seed=0, ties=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(1, T, Hq, D, generator=g, dtype=f64) * 0.7
+    k, v = (torch.randn(1, T, H, D, generator=g, dtype=f64) for _ in range(2))
+    score = torch.randn(1, T, H, generator=g).float()
+    if ties:  # repeated tokens at layer 0 score alike: three values only in head 1
+        score[..., 1] = torch.randint(0, 3, (1, T), generator=g).float()
+    return q, k, v, score
+
+
+@pytest.mark.parametrize("window,sinks,size", [(4, 2, 3), (6, 0, 1), (3, 1, 50)])
+def test_fresh_cache_keeps_the_best_scored_and_attends_exactly(window, sinks, size):
+    """Two packed documents, scores with ties: each query's cache part is the softmax over the tokens the
+    Python sort picks, in float64; merged with the sink/window part it is one softmax over the union."""
+    T = 40
+    q, k, v, score = problem(T)
+    cu = torch.tensor([0, 17, T])
+    docs = [(0, 17), (17, T)]
+    inp = fresh_inputs(k, v, window, sinks, cu)
+    key = selection_keys(score, inp.pos).masked_fill((inp.pos <= sinks)[..., None], -math.inf)
+    o_c, lse_c = fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, key, inp.key_doc[:, :T], inp.query_doc, window, size)
+    o_e, lse_e = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, window, inp.sink_k, inp.sink_v,
+                                     inp.sink_ok)
+    o, lse = merge_softmax(o_e, lse_e, o_c, lse_c)
+    o_ref, lse_ref = dense_sink_window(q, k, v, docs, window, sinks)
+    pos = inp.pos[0]
+    G = q.shape[2] // k.shape[2]
+    for t in range(T):
+        for h in range(q.shape[2]):
+            kept = kept_by_sorting(score[0, :, h // G], pos, docs, t, window, sinks, size)
+            if not kept:
+                assert lse_c[0, t, h] == -math.inf and o_c[0, t, h].abs().max() == 0
+                continue
+            s = torch.stack([q[0, t, h] @ k[0, i, h // G] for i in kept])
+            assert torch.allclose(lse_c[0, t, h], s.logsumexp(0), atol=1e-12)
+            ref = (s.softmax(0)[:, None] * v[0, kept, h // G]).sum(0)
+            assert torch.allclose(o_c[0, t, h], ref, atol=1e-12)
+            both = torch.logaddexp(lse_ref[0, t, h], s.logsumexp(0))
+            assert torch.allclose(lse[0, t, h], both, atol=1e-12)
+
+
+def test_room_for_every_token_is_causal_softmax():
+    """C ≥ T: sinks + window + cache cover every earlier token of the document — the teacher's softmax."""
+    T, W, S = 30, 4, 2
+    q, k, v, score = problem(T, seed=3)
+    inp = fresh_inputs(k, v, W, S)
+    key = selection_keys(score, inp.pos).masked_fill((inp.pos <= S)[..., None], -math.inf)
+    o_c, lse_c = fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, key, inp.key_doc[:, :T], inp.query_doc, W, T)
+    o_e, lse_e = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v, inp.sink_ok)
+    o, lse = merge_softmax(o_e, lse_e, o_c, lse_c)
+    logits = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(2, 2))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    p = logits.masked_fill(~causal, -math.inf).softmax(-1)
+    ref = torch.einsum("bhts,bshd->bthd", p, v.repeat_interleave(2, 2))
+    assert (o - ref).abs().max() < 1e-12 and (lse - logits.masked_fill(~causal, -math.inf).logsumexp(-1).transpose(1, 2)).abs().max() < 1e-12
+
+
+def test_flex_with_cache_equals_dense():
+    """FlexAttention's mask (eager on the CPU) picks the same tokens as the dense selection."""
+    T, W, S, C = 48, 5, 2, 4
+    q, k, v, score = problem(T, seed=5)
+    q, k, v = q.float(), k.float(), v.float()
+    cu = torch.tensor([0, 20, T])
+    inp = fresh_inputs(k, v, W, S, cu)
+    key = selection_keys(score, inp.pos).masked_fill((inp.pos <= S)[..., None], -math.inf)
+    o_c, lse_c = fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, key, inp.key_doc[:, :T], inp.query_doc, W, C)
+    o_e, lse_e = sink_window_softmax(q, inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v, inp.sink_ok)
+    o, lse = merge_softmax(o_e, lse_e, o_c, lse_c)
+    o2, lse2 = sink_window_cache_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, key, inp.old_ok, C,
+                                      compiled=False)
+    assert (o - o2).abs().max() < 1e-5 and (lse - lse2).abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_flex_with_cache_compiled_equals_dense_on_gpu(dtype, tol):
+    """The compiled kernel and its gradients against the dense path on the GPU (float32 reference)."""
+    T, W, S, C = 300, 16, 3, 24
+    q, k, v, score = problem(T, seed=6)
+    cu = torch.tensor([0, 130, T], device="cuda")
+    outs = []
+    for flex in (False, True):
+        x = [t.cuda().to(torch.float32 if not flex else dtype).requires_grad_(True) for t in (q, k, v)]
+        inp = fresh_inputs(x[1], x[2], W, S, cu, gather_sinks=not flex)
+        key = selection_keys(score.cuda(), inp.pos).masked_fill((inp.pos <= S)[..., None], -math.inf)
+        if flex:
+            o, lse = sink_window_cache_flex(x[0], x[1], x[2], inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, key,
+                                            inp.old_ok, C)
+        else:
+            o_c, lse_c = fresh_cache(x[0], inp.old_k, inp.old_v, inp.old_ok, key, inp.key_doc[:, :T], inp.query_doc, W, C)
+            o_e, lse_e = sink_window_softmax(x[0], inp.k, inp.v, inp.key_doc, inp.query_doc, W, inp.sink_k, inp.sink_v,
+                                             inp.sink_ok)
+            o, lse = merge_softmax(o_e, lse_e, o_c, lse_c)
+        r = torch.randn(o.shape, generator=torch.Generator().manual_seed(1)).cuda()
+        d = torch.autograd.grad((o * r).sum() + lse.sum(), x)
+        outs.append((o.detach(), lse.detach(), d))
+    (o1, l1, d1), (o2, l2, d2) = outs
+    assert (o1 - o2).abs().max() < tol and (l1 - l2).abs().max() < tol
+    for a, b in zip(d1, d2):
+        assert ((a - b.float()).norm() / a.norm()).item() < tol
+
+
+def perturbed(options, seed=0):
+    teacher = tiny_model("llama", seed=seed)
+    model = linearize.convert(teacher, calibration_ids=calib(teacher), options=options)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, GDNAttention):
+                m.mix_bias.normal_(0, 0.5)
+    return model
+
+
+@pytest.mark.parametrize("prefill", [3, 17])
+@pytest.mark.parametrize("probe", ["fitted", "zero"])
+def test_prefill_and_decode_equal_full_forward(prefill, probe):
+    """Prefill, then token by token: the full forward's logits, whether the probe separates tokens or ties them
+    all (zero: the newest kept); the cache holds C tokens per KV head whatever the length."""
+    model = perturbed(GDNOptions(window=4, sinks=2, sparse_cache=3))
+    blocks = [m for m in model.modules() if isinstance(m, GDNAttention)]
+    assert all(b.cache_probe.abs().sum() > 0 for b in blocks)  # fitted at convert
+    if probe == "zero":
+        for b in blocks:
+            b.cache_probe.zero_()
+    x = ids(model, B=2, T=26)
+    mask, pos = torch.ones_like(x), torch.arange(26)[None].expand(2, -1)
+    with torch.no_grad():
+        full = model(x, attention_mask=mask, use_cache=False).logits
+        without = linearize.convert(tiny_model("llama"), calibration_ids=calib(model),
+                                    options=GDNOptions(window=4, sinks=2))
+        for b, m in zip(blocks, (m for m in without.modules() if isinstance(m, GDNAttention))):
+            m.mix_bias.copy_(b.mix_bias)
+        other = without(x, attention_mask=mask, use_cache=False).logits
+        inc, cache = incremental_logits(model, x, mask, pos, prefill=prefill)
+    assert (inc - full).abs().max() < 1e-4
+    assert (full - other)[:, 7:].abs().max() > 1e-3  # the cache changes what the block computes past window + sinks
+    buf = cache.layers[0].cache_buffers
+    assert buf.k.shape[1] == 3 and buf.win_key.shape[1] == 4 and torch.isfinite(buf.key).all()
+
+
+def test_far_attention_and_probe_fit():
+    """The probe's target by loops; a target that is a linear map of the features is recovered by the fit."""
+    T, W = 12, 3
+    q, k, _, _ = problem(T, seed=7)
+    got = far_attention(q, k, W, block=5)
+    for t in range(T):
+        for h in range(k.shape[2]):
+            best = 1e-6
+            for u in range(t + W, T):
+                for hq in (2 * h, 2 * h + 1):
+                    p = (torch.stack([q[0, u, hq] @ k[0, s, h] for s in range(u + 1)])).softmax(0)
+                    best = max(best, float(p[t]))
+            assert abs(got[0, t, h].item() - math.log(best)) < 1e-9
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(3, 50, 6, generator=g, dtype=f64)
+    w = torch.randn(2, 7, generator=g, dtype=f64)
+    y = x @ w[:, :-1].T + w[:, -1]
+    assert torch.allclose(fit_probe(x, y, ridge=1e-12), w, atol=1e-6)
+
+
+def test_saved_loaded_options_and_bad_input(tmp_path, tiny_dir):
+    from test_cli import run
+
+    model = perturbed(GDNOptions(window=4, sinks=2, sparse_cache=5))
+    model.save_pretrained(tmp_path / "m")
+    back = linearize.load(tmp_path / "m")
+    assert back.config.linearize["options"]["sparse_cache"] == 5
+    x = ids(model, B=1, T=20)
+    with torch.no_grad():
+        assert torch.equal(back(x).logits, model(x).logits)
+        assert torch.equal(back.model.layers[0].self_attn.cache_probe, model.model.layers[0].self_attn.cache_probe)
+    with pytest.raises(ValueError, match="sparse_cache=8 is an option of the sink"):
+        GDNOptions(sparse_cache=8)
+    with pytest.raises(ValueError, match="sparse_cache must be"):
+        GDNOptions(window=4, sparse_cache=-1)
+    out = tmp_path / "sc"
+    code, text = run("convert", "--model", tiny_dir, "--output", out, "--sparse-cache", 16, "--tokens", 64,
+                     "--calibration-tokens", 64)
+    assert code == 0, text
+    assert json.loads((out / "config.json").read_text())["linearize"]["options"]["sparse_cache"] == 16
+    code, text = run("convert", "--model", tiny_dir, "--output", tmp_path / "bad", "--window", 0, "--sparse-cache", 16)
+    assert code == 2 and "sparse" in text and not (tmp_path / "bad").exists()
+    assert load_recipe(None, [f"teacher.model={tiny_dir}", "convert.window=8", "convert.sparse_cache=32"]).convert.sparse_cache == 32
+    with pytest.raises(Exception, match="convert.sparse_cache"):
+        load_recipe(None, [f"teacher.model={tiny_dir}", "convert.sparse_cache=32"])

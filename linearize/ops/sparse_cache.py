@@ -222,11 +222,16 @@ def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     G = Hq // k.shape[2]
     doc_before = torch.cat([key_doc.new_full((B, window), -1), key_doc], 1)[:, :T]  # the stream token's document
     thr = cache_threshold(stream_keys(token_key, old_ok, window), 0, size, doc_before, query_doc)  # (B, H, T)
+    # the kernel compares integers (it compiles no float64): each token's rank among its row's keys, and the rank
+    # of each query's threshold key (keys are distinct; a threshold of -inf ranks 0, below every candidate)
     tk = token_key.double().permute(0, 2, 1).contiguous()  # (B, H, T)
+    ordered, order = tk.sort(-1)
+    rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=q.device).expand_as(order)).int()
+    thr_rank = torch.searchsorted(ordered, thr.contiguous()).int()
+    candidate = torch.isfinite(tk)
 
     def seen(b, h, t, s):
-        key = tk[b, h // G, s]
-        cached = (t - s >= window) & (key > float("-inf")) & (key >= thr[b, h // G, t])
+        cached = (t - s >= window) & candidate[b, h // G, s] & (rank[b, h // G, s] >= thr_rank[b, h // G, t])
         return (query_doc[b, t] == key_doc[b, s]) & (s <= t) & ((t - s < window) | (pos[b, s] <= sinks) | cached)
 
     mask = create_block_mask(seen, B, Hq, T, T, device=q.device, _compile=compiled)

@@ -169,8 +169,9 @@ class GDNAttention(nn.Module):
         pay it from ``window`` or more tokens later, on these rows (each one document from its start)."""
         mix = (lambda q, k, v: conv_qkv(self, q, k, v)[:3]) if self.options.short_conv else None  # noqa: E731
         q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
-        target = far_attention(q.double() * self.scaling, k, self.options.window)
-        self.cache_probe.copy_(fit_probe(hidden_states, target))
+        dev = "cuda" if torch.cuda.is_available() else q.device  # float64 T×T softmaxes: minutes on a CPU
+        target = far_attention(q.to(dev).double() * self.scaling, k.to(dev), self.options.window)
+        self.cache_probe.copy_(fit_probe(hidden_states.to(dev), target))
 
     def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None,
                 projections=None):

@@ -55,20 +55,29 @@ def cache_threshold(cand_key: torch.Tensor, prior: int, size: int, cand_doc: tor
     sees fewer): the ``prior`` carried ones and stream candidate ``prior + j`` for queries ``t ≥ j``, of its own
     document where ``cand_doc`` ``(B, P + T)`` and ``query_doc`` ``(B, T)`` are given. ``cand_key``
     ``(B, P + T, H)``: −inf where there is no candidate. A query keeps the candidates with a finite key at or
-    above its threshold: at most ``size`` (keys are distinct, :func:`selection_keys`)."""
+    above its threshold: at most ``size`` (keys are distinct, :func:`selection_keys`).
+
+    One sort per row, then per query a running count down the ranks: the threshold is the key at the rank
+    where the count of candidates it sees reaches ``size`` (a top-k per query costs several times more)."""
     B, N, H = cand_key.shape
     T = N - prior
+    dev = cand_key.device
+    ordered, idx = cand_key.double().permute(0, 2, 1).sort(-1, descending=True)  # (B, H, N): rank → candidate
+    finite = torch.isfinite(ordered)[:, :, None, :]
+    stream = (idx - prior)[:, :, None, :]  # a carried candidate is negative: every query sees it
+    docs = None if cand_doc is None else torch.gather(cand_doc[:, None, :].expand(B, H, N), 2, idx)[:, :, None, :]
     block = _query_block(block, B, H, N)
-    keys = cand_key.double().permute(0, 2, 1)[:, :, None, :]  # (B, H, 1, N)
-    c = torch.arange(N, device=cand_key.device)
     out = []
     for t0 in range(0, T, block):
-        t = torch.arange(t0, min(T, t0 + block), device=cand_key.device)
-        seen = ((c[None] < prior) | (c[None] - prior <= t[:, None]))[None]  # (1, Q, N)
-        if cand_doc is not None:
-            seen = seen & (cand_doc[:, None, :] == query_doc[:, t0:t0 + len(t), None])
-        ranked = keys.masked_fill(~seen[:, None], float("-inf"))  # (B, H, Q, N)
-        out.append(ranked.topk(min(size, N), dim=-1).values[..., -1])
+        t = torch.arange(t0, min(T, t0 + block), device=dev)
+        seen = finite & (stream <= t[:, None])  # (B, H, Q, N), in rank order
+        if docs is not None:
+            seen = seen & (docs == query_doc[:, None, t0:t0 + len(t), None])
+        count = seen.cumsum(-1, dtype=torch.int32)
+        want = torch.full((B, H, len(t), 1), size, dtype=torch.int32, device=dev)
+        r = torch.searchsorted(count, want).squeeze(-1)  # the first rank where the count reaches size
+        thr = ordered.gather(-1, r.clamp_max(N - 1))
+        out.append(torch.where(r < N, thr, torch.full_like(thr, float("-inf"))))
     return torch.cat(out, 2) if out else cand_key.new_empty(B, H, 0, dtype=torch.float64)
 
 

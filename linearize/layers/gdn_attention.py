@@ -33,20 +33,11 @@ import torch
 from torch import nn
 
 from ..compat import attention_cache
-from ..models.adapters import project_qkv
+from ..models.adapters import head_counts, project_qkv
 from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
+from ..ops import sparse_cache as sc
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
-from ..ops.sparse_cache import (
-    CacheBuffers,
-    cached_cache,
-    far_attention,
-    fit_probe,
-    fresh_cache,
-    merge_softmax,
-    sink_window_cache_flex,
-    token_keys,
-)
 from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
 from ..ops.window import (
     flex_usable,
@@ -105,7 +96,7 @@ class GDNAttention(nn.Module):
         self.layer_idx = teacher.layer_idx
         self.head_dim = teacher.head_dim
         self.scaling = float(teacher.scaling)
-        self.num_heads, self.num_kv_heads = _head_counts(teacher)
+        self.num_heads, self.num_kv_heads = head_counts(teacher)
         self.is_causal = True
         # the teacher's own modules, reused as they are
         self.q_proj, self.k_proj, self.v_proj, self.o_proj = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
@@ -170,8 +161,8 @@ class GDNAttention(nn.Module):
         mix = (lambda q, k, v: conv_qkv(self, q, k, v)[:3]) if self.options.short_conv else None  # noqa: E731
         q, k, _ = project_qkv(self, hidden_states, position_embeddings, mix=mix)
         dev = "cuda" if torch.cuda.is_available() else q.device  # float64 T×T softmaxes: minutes on a CPU
-        target = far_attention(q.to(dev).double() * self.scaling, k.to(dev), self.options.window)
-        self.cache_probe.copy_(fit_probe(hidden_states.to(dev), target))
+        target = sc.far_attention(q.to(dev).double() * self.scaling, k.to(dev), self.options.window)
+        self.cache_probe.copy_(sc.fit_probe(hidden_states.to(dev), target))
 
     def project(self, hidden_states, position_embeddings, mask=None, cu_seqlens=None, fused=False, conv_past=None,
                 projections=None):
@@ -315,10 +306,10 @@ class GDNAttention(nn.Module):
         if C:  # each token's selection key, from its position in its document
             valid = torch.ones_like(inp.query_doc, dtype=torch.bool) if mask is None else mask.bool()
             pos = inp.pos if layer is None else (past.count[:, None] + valid.long().cumsum(1)) * valid
-            token_key = token_keys(hidden_states, self.cache_probe, pos, S)
+            token_key = sc.token_keys(hidden_states, self.cache_probe, pos, S)
         if flex and C:
-            o_exact, lse = sink_window_cache_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, token_key,
-                                                  inp.old_ok, C)
+            o_exact, lse = sc.sink_window_cache_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, token_key,
+                                                     inp.old_ok, C)
         elif flex:
             o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
         elif window_triton_usable(q, self.options.backend):  # a prefill or scoring: one kernel, q in the keys' dtype
@@ -333,12 +324,12 @@ class GDNAttention(nn.Module):
                                                inp.sink_ok)
         if C and not flex:  # the cache beside the window and sinks, under one normalizer
             if layer is None:
-                o_c, lse_c = fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, inp.key_doc[:, :T],
-                                         inp.query_doc, W, C)
+                o_c, lse_c = sc.fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, inp.key_doc[:, :T],
+                                            inp.query_doc, W, C)
             else:
-                cpast = layer.cache_buffers if h0 is not None else CacheBuffers.empty(k, C, W)
-                o_c, lse_c, sparse = cached_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W, C)
-            o_exact, lse = merge_softmax(o_exact, lse, o_c, lse_c)
+                cpast = layer.cache_buffers if h0 is not None else sc.CacheBuffers.empty(k, C, W)
+                o_c, lse_c, sparse = sc.cached_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W, C)
+            o_exact, lse = sc.merge_softmax(o_exact, lse, o_c, lse_c)
         beta_logit, gate_logit = self._logits(hidden_states)
         if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1
             m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
@@ -416,24 +407,3 @@ class GDNAttention(nn.Module):
         o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], *common, self.options.beta_max, self.scaling,
                              mask=None if mask is None else mask[:, 0], backend=backend)
         return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails
-
-
-def _head_counts(teacher: nn.Module) -> tuple[int, int]:
-    """``(query heads, KV heads)`` read off the teacher's projections, each shape checked: the GDN block
-    reuses them as they are, so a layout it does not expect has to stop the conversion here."""
-    d = teacher.head_dim
-    q, k, v, o = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
-    hidden = q.in_features
-    if q.out_features % d or k.out_features % d:
-        raise ValueError(f"layer {teacher.layer_idx}: q_proj/k_proj widths {q.out_features}/{k.out_features} "
-                         f"are not multiples of head_dim {d}")
-    Hq, H = q.out_features // d, k.out_features // d
-    checks = {"k_proj.in_features": (k.in_features, hidden), "v_proj.in_features": (v.in_features, hidden),
-              "v_proj.out_features": (v.out_features, H * d), "o_proj.in_features": (o.in_features, Hq * d)}
-    for name, (got, want) in checks.items():
-        if got != want:
-            raise ValueError(f"layer {teacher.layer_idx}: {name} is {got}, expected {want} "
-                             f"({Hq} query heads, {H} KV heads of {d})")
-    if Hq % H:
-        raise ValueError(f"layer {teacher.layer_idx}: {Hq} query heads are not a multiple of {H} KV heads")
-    return Hq, H

@@ -67,3 +67,24 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, position_embeddings, fused: boo
             return apply_rope_triton(q, cos, sin), apply_rope_triton(k, cos, sin)
     # apply_rotary_pos_emb wants (B, H, T, D) with unsqueeze_dim=1; (B, T, H, D) takes unsqueeze_dim=2
     return apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+
+
+def head_counts(teacher: torch.nn.Module) -> tuple[int, int]:
+    """``(query heads, KV heads)`` read off the teacher's projections, each shape checked: the GDN block
+    reuses them as they are, so a layout it does not expect has to stop the conversion here."""
+    d = teacher.head_dim
+    q, k, v, o = teacher.q_proj, teacher.k_proj, teacher.v_proj, teacher.o_proj
+    hidden = q.in_features
+    if q.out_features % d or k.out_features % d:
+        raise ValueError(f"layer {teacher.layer_idx}: q_proj/k_proj widths {q.out_features}/{k.out_features} "
+                         f"are not multiples of head_dim {d}")
+    Hq, H = q.out_features // d, k.out_features // d
+    checks = {"k_proj.in_features": (k.in_features, hidden), "v_proj.in_features": (v.in_features, hidden),
+              "v_proj.out_features": (v.out_features, H * d), "o_proj.in_features": (o.in_features, Hq * d)}
+    for name, (got, want) in checks.items():
+        if got != want:
+            raise ValueError(f"layer {teacher.layer_idx}: {name} is {got}, expected {want} "
+                             f"({Hq} query heads, {H} KV heads of {d})")
+    if Hq % H:
+        raise ValueError(f"layer {teacher.layer_idx}: {Hq} query heads are not a multiple of {H} KV heads")
+    return Hq, H

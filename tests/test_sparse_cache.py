@@ -224,3 +224,25 @@ def test_saved_loaded_options_and_bad_input(tmp_path, tiny_dir):
     assert load_recipe(None, [f"teacher.model={tiny_dir}", "convert.window=8", "convert.sparse_cache=32"]).convert.sparse_cache == 32
     with pytest.raises(Exception, match="convert.sparse_cache"):
         load_recipe(None, [f"teacher.model={tiny_dir}", "convert.sparse_cache=32"])
+
+
+def test_left_padding_and_a_hole():
+    """A left-padded row, scored fresh and decoded, is the same row alone; a padding slot inside a row changes
+    nothing of the others (the token under it is never a key, a sink or a cache candidate)."""
+    model = perturbed(GDNOptions(window=4, sinks=2, sparse_cache=3))
+    x = ids(model, B=1, T=22)
+    both = torch.cat([torch.cat([torch.zeros(1, 5, dtype=torch.long), x], 1), ids(model, B=1, T=27, seed=5)])
+    mask = torch.ones_like(both)
+    mask[0, :5] = 0
+    mask[1, 12] = 0
+    pos = (mask.cumsum(1) - 1).clamp_min(0)
+    other = both.clone()
+    other[1, 12] = (both[1, 12] + 7) % model.config.vocab_size
+    with torch.no_grad():
+        alone = model(x, use_cache=False).logits
+        fresh = model(both, attention_mask=mask, position_ids=pos, use_cache=False).logits
+        inc, _ = incremental_logits(model, both, mask, pos, prefill=12)
+        inc_other, _ = incremental_logits(model, other, mask, pos, prefill=12)
+    real = mask.bool()
+    assert (fresh[0, 5:] - alone[0]).abs().max() < 1e-4 and (inc[0, 5:] - alone[0]).abs().max() < 1e-4
+    assert (fresh - inc)[real].abs().max() < 1e-4 and (inc - inc_other)[real].abs().max() < 1e-6

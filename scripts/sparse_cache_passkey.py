@@ -16,7 +16,8 @@ window, whose size stays ``C``.
 A prompt is right when greedy decoding would answer the key: the prompt and the answer ``" KEY"`` go through
 one forward and every answer token is the argmax after the token before it (teacher forcing; the same test for
 the teacher and every variant). A prototype measured on the CPU: the cache is computed densely, by patching
-``sink_window_softmax`` where the block calls it; decoding is not covered.
+``sink_window_softmax`` where the block calls it; decoding is not covered. The converted block has it built in
+since (``GDNOptions.sparse_cache``, ``linearize convert --sparse-cache C``; ``results/sparse_cache_untrained_smollm2.md``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,74 @@
+"""Where the sparse cache's probe ranks a passkey among the older tokens, as the context grows.
+
+    python scripts/sparse_cache_key_rank.py --output results/sparse_cache_key_rank_smollm2.json
+
+The converted block's cache (``GDNOptions.sparse_cache = C``) keeps, per KV head, the ``C`` best-scored tokens
+older than the window; a query finds the passkey exactly only if the key's tokens are among them. Here the
+probes are fitted as ``linearize convert`` fits them (4 × 2,048 built-in tokens, the teacher's attention) on the
+layers with the strongest retrieval heads, and on passkey prompts (``linearize.quality.passkey``) of each length
+and depth the rank of the key's first token among the older tokens at the prompt's end is printed per layer and
+KV head (0 = the best scored; the key is in a cache of C when its rank is below C). At the teacher's own hidden
+states: a lower bound on what the converted model sees. Writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--layers", type=int, nargs="+", default=[17, 18, 20, 21, 22, 23])
+    p.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192])
+    p.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--output", type=Path, required=True)
+    args = p.parse_args()
+
+    from linearize.conversion import PROBE_ROWS, PROBE_TOKENS
+    from linearize.eval import attention_modules, capture_attention, text_ids
+    from linearize.models import load_teacher, project_qkv
+    from linearize.ops.sparse_cache import far_attention, fit_probe, probe_scores, selection_keys
+    from linearize.quality.passkey import keys, make_prompt
+
+    teacher, tok = load_teacher(args.model)
+    mods = attention_modules(teacher)
+    caps = capture_attention(teacher, text_ids(tok, PROBE_TOKENS, "train", batch=PROBE_ROWS), args.layers, stop_early=True)
+    probes = {}
+    with torch.no_grad():
+        for i in args.layers:
+            q, k, _ = project_qkv(mods[i], caps[i].hidden_states, caps[i].position_embeddings)
+            probes[i] = fit_probe(caps[i].hidden_states, far_attention(q.double() * mods[i].scaling, k, args.window))
+    del caps
+    rows = []
+    key = keys(11, 1)[0]
+    digits = tok(key, add_special_tokens=False).input_ids
+    for n in args.lengths:
+        for depth in args.depths:
+            ids = make_prompt(tok, n, depth, key).ids
+            at = next(j for j in range(len(ids) - len(digits)) if ids[j:j + len(digits)] == digits)
+            cap = capture_attention(teacher, torch.tensor([ids]), args.layers, stop_early=True)
+            ranks = {}
+            for i in args.layers:
+                s = selection_keys(probe_scores(cap[i].hidden_states, probes[i].float()),
+                                   torch.arange(1, len(ids) + 1)[None])[0]
+                old = s[args.sinks:len(ids) - args.window]
+                ranks[str(i)] = (old > s[at]).sum(0).tolist()
+            rows.append({"length": n, "depth": depth, "key_position": at, "older_tokens": len(ids) - args.window - args.sinks,
+                         "rank_per_layer_and_kv_head": ranks})
+            print(n, depth, ranks, flush=True)
+    out = {"command": " ".join(["python", *sys.argv]), "model": args.model, "key": key, "rows": rows}
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -94,16 +94,26 @@ def linearize_layer(
     return gdn
 
 
-PROBE_ROWS, PROBE_TOKENS = 4, 2048  # the sparse cache's probe text: 8K tokens of the built-in train split
+# the sparse cache's probe text: 8,192 built-in tokens in one row (rows of the model's context length where it
+# is shorter). On SmolLM2 a probe fitted on one row of 8,192 ranks a passkey 0-85th of the older tokens at 2K to
+# 8K on its 18 retrieval heads; fitted on 4 rows of 2,048, 5-4104 (results/sparse_cache_key_rank_smollm2*.json)
+PROBE_TOKENS = 8192
+
+
+def probe_shape(config) -> tuple[int, int]:
+    """``(rows, tokens per row)`` of the probe text: ``PROBE_TOKENS`` in rows no longer than the model's context."""
+    tokens = min(PROBE_TOKENS, getattr(config, "max_position_embeddings", None) or PROBE_TOKENS)
+    return max(1, PROBE_TOKENS // tokens), tokens
 
 
 def fit_cache_probes(model, blocks: dict, tokenizer=None, calibration_ids: torch.Tensor | None = None) -> None:
     """Fit each converted block's sparse-cache probe (:meth:`GDNAttention.fit_cache_probe`) on the teacher's
-    attention over ``PROBE_ROWS`` rows of ``PROBE_TOKENS`` built-in tokens (``calibration_ids`` without a
-    tokenizer), the layers captured eight at a time. ``blocks``: layer index → the block, not yet swapped in."""
+    attention over :func:`probe_shape` built-in tokens (``calibration_ids`` without a tokenizer), the layers
+    captured eight at a time. ``blocks``: layer index → the block, not yet swapped in."""
     from .eval import capture_attention, text_ids
 
-    ids = text_ids(tokenizer, PROBE_TOKENS, split="train", batch=PROBE_ROWS) if tokenizer is not None else calibration_ids
+    rows, tokens = probe_shape(model.config)
+    ids = text_ids(tokenizer, tokens, split="train", batch=rows) if tokenizer is not None else calibration_ids
     ids = ids.to(next(model.parameters()).device)
     order = sorted(blocks)
     for j in range(0, len(order), 8):

@@ -4,7 +4,8 @@
 
 The converted block's cache (``GDNOptions.sparse_cache = C``) keeps, per KV head, the ``C`` best-scored tokens
 older than the window; a query finds the passkey exactly only if the key's tokens are among them. Here the
-probes are fitted as ``linearize convert`` fits them (4 × 2,048 built-in tokens, the teacher's attention) on the
+probes are fitted as ``linearize convert`` fits them (8,192 built-in tokens, the teacher's attention; or
+``--probe-rows`` rows of ``--probe-tokens``) on the
 layers with the strongest retrieval heads, and on passkey prompts (``linearize.quality.passkey``) of each length
 and depth the rank of the key's first token among the older tokens at the prompt's end is printed per layer and
 KV head (0 = the best scored; the key is in a cache of C when its rank is below C). At the teacher's own hidden
@@ -29,10 +30,12 @@ def main():
     p.add_argument("--depths", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--probe-rows", type=int, default=None, help="rows of probe text (default: convert's)")
+    p.add_argument("--probe-tokens", type=int, default=None, help="tokens per row (default: convert's)")
     p.add_argument("--output", type=Path, required=True)
     args = p.parse_args()
 
-    from linearize.conversion import PROBE_ROWS, PROBE_TOKENS
+    from linearize.conversion import probe_shape
     from linearize.eval import attention_modules, capture_attention, text_ids
     from linearize.models import load_teacher, project_qkv
     from linearize.ops.sparse_cache import far_attention, fit_probe, probe_scores, selection_keys
@@ -40,7 +43,9 @@ def main():
 
     teacher, tok = load_teacher(args.model)
     mods = attention_modules(teacher)
-    caps = capture_attention(teacher, text_ids(tok, PROBE_TOKENS, "train", batch=PROBE_ROWS), args.layers, stop_early=True)
+    rows_, tokens_ = probe_shape(teacher.config)
+    rows_, tokens_ = args.probe_rows or rows_, args.probe_tokens or tokens_
+    caps = capture_attention(teacher, text_ids(tok, tokens_, "train", batch=rows_), args.layers, stop_early=True)
     probes = {}
     with torch.no_grad():
         for i in args.layers:
@@ -64,7 +69,8 @@ def main():
             rows.append({"length": n, "depth": depth, "key_position": at, "older_tokens": len(ids) - args.window - args.sinks,
                          "rank_per_layer_and_kv_head": ranks})
             print(n, depth, ranks, flush=True)
-    out = {"command": " ".join(["python", *sys.argv]), "model": args.model, "key": key, "rows": rows}
+    out = {"command": " ".join(["python", *sys.argv]), "model": args.model, "key": key, "probe_rows": rows_,
+           "probe_tokens": tokens_, "rows": rows}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.output}")

@@ -246,3 +246,14 @@ def test_left_padding_and_a_hole():
     real = mask.bool()
     assert (fresh[0, 5:] - alone[0]).abs().max() < 1e-4 and (inc[0, 5:] - alone[0]).abs().max() < 1e-4
     assert (fresh - inc)[real].abs().max() < 1e-4 and (inc - inc_other)[real].abs().max() < 1e-6
+
+
+def test_probe_text_fits_the_context():
+    """The probe's 8,192 tokens come in one row, or in rows of the model's context where it is shorter."""
+    from types import SimpleNamespace
+
+    from linearize.conversion import probe_shape
+
+    assert probe_shape(SimpleNamespace(max_position_embeddings=131072)) == (1, 8192)
+    assert probe_shape(SimpleNamespace(max_position_embeddings=2048)) == (4, 2048)
+    assert probe_shape(SimpleNamespace()) == (1, 8192)

@@ -176,6 +176,7 @@ def convert(
         t0 = time.perf_counter()
         from .config import check_conversion
         from .layers.options import GDNOptions, check_form, check_target
+        from .saving import check_output_dir  # light: no torch
 
         check_target(to)
         check_form(form, "--form")
@@ -183,8 +184,8 @@ def convert(
         try:
             options = GDNOptions(form=form, target=to, beta_max=beta_max, short_conv=short_conv, window=window,
                                  sinks=(4 if window else 0) if sinks is None else sinks, output_gate=output_gate,
-                                 calibrate_mix=calibrate_mix, decay_rank=decay_rank, write_gate=write_gate, mix_order=mix_order,
-                                 sparse_cache=sparse_cache)
+                                 calibrate_mix=calibrate_mix, decay_rank=decay_rank, write_gate=write_gate,
+                                 mix_order=mix_order, sparse_cache=sparse_cache)
         except ValueError as e:
             raise UserError(f"--{str(e).replace('_', '-')}") from None
         checks.positive(tokens, "--tokens", 2)
@@ -193,8 +194,6 @@ def convert(
         checks.builtin_tokens(tokens, "--tokens", "heldout")
         checks.builtin_tokens(calibration_tokens, "--calibration-tokens", "train")
         check_conversion(layers, keep_softmax)  # syntax
-        from .saving import check_output_dir
-
         src, info = checks.inspect_model(model, needs_teacher="convert")
         out = output or Path(f"{src.name.replace('/', '_')}-{to}")
         check_output_dir(out, force)  # before the slow part: refuse early

@@ -34,7 +34,7 @@ from torch import nn
 
 from ..compat import attention_cache
 from ..models.adapters import head_counts, project_qkv
-from ..ops import _triton_usable, gated_delta_rule, gated_delta_rule_step
+from ..ops import gated_delta_rule, gated_delta_rule_step
 from ..ops import sparse_cache as sc
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
@@ -52,27 +52,13 @@ from ..ops.window_inputs import WindowBuffers, cached_inputs, fresh_inputs
 from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer
 from .channel_decay import ChannelDecay
+from .fused_path import fused_path
 from .options import GDNOptions
 from .output_gate import OutputGate
 from .packing import flatten_rows, packed_cu_seqlens, token_mask
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
 from .write_gate import WriteGate
-
-
-def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
-               output_final_state: bool = False) -> bool:
-    """Whether a call takes the fused Triton path (the Taylor front as one kernel each way, RoPE in one
-    pass): the stable form, asked for (``fused_front=True``) or by default on CUDA, on fp16/bf16/fp32
-    inputs where Triton runs, with no padding mask, no carried running sums and no final state wanted
-    (decoding and padded prefill take the PyTorch front), and no short convolution, window or output gate
-    (the layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one
-    place that decides it."""
-    want = options.fused_front
-    plain = (not (options.short_conv or options.window or options.output_gate or options.write_gate)
-             and options.target == "gdn")
-    return (options.form == "stable" and plain and mask is None and initial is None and not output_final_state
-            and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
 
 
 def correction_factors(beta_logit: torch.Tensor, gate_logit: torch.Tensor,

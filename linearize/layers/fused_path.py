@@ -1,0 +1,23 @@
+"""Which path a converted block's call takes: the fused Triton front or the layer-by-layer PyTorch one."""
+
+from __future__ import annotations
+
+import torch
+
+from ..ops import _triton_usable
+from .options import GDNOptions
+
+
+def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, initial=None,
+               output_final_state: bool = False) -> bool:
+    """Whether a call takes the fused Triton path (the Taylor front as one kernel each way, RoPE in one
+    pass): the stable form, asked for (``fused_front=True``) or by default on CUDA, on fp16/bf16/fp32
+    inputs where Triton runs, with no padding mask, no carried running sums and no final state wanted
+    (decoding and padded prefill take the PyTorch front), and no short convolution, window or output gate
+    (the layer-by-layer PyTorch path, which also keeps the align stage off its batched path). The one
+    place that decides it."""
+    want = options.fused_front
+    plain = (not (options.short_conv or options.window or options.output_gate or options.write_gate)
+             and options.target == "gdn")
+    return (options.form == "stable" and plain and mask is None and initial is None and not output_final_state
+            and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))

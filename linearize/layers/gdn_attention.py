@@ -52,10 +52,10 @@ from ..ops.window_inputs import WindowBuffers, cached_inputs, fresh_inputs
 from ..ops.window_step import sink_window_gdn_step_
 from .cache import gdn_cache_layer
 from .channel_decay import ChannelDecay
-from .fused_path import fused_path
 from .options import GDNOptions
 from .output_gate import OutputGate
 from .packing import flatten_rows, packed_cu_seqlens, token_mask
+from .paths import fused_path
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
 from .write_gate import WriteGate

@@ -290,9 +290,7 @@ class GDNAttention(nn.Module):
             inp, buffers = cached_inputs(k, v, past, W, S, mask)
         C, sparse = self.options.sparse_cache, None
         if C:  # each token's selection key, from its position in its document
-            valid = torch.ones_like(inp.query_doc, dtype=torch.bool) if mask is None else mask.bool()
-            pos = inp.pos if layer is None else (past.count[:, None] + valid.long().cumsum(1)) * valid
-            token_key = sc.token_keys(hidden_states, self.cache_probe, pos, S)
+            token_key = sc.token_keys(hidden_states, self.cache_probe, inp.pos, S)
         if flex and C:
             o_exact, lse = sc.sink_window_cache_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, token_key,
                                                      inp.old_ok, C)

@@ -32,7 +32,7 @@ class WindowInputs:
     sink_v: torch.Tensor | None
     sink_ok: torch.Tensor | None  # (B, T, S): the sink exists, precedes the query and is outside its window
     old_ok: torch.Tensor  # (B, T): the old stream's token at t (k[:, t], v[:, t]) is written into the state
-    pos: torch.Tensor | None = None  # (B, T): position in its document from 1 (padding 0); fresh inputs only
+    pos: torch.Tensor | None = None  # (B, T): position in its document from 1 (padding 0)
 
     @property
     def old_k(self) -> torch.Tensor:
@@ -139,7 +139,7 @@ def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, wind
     key_doc = torch.where(pos_c > 0, 0, -1)
     query_doc = torch.where(valid, 0, -2)
     inputs = WindowInputs(kk, vv, key_doc, query_doc, sk[:, None] if sinks else None, sv[:, None] if sinks else None,
-                          sink_ok, pos_c[:, :T] > sinks)
+                          sink_ok, pos_c[:, :T] > sinks, pos)
     after = WindowBuffers(sk, sv, si, kk[:, -window:], vv[:, -window:], pos_c[:, -window:],
                           buffers.count + valid.long().sum(1), buffers.rows + T)
     return inputs, after

@@ -231,17 +231,18 @@ def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     G = Hq // k.shape[2]
     doc_before = torch.cat([key_doc.new_full((B, window), -1), key_doc], 1)[:, :T]  # the stream token's document
     thr = cache_threshold(stream_keys(token_key, old_ok, window), 0, size, doc_before, query_doc)  # (B, H, T)
-    # the kernel compares integers (it compiles no float64): each token's rank among its row's keys, and the rank
-    # of each query's threshold key (keys are distinct; a threshold of -inf ranks 0, below every candidate)
+    # the kernel compares integers (it compiles no float64, and a bool tensor read in the mask costs it 10x on
+    # the H200): each key's rank among its row's keys (-1: no candidate; past every threshold: a sink) and the
+    # rank of each query's threshold key (keys are distinct; a threshold of -inf ranks 0, below every candidate)
     tk = token_key.double().permute(0, 2, 1).contiguous()  # (B, H, T)
     ordered, order = tk.sort(-1)
     rank = torch.empty_like(order).scatter_(-1, order, torch.arange(T, device=q.device).expand_as(order)).int()
+    rank = rank.masked_fill(~torch.isfinite(tk), -1).masked_fill((pos <= sinks)[:, None, :], T + 1)
     thr_rank = torch.searchsorted(ordered, thr.contiguous()).int()
-    candidate = torch.isfinite(tk)
+    kdoc, qdoc = key_doc.int(), query_doc.int()
 
-    def seen(b, h, t, s):
-        cached = (t - s >= window) & candidate[b, h // G, s] & (rank[b, h // G, s] >= thr_rank[b, h // G, t])
-        return (query_doc[b, t] == key_doc[b, s]) & (s <= t) & ((t - s < window) | (pos[b, s] <= sinks) | cached)
+    def seen(b, h, t, s):  # a sink or a kept key is seen from past the window on (sinks inside it anyway)
+        return (qdoc[b, t] == kdoc[b, s]) & (s <= t) & ((t - s < window) | (rank[b, h // G, s] >= thr_rank[b, h // G, t]))
 
     mask = create_block_mask(seen, B, Hq, T, T, device=q.device, _compile=compiled)
     dt = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32

@@ -5,7 +5,8 @@ the softmax teacher, on the SmolLM2-135M architecture (random weights: the cost 
 
 Each model — the teacher (SDPA), the window block (64 + 4 sinks), the window block with a cache of C tokens
 per KV head for each ``--sizes`` C — runs ``--steps`` timed steps of forward + backward on ``--batch`` rows of
-``--seq`` tokens after two warm-up steps (FlexAttention compiles there). Reports ms per step and tokens/s,
+``--seq`` tokens after two warm-up steps (FlexAttention compiles there), the rows packing documents of about
+``--doc-len`` tokens as training's do (positions restarting; 0: one document a row). Reports ms per step and tokens/s,
 each as a ratio to the teacher measured in the same run, and a profile of one step of the largest cache: the
 CUDA kernels by total time, so what dominates is seen, not guessed. Needs CUDA. Writes JSON.
 """
@@ -32,9 +33,23 @@ def smollm2_architecture(layers: int):
     return LlamaForCausalLM(cfg)
 
 
-def step_ms(model, ids, steps: int) -> float:
+def packed_positions(batch: int, seq: int, doc_len: int) -> torch.Tensor | None:
+    """Position ids of rows cut into documents of uniformly random length in [1, 2 doc_len]."""
+    if not doc_len:
+        return None
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for _ in range(batch):
+        lens = []
+        while sum(lens) < seq:
+            lens.append(int(torch.randint(1, 2 * doc_len + 1, (1,), generator=g)))
+        rows.append(torch.cat([torch.arange(n) for n in lens])[:seq])
+    return torch.stack(rows)
+
+
+def step_ms(model, ids, pos, steps: int) -> float:
     def once():
-        model(ids, labels=ids, use_cache=False).loss.backward()
+        model(ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
 
     for _ in range(2):
         once()
@@ -51,6 +66,7 @@ def main():
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--doc-len", type=int, default=512)
     p.add_argument("--sizes", type=int, nargs="+", default=[64, 256])
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--output", type=Path, required=True)
@@ -64,17 +80,20 @@ def main():
     teacher = smollm2_architecture(args.layers)
     calib = torch.randint(0, 49152, (1, 512), generator=torch.Generator().manual_seed(1))
     ids = torch.randint(0, 49152, (args.batch, args.seq), generator=torch.Generator().manual_seed(2)).cuda()
+    pos = packed_positions(args.batch, args.seq, args.doc_len)
+    pos = None if pos is None else pos.cuda()
     models = {"teacher": teacher}
     models["window"] = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=GDNOptions(window=64, sinks=4))
     for c in args.sizes:
         models[f"cache{c}"] = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib,
                                                 options=GDNOptions(window=64, sinks=4, sparse_cache=c))
-    result = {"command": " ".join(["python", *sys.argv]), "batch": args.batch, "seq": args.seq, "layers": args.layers,
+    result = {"command": " ".join(["python", *sys.argv]), "batch": args.batch, "seq": args.seq,
+              "doc_len": args.doc_len, "layers": args.layers,
               "device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
     tokens = args.batch * args.seq
     for name, m in models.items():
         m = m.cuda().to(torch.bfloat16).train()
-        ms = step_ms(m, ids, args.steps)
+        ms = step_ms(m, ids, pos, args.steps)
         result["models"][name] = {"ms_per_step": ms, "tokens_per_s": tokens / ms * 1e3,
                                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
         torch.cuda.reset_peak_memory_stats()
@@ -87,7 +106,7 @@ def main():
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        big(ids, labels=ids, use_cache=False).loss.backward()
+        big(ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
         torch.cuda.synchronize()
     events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]
     result["profile_cache_largest"] = [{"kernel": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}

@@ -257,3 +257,25 @@ def test_probe_text_fits_the_context():
     assert probe_shape(SimpleNamespace(max_position_embeddings=131072)) == (1, 8192)
     assert probe_shape(SimpleNamespace(max_position_embeddings=2048)) == (4, 2048)
     assert probe_shape(SimpleNamespace()) == (1, 8192)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU")])])
+@pytest.mark.parametrize("size", [0, 3])
+def test_packed_rows_equal_documents_alone(device, size):
+    """Two rows packing two documents each (positions restarting), which the blocks run as one flat row: each
+    document's logits are its own alone, with the window alone and with the cache — on CUDA with gradients
+    through FlexAttention, whose block mask and selection then run row by row."""
+    model = perturbed(GDNOptions(window=4, sinks=2, sparse_cache=size)).to(device)
+    lens = [(9, 15), (20, 4)]
+    docs = [[ids(model, B=1, T=n, seed=10 * r + i).to(device) for i, n in enumerate(row)] for r, row in enumerate(lens)]
+    x = torch.cat([torch.cat(row, 1) for row in docs])
+    pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lens]).to(device)
+    with torch.set_grad_enabled(device == "cuda"):
+        packed = model(x, position_ids=pos, use_cache=False).logits
+        for r, row in enumerate(docs):
+            a = 0
+            for d in row:
+                alone = model(d, use_cache=False).logits
+                assert (packed[r, a:a + d.shape[1]] - alone[0]).abs().max() < (1e-4 if device == "cpu" else 2e-3)
+                a += d.shape[1]

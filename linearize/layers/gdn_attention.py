@@ -54,7 +54,7 @@ from .cache import gdn_cache_layer
 from .channel_decay import ChannelDecay
 from .options import GDNOptions
 from .output_gate import OutputGate
-from .packing import flatten_rows, packed_cu_seqlens, token_mask
+from .packing import by_rows, flatten_rows, packed_cu_seqlens, token_mask
 from .paths import fused_path
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
@@ -245,12 +245,12 @@ class GDNAttention(nn.Module):
     def _fresh_output(self, hidden_states, position_embeddings, position_ids=None, mask=None) -> torch.Tensor:
         B, T, _ = hidden_states.shape
         cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
-        attend = self._attend_window if self.options.window else self._attend
         if cu is None:
-            o = attend(hidden_states, position_embeddings, mask)[0]
-        else:
+            o = (self._attend_window if self.options.window else self._attend)(hidden_states, position_embeddings, mask)[0]
+        else:  # one flat row; the window block's exact part row by row (its cost grows with the row)
             (flat,), pe = flatten_rows([hidden_states], position_embeddings)
-            o = attend(flat, pe, None, cu_seqlens=cu)[0].view(B, T, -1)
+            kw = {"rows": B} if self.options.window else {}
+            o = (self._attend_window if self.options.window else self._attend)(flat, pe, None, cu_seqlens=cu, **kw)[0].view(B, T, -1)
         return self._gated(o, hidden_states)
 
     def _logits(self, hidden_states: torch.Tensor, proj=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -266,13 +266,13 @@ class GDNAttention(nn.Module):
     def _gated(self, o: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         return self.out_gate(o, hidden_states) if self.options.output_gate else o
 
-    def _attend_window(self, hidden_states, position_embeddings, mask, layer=None, cu_seqlens=None):
+    def _attend_window(self, hidden_states, position_embeddings, mask, layer=None, cu_seqlens=None, rows=1):
         """The sink + sliding-window block (``GDNOptions.window``): exact softmax over each query's window and
         sinks, the Taylor-GDN over the older tokens — fed the token leaving the window at every step —
         mixed by :func:`mix_by_mass`. ``layer``: the cache layer to continue from (None: a fresh sequence).
         Returns ``(o, state, sums, conv_tails, window buffers, sparse-cache buffers)``. The β and decay
         corrections are read off the current token, as in GDN. With ``sparse_cache`` the exact part also
-        covers each query's cache (:mod:`linearize.ops.sparse_cache`)."""
+        covers each query's cache (:mod:`linearize.ops.sparse_cache`). ``rows``: a flattened batch's rows."""
         B, T, _ = hidden_states.shape
         W, S = self.options.window, self.options.sinks
         h0 = layer.state if layer is not None else None
@@ -292,10 +292,10 @@ class GDNAttention(nn.Module):
         if C:  # each token's selection key, from its position in its document
             token_key = sc.token_keys(hidden_states, self.cache_probe, inp.pos, S)
         if flex and C:
-            o_exact, lse = sc.sink_window_cache_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, token_key,
-                                                     inp.old_ok, C)
+            o_exact, lse = by_rows(sc.sink_window_cache_flex, rows, q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos,
+                                   W, S, token_key, inp.old_ok, C)
         elif flex:
-            o_exact, lse = sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
+            o_exact, lse = by_rows(sink_window_flex, rows, q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S)
         elif window_triton_usable(q, self.options.backend):  # a prefill or scoring: one kernel, q in the keys' dtype
             from ..ops.triton.window_fwd import sink_window_triton
 
@@ -308,8 +308,8 @@ class GDNAttention(nn.Module):
                                                inp.sink_ok)
         if C and not flex:  # the cache beside the window and sinks, under one normalizer
             if layer is None:
-                o_c, lse_c = sc.fresh_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, inp.key_doc[:, :T],
-                                            inp.query_doc, W, C)
+                o_c, lse_c = by_rows(sc.fresh_cache, rows, q, inp.old_k, inp.old_v, inp.old_ok, token_key,
+                                     inp.key_doc[:, :T], inp.query_doc, W, C)
             else:
                 cpast = layer.cache_buffers if h0 is not None else sc.CacheBuffers.empty(k, C, W)
                 o_c, lse_c, sparse = sc.cached_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W, C)

@@ -18,6 +18,16 @@ def flatten_rows(hidden: list[torch.Tensor], position_embeddings):
     return [flat(h) for h in hidden], (flat(cos.expand(B, -1, -1)), flat(sin.expand(B, -1, -1)))
 
 
+def by_rows(fn, rows: int, *args):
+    """``fn(*args)`` with each tensor argument ``(1, N, ...)`` — a flattened batch — split back into ``rows``
+    rows of ``N / rows`` tokens, and each tensor it returns joined into one row again. For attention whose
+    cost grows with the row (a block mask, a dense selection): packed documents never cross a row."""
+    if rows == 1:
+        return fn(*args)
+    split = lambda x: x.reshape(rows, -1, *x.shape[2:]) if torch.is_tensor(x) else x  # noqa: E731
+    return tuple(o.reshape(1, -1, *o.shape[2:]) for o in fn(*(split(a) for a in args)))
+
+
 def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Tensor | None:
     """``(B, T)`` bool, False for padding, from whatever mask the model passed down (or None).
 

@@ -17,6 +17,7 @@ from test_window import dense_sink_window
 import linearize
 from linearize.config import load_recipe
 from linearize.layers import GDNAttention, GDNOptions
+from linearize.ops import sparse_cache
 from linearize.ops.sparse_cache import (
     far_attention,
     fit_probe,
@@ -49,10 +50,13 @@ def problem(T=40, Hq=4, H=2, D=8, seed=0, ties=True):
     return q, k, v, score
 
 
+@pytest.mark.parametrize("block", [256, 1, 7])
 @pytest.mark.parametrize("window,sinks,size", [(4, 2, 3), (6, 0, 1), (3, 1, 50)])
-def test_fresh_cache_keeps_the_best_scored_and_attends_exactly(window, sinks, size):
+def test_fresh_cache_keeps_the_best_scored_and_attends_exactly(window, sinks, size, block, monkeypatch):
     """Two packed documents, scores with ties: each query's cache part is the softmax over the tokens the
-    Python sort picks, in float64; merged with the sink/window part it is one softmax over the union."""
+    Python sort picks, in float64; merged with the sink/window part it is one softmax over the union — whether
+    the queries are taken all at once or in blocks (the best of the older candidates carried between them)."""
+    monkeypatch.setattr(sparse_cache, "_BLOCK", block)
     T = 40
     q, k, v, score = problem(T)
     cu = torch.tensor([0, 17, T])
@@ -153,10 +157,12 @@ def perturbed(options, seed=0):
 
 
 @pytest.mark.parametrize("prefill", [3, 17])
-@pytest.mark.parametrize("probe", ["fitted", "zero"])
-def test_prefill_and_decode_equal_full_forward(prefill, probe):
+@pytest.mark.parametrize("probe,block", [("fitted", 256), ("zero", 256), ("fitted", 2)])
+def test_prefill_and_decode_equal_full_forward(prefill, probe, block, monkeypatch):
     """Prefill, then token by token: the full forward's logits, whether the probe separates tokens or ties them
-    all (zero: the newest kept); the cache holds C tokens per KV head whatever the length."""
+    all (zero: the newest kept), and with the selection in blocks of 2 queries; the cache holds C tokens per KV
+    head whatever the length."""
+    monkeypatch.setattr(sparse_cache, "_BLOCK", block)
     model = perturbed(GDNOptions(window=4, sinks=2, sparse_cache=3))
     blocks = [m for m in model.modules() if isinstance(m, GDNAttention)]
     assert all(b.cache_probe.abs().sum() > 0 for b in blocks)  # fitted at convert

@@ -29,11 +29,7 @@ import torch
 import torch.nn.functional as F
 
 _TIE = 1e-14  # far below float32's spacing: it orders equal scores without reordering different ones
-_BLOCK_ELEMENTS = 1 << 28  # queries per block: at most this many logits (1 GiB in float32) at a time
-
-
-def _query_block(block: int | None, rows: int, heads: int, candidates: int) -> int:
-    return block or max(16, min(1024, _BLOCK_ELEMENTS // max(1, rows * heads * candidates)))
+_BLOCK = 256  # queries per block of the selection (at least the cache's size): its work grows as T · (C + block)
 
 
 def selection_keys(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -49,68 +45,85 @@ def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor) -> torch.Tens
     return F.linear(hidden_states.float(), probe[:, :-1].float(), probe[:, -1].float())
 
 
+def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torch.Tensor | None,
+                   query_doc: torch.Tensor | None, block: int | None):
+    """Each block of queries ``[t0, t1)`` with the only candidates it can keep: ``(t0, t1, idx, kept)``, ``idx``
+    ``(B, H, P)`` indices into the candidates — the ``size`` best seen before the block (carried from block to
+    block, of the document of the query before it), then the block's own stream candidates — and ``kept``
+    ``(B, H, Q, P)`` which of them each query keeps. A query's ``size`` best lie among those: an older candidate
+    that is not among the carried best never will be again (the seen set only grows within a document).
+    Arguments as :func:`cache_threshold`; the work grows as ``T · (size + block)``, not ``T²``."""
+    B, N, H = cand_key.shape
+    T, dev = N - prior, cand_key.device
+    block = block or max(_BLOCK, size)
+    keys = cand_key.double().permute(0, 2, 1)  # (B, H, N)
+    ninf = float("-inf")
+    top = keys[:, :, :prior].topk(min(size, prior), -1)  # every query sees the carried ones
+    carry_key, carry = top.values, top.indices
+    docs = None if cand_doc is None else cand_doc[:, None, :].expand(B, H, N)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        c, Q = carry.shape[-1], t1 - t0
+        idx = torch.cat([carry, torch.arange(prior + t0, prior + t1, device=dev).expand(B, H, Q)], -1)  # (B, H, P)
+        pool = torch.cat([carry_key, keys[:, :, prior + t0:prior + t1]], -1)
+        j = torch.arange(c + Q, device=dev)
+        seen = ((j < c) | (j - c <= torch.arange(Q, device=dev)[:, None])) & torch.isfinite(pool)[:, :, None, :]
+        if docs is not None:
+            pool_doc = torch.gather(docs, 2, idx)
+            seen = seen & (pool_doc[:, :, None, :] == query_doc[:, None, t0:t1, None])
+        # each query's threshold: the key at the rank (pool sorted once) where its count of seen ones reaches size
+        ordered, order = pool.sort(-1, descending=True)
+        count = seen.gather(-1, order[:, :, None, :].expand_as(seen)).cumsum(-1, dtype=torch.int32)
+        r = torch.searchsorted(count, torch.full((B, H, Q, 1), size, dtype=torch.int32, device=dev)).squeeze(-1)
+        thr = torch.where(r < c + Q, ordered.gather(-1, r.clamp_max(c + Q - 1)), torch.full_like(r, ninf, dtype=pool.dtype))
+        yield t0, t1, idx, thr, seen & (pool[:, :, None, :] >= thr[..., None])
+        if t1 == T:
+            break
+        if docs is not None:  # the next block's older candidates: of the document of its first query's predecessor
+            pool = pool.masked_fill(pool_doc != query_doc[:, None, t1 - 1:t1], ninf)
+        top = pool.topk(min(size, c + Q), -1)
+        carry_key, carry = top.values, torch.gather(idx, 2, top.indices)
+
+
 def cache_threshold(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torch.Tensor | None = None,
                     query_doc: torch.Tensor | None = None, block: int | None = None) -> torch.Tensor:
     """``(B, H, T)`` float64: each query's ``size``-th largest key among the candidates it sees (−inf when it
     sees fewer): the ``prior`` carried ones and stream candidate ``prior + j`` for queries ``t ≥ j``, of its own
     document where ``cand_doc`` ``(B, P + T)`` and ``query_doc`` ``(B, T)`` are given. ``cand_key``
     ``(B, P + T, H)``: −inf where there is no candidate. A query keeps the candidates with a finite key at or
-    above its threshold: at most ``size`` (keys are distinct, :func:`selection_keys`).
-
-    One sort per row, then per query a running count down the ranks: the threshold is the key at the rank
-    where the count of candidates it sees reaches ``size`` (a top-k per query costs several times more)."""
+    above its threshold: at most ``size`` (keys are distinct, :func:`selection_keys`). ``block``: queries per
+    step of the selection (default: 256 or ``size``)."""
     B, N, H = cand_key.shape
-    T = N - prior
-    dev = cand_key.device
-    ordered, idx = cand_key.double().permute(0, 2, 1).sort(-1, descending=True)  # (B, H, N): rank → candidate
-    finite = torch.isfinite(ordered)[:, :, None, :]
-    stream = (idx - prior)[:, :, None, :]  # a carried candidate is negative: every query sees it
-    docs = None if cand_doc is None else torch.gather(cand_doc[:, None, :].expand(B, H, N), 2, idx)[:, :, None, :]
-    block = _query_block(block, B, H, N)
-    out = []
-    for t0 in range(0, T, block):
-        t = torch.arange(t0, min(T, t0 + block), device=dev)
-        seen = finite & (stream <= t[:, None])  # (B, H, Q, N), in rank order
-        if docs is not None:
-            seen = seen & (docs == query_doc[:, None, t0:t0 + len(t), None])
-        count = seen.cumsum(-1, dtype=torch.int32)
-        want = torch.full((B, H, len(t), 1), size, dtype=torch.int32, device=dev)
-        r = torch.searchsorted(count, want).squeeze(-1)  # the first rank where the count reaches size
-        thr = ordered.gather(-1, r.clamp_max(N - 1))
-        out.append(torch.where(r < N, thr, torch.full_like(thr, float("-inf"))))
-    return torch.cat(out, 2) if out else cand_key.new_empty(B, H, 0, dtype=torch.float64)
+    thr = [b[3] for b in _pooled_blocks(cand_key, prior, size, cand_doc, query_doc, block)]
+    return torch.cat(thr, 2) if thr else cand_key.new_empty(B, H, 0, dtype=torch.float64)
 
 
 def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, cand_key: torch.Tensor, prior: int,
                   size: int, cand_doc: torch.Tensor | None = None, query_doc: torch.Tensor | None = None,
                   block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention of each query over its cache, densely in blocks of queries; ``(o, lse)``.
+    """Softmax attention of each query over its cache, block by block of queries over the few candidates each
+    block can keep (linear in T); ``(o, lse)``.
 
     q ``(B, T, G·H, D)`` scaled; ``cand_k``/``cand_v`` ``(B, P + T, H, D)``, ``cand_key`` ``(B, P + T, H)`` as
     :func:`cache_threshold`. Returns ``o (B, T, G·H, D)`` and ``lse (B, T, G·H)`` in float32 (float64 for
     float64 q), ``lse`` −inf and ``o`` 0 for a query whose cache is empty."""
     B, T, Hq, D = q.shape
-    N, H = cand_k.shape[1], cand_k.shape[2]
+    H = cand_k.shape[2]
     G = Hq // H
-    block = _query_block(block, B, Hq, N)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    thr = cache_threshold(cand_key, prior, size, cand_doc, query_doc, block)  # (B, H, T)
-    keys = cand_key.double().permute(0, 2, 1)[:, :, None, :]
-    c = torch.arange(N, device=q.device)
-    ck, cv = cand_k.to(acc), cand_v.to(acc)
+    ck, cv = (x.to(acc).permute(0, 2, 1, 3) for x in (cand_k, cand_v))  # (B, H, N, D)
     outs, lses = [], []
-    for t0 in range(0, T, block):
-        t = torch.arange(t0, min(T, t0 + block), device=q.device)
-        seen = ((c[None] < prior) | (c[None] - prior <= t[:, None]))[None]
-        if cand_doc is not None:
-            seen = seen & (cand_doc[:, None, :] == query_doc[:, t0:t0 + len(t), None])
-        kept = seen[:, None] & torch.isfinite(keys) & (keys >= thr[:, :, t0:t0 + len(t), None])  # (B, H, Q, N)
-        qb = q[:, t0:t0 + len(t)].to(acc).view(B, len(t), H, G, D)
-        logits = torch.einsum("bthgd,bnhd->bhgtn", qb, ck).masked_fill(~kept[:, :, None], float("-inf"))
+    for t0, t1, idx, _, kept in _pooled_blocks(cand_key, prior, size, cand_doc, query_doc, block):
+        at = idx[..., None].expand(-1, -1, -1, D)
+        kb, vb = torch.gather(ck, 2, at), torch.gather(cv, 2, at)  # (B, H, P, D)
+        qb = q[:, t0:t1].to(acc).view(B, t1 - t0, H, G, D)
+        logits = torch.einsum("bthgd,bhpd->bhgtp", qb, kb).masked_fill(~kept[:, :, None], float("-inf"))
         lse = logits.logsumexp(-1)  # (B, H, G, Q)
         p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
-        outs.append(torch.einsum("bhgtn,bnhd->bthgd", p, cv).reshape(B, len(t), Hq, D))
-        lses.append(lse.permute(0, 3, 1, 2).reshape(B, len(t), Hq))
+        outs.append(torch.einsum("bhgtp,bhpd->bthgd", p, vb).reshape(B, t1 - t0, Hq, D))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(B, t1 - t0, Hq))
+    if not outs:
+        return q.new_zeros(B, 0, Hq, D, dtype=acc), q.new_zeros(B, 0, Hq, dtype=acc)
     return torch.cat(outs, 1), torch.cat(lses, 1)
 
 

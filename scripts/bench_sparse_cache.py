@@ -6,9 +6,10 @@ the softmax teacher, on the SmolLM2-135M architecture (random weights: the cost 
 Each model — the teacher (SDPA), the window block (64 + 4 sinks), the window block with a cache of C tokens
 per KV head for each ``--sizes`` C — runs ``--steps`` timed steps of forward + backward on ``--batch`` rows of
 ``--seq`` tokens after two warm-up steps (FlexAttention compiles there), the rows packing documents of about
-``--doc-len`` tokens as training's do (positions restarting; 0: one document a row). Reports ms per step and tokens/s,
-each as a ratio to the teacher measured in the same run, and a profile of one step of the largest cache: the
-CUDA kernels by total time, so what dominates is seen, not guessed. Needs CUDA. Writes JSON.
+``--doc-len`` tokens as training's do (positions restarting; 0: one document a row). Reports ms per step and
+tokens/s, each as a ratio to the teacher measured in the same run, and a profile of one step of the window
+block and of the largest cache: the CUDA kernels by total time, so what dominates is seen, not guessed. Needs
+CUDA. Writes JSON.
 """
 
 from __future__ import annotations
@@ -102,17 +103,20 @@ def main():
     anchor = result["models"]["teacher"]["ms_per_step"]
     for r in result["models"].values():
         r["time_vs_teacher"] = r["ms_per_step"] / anchor
-    big = models[f"cache{max(args.sizes)}"].cuda()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        big(ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
-        torch.cuda.synchronize()
-    events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]
-    result["profile_cache_largest"] = [{"kernel": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
-                                       for e in events]
-    for e in result["profile_cache_largest"]:
-        print(f"{e['ms']:9.1f} ms {e['calls']:5d}x {e['kernel']}")
+    for name in ("window", f"cache{max(args.sizes)}"):  # where the converted blocks' time goes
+        m = models[name].cuda()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            m(ids, position_ids=pos, labels=ids, use_cache=False).loss.backward()
+            torch.cuda.synchronize()
+        m.cpu()
+        events = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]
+        result[f"profile_{name}"] = [{"kernel": e.key[:120], "ms": e.device_time_total / 1e3, "calls": e.count}
+                                     for e in events]
+        print(f"== {name}: the CUDA kernels of one step by time")
+        for e in result[f"profile_{name}"]:
+            print(f"{e['ms']:9.1f} ms {e['calls']:5d}x {e['kernel']}")
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.output}")

@@ -158,12 +158,13 @@ def far_attention(q: torch.Tensor, k: torch.Tensor, window: int, block: int = 51
     kd = k.double()
     best = torch.full((B, H, T), 1e-6, dtype=torch.float64, device=q.device)
     s = torch.arange(T, device=q.device)
-    for t0 in range(0, T, block):
+    for t0 in range(0, T, block):  # a block of queries against the keys up to its last one
         t = torch.arange(t0, min(T, t0 + block), device=q.device)
-        logits = torch.einsum("bthgd,bshd->bhgts", q[:, t0:t0 + len(t)].double().view(B, len(t), H, Hq // H, D), kd)
-        p = logits.masked_fill(s[None] > t[:, None], float("-inf")).softmax(-1)
-        p = p.masked_fill(t[:, None] - s[None] < window, 0)  # (B, H, G, Q, T)
-        best = torch.maximum(best, p.amax((2, 3)))
+        n = t0 + len(t)
+        logits = torch.einsum("bthgd,bshd->bhgts", q[:, t0:n].double().view(B, len(t), H, Hq // H, D), kd[:, :n])
+        p = logits.masked_fill(s[None, :n] > t[:, None], float("-inf")).softmax(-1)
+        p = p.masked_fill(t[:, None] - s[None, :n] < window, 0)  # (B, H, G, Q, n)
+        best[..., :n] = torch.maximum(best[..., :n], p.amax((2, 3)))
     return best.log().transpose(1, 2)
 
 

@@ -245,12 +245,13 @@ class GDNAttention(nn.Module):
     def _fresh_output(self, hidden_states, position_embeddings, position_ids=None, mask=None) -> torch.Tensor:
         B, T, _ = hidden_states.shape
         cu = packed_cu_seqlens(position_ids) if position_ids is not None and mask is None else None
+        attend = self._attend_window if self.options.window else self._attend
         if cu is None:
-            o = (self._attend_window if self.options.window else self._attend)(hidden_states, position_embeddings, mask)[0]
-        else:  # one flat row; the window block's exact part row by row (its cost grows with the row)
+            o = attend(hidden_states, position_embeddings, mask)[0]
+        else:  # one flat row; the window block's exact part then runs row by row (its cost grows with the row)
             (flat,), pe = flatten_rows([hidden_states], position_embeddings)
-            kw = {"rows": B} if self.options.window else {}
-            o = (self._attend_window if self.options.window else self._attend)(flat, pe, None, cu_seqlens=cu, **kw)[0].view(B, T, -1)
+            rows = {"rows": B} if self.options.window else {}
+            o = attend(flat, pe, None, cu_seqlens=cu, **rows)[0].view(B, T, -1)
         return self._gated(o, hidden_states)
 
     def _logits(self, hidden_states: torch.Tensor, proj=None) -> tuple[torch.Tensor, torch.Tensor]:

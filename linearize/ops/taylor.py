@@ -95,13 +95,18 @@ def _scan(x: torch.Tensor) -> torch.Tensor:
 def _cumsum_docs(x: torch.Tensor, docs: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Cumulative sum along time (dim 1), restarting at each document. Packed: one float64 cumsum
     over the row minus its value before each document's start — float64 keeps the subtraction free
-    of cancellation on long packs — with no loop over documents."""
+    of cancellation on long packs — with no loop over documents. That value is spread over the
+    document's tokens as a cumsum of its steps at the starts, not gathered per token: the backward of a
+    per-token gather adds every token into its document's row (atomics on few addresses; a float64
+    indexing backward led the profile of the window block's training step on an H200, 44 ms of 484:
+    results/bench_sparse_cache_training_blocks256.json)."""
     if docs is None:
         return _scan(x)
-    doc, start = docs  # from _documents
+    _, start = docs  # from _documents
     c = _scan(x.to(torch.float64))
-    before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], 1)  # exclusive cumsum
-    return (c - before[:, start][:, doc]).to(x.dtype)
+    before = torch.cat([torch.zeros_like(c[:, :1]), c[:, :-1]], 1)[:, start]  # (B, N, ...): before each start
+    steps = before - torch.cat([torch.zeros_like(before[:, :1]), before[:, :-1]], 1)
+    return (c - _scan(torch.zeros_like(c).index_add(1, start, steps))).to(x.dtype)  # add: empty documents
 
 
 def prefix_mean(x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:

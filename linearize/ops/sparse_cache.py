@@ -31,7 +31,7 @@ import torch.nn.functional as F
 _TIE = 1e-14  # far below float32's spacing: it orders equal scores without reordering different ones
 # queries per block of the selection (at least the cache's size): its work grows as T · (C + block). On a CPU
 # small blocks win (T = 2048, C = 256: 31 against 512 ms for all queries in one block); on an H200 at training's
-# length they lost (16 x 2048 tokens, C = 256, forward + backward: 977 ms a step in blocks of 256 against 688 ms
+# length they lost (16 x 2048 tokens, C = 256, forward + backward: 977 ms a step in blocks of 256 against 732 ms
 # in one, results/bench_sparse_cache_training*.json), so on a GPU the blocks are 2048 queries
 _BLOCK = 256
 _BLOCK_GPU = 2048

@@ -98,8 +98,8 @@ def _cumsum_docs(x: torch.Tensor, docs: tuple[torch.Tensor, torch.Tensor] | None
     of cancellation on long packs — with no loop over documents. That value is spread over the
     document's tokens as a cumsum of its steps at the starts, not gathered per token: the backward of a
     per-token gather adds every token into its document's row (atomics on few addresses; a float64
-    indexing backward led the profile of the window block's training step on an H200, 44 ms of 484:
-    results/bench_sparse_cache_training_blocks256.json)."""
+    indexing backward led the profile of the window block's training step on an H200, 44 ms of 484, and
+    is gone from it since: results/bench_sparse_cache_training*.json)."""
     if docs is None:
         return _scan(x)
     _, start = docs  # from _documents

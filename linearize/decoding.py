@@ -87,10 +87,8 @@ def all_gdn(model) -> bool:
 def graphable(model) -> bool:
     """Whether the decode step of ``model`` has fixed shapes (what a CUDA graph records): every layer GDN, or
     softmax layers of full (not sliding-window) attention through SDPA or eager attention, whose keys and
-    values then sit in fixed-size buffers (:class:`~linearize.layers.cache.StaticKVLayer`). Not yet a block
-    with a sparse cache (its steps select and evict: decoded eagerly, by transformers' own loop)."""
-    if ((getattr(model.config, "linearize", None) or {}).get("options") or {}).get("sparse_cache"):
-        return False
+    values then sit in fixed-size buffers (:class:`~linearize.layers.cache.StaticKVLayer`). A block's sparse
+    cache is fixed-size too: a step selects and evicts on the device (:func:`linearize.ops.sparse_cache.cached_cache`)."""
     if all_gdn(model):
         return True
     cfg = model.config

@@ -202,6 +202,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3, help="timed pairs of runs per path (their medians)")
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--sparse-cache", type=int, default=0, help="older tokens per KV head the block keeps exactly")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="the converted model's prompt fed this many tokens at a time (its prefill's peak memory)")
     p.add_argument("--keep-softmax", default=None,
@@ -223,7 +224,7 @@ def main():
     teacher = build_teacher(args.model, torch.float32 if cpu else torch.bfloat16).to(dev)
     vocab = teacher.config.vocab_size
     calib = torch.randint(0, vocab, (1, 512), device=dev, generator=torch.Generator(device=dev).manual_seed(1))
-    options = GDNOptions(window=args.window, sinks=args.sinks)
+    options = GDNOptions(window=args.window, sinks=args.sinks, sparse_cache=args.sparse_cache)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options,
                                   keep_softmax=args.keep_softmax).eval()
     meta = {"command": " ".join(["python", *sys.argv]), "device": "cpu" if cpu else torch.cuda.get_device_name(),

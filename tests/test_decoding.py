@@ -42,6 +42,7 @@ CASES = [
     dict(family="llama", window=4, sinks=2, keep_softmax=1),  # hybrid: a KV cache beside the states
     dict(family="llama", window=4, sinks=2, write_gate=True),  # steps through the composed ops, not the kernels
     dict(family="llama", window=4, sinks=2, mix_order=2),  # so does the second-order mix, with Σkkᵀ in the state
+    dict(family="llama", window=4, sinks=2, sparse_cache=3),  # a cache that fills, then evicts, on the device
 ]
 
 

@@ -285,3 +285,34 @@ def test_packed_rows_equal_documents_alone(device, size):
                 alone = model(d, use_cache=False).logits
                 assert (packed[r, a:a + d.shape[1]] - alone[0]).abs().max() < (1e-4 if device == "cpu" else 2e-3)
                 a += d.shape[1]
+
+
+def test_decode_step_equals_the_selection_and_updates_in_place():
+    """:func:`cache_step_` against :func:`cached_cache` step after step in float64, from an empty cache through
+    filling (sinks and first tokens never candidates) to evicting: the same output and normalizer, the same
+    set of kept tokens, written into the same tensors."""
+    from linearize.ops.sparse_cache import CacheBuffers, cache_step_, cached_cache
+
+    W, C, T = 3, 4, 20
+    q, k, v, score = problem(T, seed=5)
+    pos = torch.arange(1, T + 1)[None]
+    key = selection_keys(score, pos).masked_fill((pos <= 1)[..., None], -math.inf)
+    ok = torch.ones(1, 1, dtype=torch.bool)
+    a, b = CacheBuffers.empty(k, C, W), CacheBuffers.empty(k, C, W)
+    tensors = [x.data_ptr() for x in b.tensors()[:3]]
+    win = torch.zeros(1, W, 2, 8, dtype=f64), torch.zeros(1, W, 2, 8, dtype=f64)  # the window's tokens
+    for t in range(T):
+        old_ok = ok & (t >= W)  # the token leaving the window (none in the first W steps)
+        old_k, old_v = win[0][:, :1], win[1][:, :1]
+        o_a, lse_a, a = cached_cache(q[:, t:t + 1], old_k, old_v, old_ok, key[:, t:t + 1], a, W, C)
+        o_b, lse_b, b = cache_step_(q[:, t:t + 1], old_k, old_v, old_ok, key[:, t:t + 1], b, W)
+        assert torch.allclose(o_b, o_a, atol=1e-12) and torch.allclose(lse_b, lse_a, atol=1e-12)
+        assert torch.equal(b.key.sort(1).values, a.key.sort(1).values) and torch.equal(b.win_key, a.win_key)
+        order_a, order_b = a.key.argsort(1), b.key.argsort(1)
+        fin = torch.isfinite(a.key.sort(1).values)[..., None]
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            gx = torch.gather(x, 1, order_a[..., None].expand_as(x))
+            gy = torch.gather(y, 1, order_b[..., None].expand_as(y))
+            assert torch.equal(gx * fin, gy * fin)
+        win = tuple(torch.cat([w[:, 1:], x[:, t:t + 1]], 1) for w, x in zip(win, (k, v)))
+    assert torch.isfinite(b.key).all() and [x.data_ptr() for x in b.tensors()[:3]] == tensors

@@ -313,7 +313,8 @@ class GDNAttention(nn.Module):
                                      inp.key_doc[:, :T], inp.query_doc, W, C)
             else:
                 cpast = layer.cache_buffers if h0 is not None else sc.CacheBuffers.empty(k, C, W)
-                o_c, lse_c, sparse = sc.cached_cache(q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W, C)
+                args = (q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W)  # a decode step: in place
+                o_c, lse_c, sparse = sc.cache_step_(*args) if T == 1 else sc.cached_cache(*args, C)
             o_exact, lse = sc.merge_softmax(o_exact, lse, o_c, lse_c)
         beta_logit, gate_logit = self._logits(hidden_states)
         if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1

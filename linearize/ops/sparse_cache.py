@@ -234,6 +234,34 @@ def cached_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_
     return o, lse, CacheBuffers(gather(cand_k), gather(cand_v), torch.gather(cand_key, 1, best), win_key)
 
 
+def cache_step_(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_ok: torch.Tensor,
+                token_key: torch.Tensor, past: CacheBuffers, window: int) -> tuple[torch.Tensor, torch.Tensor, CacheBuffers]:
+    """:func:`cached_cache` for one decode step (``T = 1``), its buffers updated in place: of the ``C`` kept
+    tokens and the one leaving the window, the query attends to all but the lowest-keyed, and the newcomer
+    takes that one's slot when it was a kept token (an empty slot, −inf, goes first). A handful of kernels
+    instead of a selection's sort, and no new buffers: what a captured decode step replays."""
+    B, _, Hq, D = q.shape
+    C, H = past.key.shape[1:]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    new_key = stream_keys(token_key, old_ok, window, past.win_key)  # (B, 1, H)
+    cand_key = torch.cat([past.key, new_key], 1)  # (B, C + 1, H)
+    drop = cand_key.argmin(1, keepdim=True)  # (B, 1, H)
+    kept = (torch.arange(C + 1, device=q.device)[None, :, None] != drop) & torch.isfinite(cand_key)
+    ck, cv = (torch.cat([a, b.to(a.dtype)], 1).to(acc) for a, b in ((past.k, old_k), (past.v, old_v)))
+    logits = torch.einsum("bhgd,bphd->bhgp", q[:, 0].to(acc).view(B, H, Hq // H, D), ck)
+    logits = logits.masked_fill(~kept.permute(0, 2, 1)[:, :, None, :], float("-inf"))
+    lse = logits.logsumexp(-1)  # (B, H, G)
+    p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
+    o = torch.einsum("bhgp,bphd->bhgd", p, cv).reshape(B, 1, Hq, D)
+    slot, take = drop.clamp_max(C - 1), drop < C  # (B, 1, H)
+    at = slot[..., None].expand(-1, -1, -1, D)
+    for buf, new in ((past.k, old_k), (past.v, old_v)):
+        buf.scatter_(1, at, torch.where(take[..., None], new.to(buf.dtype), buf.gather(1, at)))
+    past.key.scatter_(1, slot, torch.where(take, new_key, past.key.gather(1, slot)))
+    win_key = torch.cat([past.win_key, token_key.double()], 1)[:, -window:]
+    return o, lse.reshape(B, 1, Hq), CacheBuffers(past.k, past.v, past.key, win_key)
+
+
 def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_doc: torch.Tensor,
                            query_doc: torch.Tensor, pos: torch.Tensor, window: int, sinks: int, token_key: torch.Tensor,
                            old_ok: torch.Tensor, size: int, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

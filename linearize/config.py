@@ -56,6 +56,9 @@ class DataConfig:
     eval_tokens: int = 4096  # held-out tokens used by each evaluation
     weights: dict[str, float] = field(default_factory=dict)  # corpus:DIR sources: {domain: weight}; default by size
     max_tokens: int | None = None  # corpus:DIR sources: training tokens to take (default: all at those weights)
+    # training rows: "documents" restarts positions at each document (attention stays inside it); "stream"
+    # runs them through the row, as pretraining does (attention crosses documents: context as long as the row)
+    packing: str = "documents"
 
 
 @dataclass
@@ -319,6 +322,7 @@ def validate(cfg: RecipeConfig) -> None:
     _need(d.eval_tokens >= 1, "data.eval_tokens", "at least 1", d.eval_tokens)
     _need(all(_finite(w) and w >= 0 for w in d.weights.values()), "data.weights", "finite and >= 0", d.weights)
     _need(d.max_tokens is None or d.max_tokens >= d.seq_len, "data.max_tokens", "at least data.seq_len or null", d.max_tokens)
+    _need(d.packing in ("documents", "stream"), "data.packing", "'documents' or 'stream'", d.packing)
     if not cfg.stages:
         raise RecipeError("recipe has no stages; add one with name: align or name: distill")
     for i, st in enumerate(cfg.stages):

@@ -911,6 +911,28 @@ def test_distill_on_a_built_corpus(tiny_dir, tiny_corpus, tmp_path):
                                                                           "data.weights": "{code: 1}"})))
 
 
+def test_stream_packing_runs_positions_through_the_training_rows(tiny_dir, tiny_corpus, tmp_path):
+    """``data.packing: stream``: the same training rows, positions 0..L-1 across documents (attention crosses
+    them, as in pretraining); held-out rows as with documents; a run trains on them; a bad value is refused."""
+    from transformers import AutoTokenizer
+
+    from linearize.distill.data import build_data
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    keys = {"data.source": f"corpus:{tiny_corpus}", "stages.0.steps": 2}
+    docs = build_data(load_recipe(None, overrides(tiny_dir, tmp_path / "d", **keys)).data, tok)
+    cfg = load_recipe(None, overrides(tiny_dir, tmp_path / "s", **keys, **{"data.packing": "stream"}))
+    stream = build_data(cfg.data, tok)
+    L = cfg.data.seq_len
+    assert torch.equal(stream.train_ids, docs.train_ids) and (docs.train_pos == 0).sum() > len(docs.train_pos)
+    assert torch.equal(stream.train_pos, torch.arange(L).expand(len(docs.train_pos), L))
+    assert torch.equal(stream.heldout_pos, docs.heldout_pos) and torch.equal(stream.heldout_ids, docs.heldout_ids)
+    run_recipe(cfg)
+    assert len(losses(tmp_path / "s")) == 2
+    with pytest.raises(RecipeError, match="data.packing"):
+        load_recipe(None, overrides(tiny_dir, tmp_path / "b", **keys, **{"data.packing": "rows"}))
+
+
 def test_float32_masters_keep_tied_weights_tied():
     """bf16 with float32 masters on a model whose LM head is its embedding: one master for both, seen by
     both, and one tensor again after the casts are removed (the saved model still matches its config)."""

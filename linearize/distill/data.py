@@ -221,11 +221,18 @@ def corpus_data(cfg: DataConfig, tokenizer) -> PackedData:
 
 
 def build_data(cfg: DataConfig, tokenizer, max_positions: int | None = None) -> PackedData:
-    """Load, tokenize, split documents into train / held-out, pack each."""
+    """Load, tokenize, split documents into train / held-out, pack each. With ``data.packing: stream`` the
+    training rows' positions run from 0 to the row's end across documents (held-out rows keep theirs)."""
     if max_positions is not None and cfg.seq_len > max_positions:
         raise RecipeError(f"data.seq_len {cfg.seq_len} exceeds the teacher's {max_positions} positions; lower data.seq_len")
-    if cfg.source.startswith(CORPUS):
-        return corpus_data(cfg, tokenizer)
+    data = corpus_data(cfg, tokenizer) if cfg.source.startswith(CORPUS) else hub_data(cfg, tokenizer)
+    if cfg.packing == "stream":
+        data.train_pos = torch.arange(cfg.seq_len).expand_as(data.train_pos).contiguous()
+    return data
+
+
+def hub_data(cfg: DataConfig, tokenizer) -> PackedData:
+    """Rows of documents from the hub, local files or the built-in text (``data.source``)."""
     ds = load_documents(cfg, tokenizer)
     tok = ds.map(lambda batch: {"ids": tokenizer(batch["text"]).input_ids}, batched=True, remove_columns=ds.column_names)
     from ..corpus.tokenizer import document_start

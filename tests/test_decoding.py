@@ -58,7 +58,8 @@ def test_greedy_equals_transformers_generate(case):
 
 
 @pytest.mark.parametrize("case", [dict(), dict(window=4, sinks=2), dict(window=3, sinks=1, short_conv=2),
-                                  dict(window=4, sinks=2, to="deltanet")], ids=["pure", "window", "window-conv", "deltanet"])
+                                  dict(window=4, sinks=2, to="deltanet"), dict(window=3, sinks=1, sparse_cache=3)],
+                         ids=["pure", "window", "window-conv", "deltanet", "sparse-cache"])
 def test_fused_decode_steps_equal_the_composed_ops(case):
     """The fused steps (ops.decode, ops.window_step; their PyTorch bodies here) against the composed ops of
     the layer, step by step over a left-padded batch, in float64."""

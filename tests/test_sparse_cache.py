@@ -316,3 +316,44 @@ def test_decode_step_equals_the_selection_and_updates_in_place():
             assert torch.equal(gx * fin, gy * fin)
         win = tuple(torch.cat([w[:, 1:], x[:, t:t + 1]], 1) for w, x in zip(win, (k, v)))
     assert torch.isfinite(b.key).all() and [x.data_ptr() for x in b.tensors()[:3]] == tensors
+
+
+def random_cache(N, H, D, W, C, win_pos, S, dtype, seed):
+    """Cache slots of ``dtype`` with float64 keys, some slots empty (−inf); the window's keys −inf where its slot
+    holds padding or a sink (as token_keys leaves them)."""
+    from linearize.ops.sparse_cache import CacheBuffers
+
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(N, C, H, generator=g, dtype=f64).masked_fill(torch.rand(N, C, H, generator=g) < 0.3, -math.inf)
+    win_key = torch.randn(N, W, H, generator=g, dtype=f64).masked_fill((win_pos <= S)[..., None], -math.inf)
+    k, v = (torch.randn(N, C, H, D, generator=g).to(dtype) for _ in range(2))
+    return CacheBuffers(k, v, key, win_key), torch.randn(N, H, generator=g, dtype=f64)
+
+
+@pytest.mark.parametrize("case", [(2, 2, 2, 16, 4, 2, [3, 40], [0, 2], 5), (3, 3, 3, 64, 64, 4, [1, 70, 400], [5, 0, 2], 40),
+                                  (1, 1, 4, 40, 5, 3, [30], [1], 7)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
+    """The decode-step kernel with a sparse cache (TRITON_INTERPRET=1) against its PyTorch body in float64 on the
+    same rounded inputs, three steps on: the output, the states, every buffer and the cache's slots."""
+    from test_window_step import ARGS, BETA_MAX, cast, named, random_step, rel
+
+    from linearize.ops.sparse_cache import CacheBuffers
+    from linearize.ops.window_step import sink_window_gdn_step_
+
+    N, H, G, D, W, S, counts, pads, C = case
+    x = cast(random_step(N, H, G, D, W, S, counts, pads, seed=D + C), dtype)
+    cache, key = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, dtype, seed=C)
+    for _ in range(3):
+        y, ycache = cast(x, f64, f64), CacheBuffers(*(t.double().clone() for t in cache.tensors()))
+        want = sink_window_gdn_step_(*(y[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=ycache, token_key=key)
+        got = sink_window_gdn_step_(*(x[n] for n in ARGS), BETA_MAX, W, S, backend="triton", cache=cache, token_key=key)
+        assert torch.isfinite(got).all() and rel(got, want) < 1e-6
+        for n in ("state", "sum_k", "sum_v"):
+            assert rel(x[n], y[n]) < 1e-6, n
+        for (name, a), b in zip(named(x["buffers"]).items(), y["buffers"].tensors()):
+            assert torch.equal(a.double(), b), name
+        for a, b in zip(cache.tensors(), ycache.tensors()):
+            assert torch.equal(a.double(), b)
+        key = key + 0.5  # the next token's
+    assert torch.isfinite(cache.key).sum() > 0

@@ -107,9 +107,8 @@ class GDNAttention(nn.Module):
             self.fused_step = False
         if self.options.mix_order == 2:  # nor the old keys' second moment
             self.fused_step = False
-        if self.options.sparse_cache:  # nor the sparse cache: (H, hidden + 1), the score's weights then its bias
+        if self.options.sparse_cache:  # the sparse cache's score: (H, hidden + 1), its weights then its bias
             self.register_buffer("cache_probe", torch.zeros(self.num_kv_heads, hidden + 1, device=p.device, dtype=p.dtype))
-            self.fused_step = False
 
     def _add_corrections(self, hidden: int, p: torch.Tensor) -> None:
         """The Taylor-GDN's own parameters: ρ, the β factor and, where the state decays, the decay correction."""
@@ -279,7 +278,8 @@ class GDNAttention(nn.Module):
         h0 = layer.state if layer is not None else None
         conv_past = layer.conv_inputs if h0 is not None else None
         if T == 1 and h0 is not None and mask is None and self.options.form == "stable" and self.fused_step:
-            return *self._step(hidden_states, position_embeddings, None, layer.sums, h0, conv_past, layer.window_buffers), None
+            return self._step(hidden_states, position_embeddings, None, layer.sums, h0, conv_past, layer.window_buffers,
+                              layer.cache_buffers)
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q.to(dt) * self.scaling
@@ -374,7 +374,7 @@ class GDNAttention(nn.Module):
             )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
 
-    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None):
+    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None, cache=None):
         """One decode step updating the cache's state, sums (and window ``buffers``) in place, in one kernel on
         CUDA: :func:`~linearize.ops.decode.taylor_gdn_step_`, :func:`~linearize.ops.window_step.sink_window_gdn_step_`."""
         B = hidden_states.shape[0]
@@ -385,11 +385,13 @@ class GDNAttention(nn.Module):
             backend = "torch"
         beta_factor, gate_factor = correction_factors(*self._logits(hidden_states, proj), dt)
         common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
-        if buffers is not None:
+        if buffers is not None:  # (the new token's cache key from its position, buffers.count + 1)
+            key = None if cache is None else sc.token_keys(hidden_states, self.cache_probe, buffers.count[:, None] + 1,
+                                                            self.options.sinks)[:, 0]
             o = sink_window_gdn_step_(q[:, 0].to(dt) * self.scaling, k[:, 0], v[:, 0], buffers, *common, self.mix_bias,
                                       self.options.beta_max, self.options.window, self.options.sinks,
-                                      decays=self.decays, backend=backend)
-            return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails, buffers
+                                      decays=self.decays, backend=backend, cache=cache, token_key=key)
+            return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails, buffers, cache
         o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], *common, self.options.beta_max, self.scaling,
                              mask=None if mask is None else mask[:, 0], backend=backend)
         return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails

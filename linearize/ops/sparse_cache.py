@@ -262,6 +262,24 @@ def cache_step_(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_o
     return o, lse.reshape(B, 1, Hq), CacheBuffers(past.k, past.v, past.key, win_key)
 
 
+def cache_enter_(cache: CacheBuffers, win_k: torch.Tensor, win_v: torch.Tensor, win_pos: torch.Tensor,
+                 token_key: torch.Tensor, sinks: int) -> None:
+    """Before a fused decode step (:func:`linearize.ops.window_step.sink_window_gdn_step_`), in place: the token
+    leaving the window (slot 0 of ``win_k``/``win_v`` ``(B, W, H, D)``, real and no sink where ``win_pos`` ``(B, W)``
+    says so) takes the lowest-keyed of the ``C`` slots when its key is at least that one's (an empty slot, −inf,
+    goes first), and the new token's key ``token_key`` ``(B, H)`` enters the window's keys. The slots then hold
+    what :func:`cache_step_` attends to: the step's exact part reads them as keys where their key is finite."""
+    D = cache.k.shape[-1]
+    new = cache.win_key[:, 0].masked_fill(~(win_pos[:, 0] > sinks)[:, None], float("-inf"))  # (B, H)
+    slot = cache.key.argmin(1, keepdim=True)  # (B, 1, H)
+    take = new[:, None] >= cache.key.gather(1, slot)
+    at = slot[..., None].expand(-1, -1, -1, D)
+    for buf, x in ((cache.k, win_k), (cache.v, win_v)):
+        buf.scatter_(1, at, torch.where(take[..., None], x[:, :1].to(buf.dtype), buf.gather(1, at)))
+    cache.key.scatter_(1, slot, torch.where(take, new[:, None], cache.key.gather(1, slot)))
+    cache.win_key.copy_(torch.cat([cache.win_key[:, 1:], token_key.double()[:, None]], 1))
+
+
 def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_doc: torch.Tensor,
                            query_doc: torch.Tensor, pos: torch.Tensor, window: int, sinks: int, token_key: torch.Tensor,
                            old_ok: torch.Tensor, size: int, compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

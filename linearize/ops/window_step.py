@@ -39,12 +39,13 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
+from .sparse_cache import CacheBuffers, cache_enter_
 from .window_inputs import WindowBuffers
 
 
 def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, sum_v, count, rho, beta_factor,
                                gate_factor, mix_bias, beta_max: float, window: int, sinks: int, decays: bool = True,
-                               eps: float = 1e-12) -> torch.Tensor:
+                               eps: float = 1e-12, cache: CacheBuffers | None = None) -> torch.Tensor:
     """The step in PyTorch for all rows and heads at once, as the kernel takes it (about 60 operations, where
     composing ``_attend_window``'s functions for one token takes several hundred: the decode step off CUDA);
     same contract as :func:`sink_window_gdn_step_`."""
@@ -61,9 +62,12 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     keys = torch.cat([b.win_k[:, 1:], k.to(b.win_k.dtype)[:, None], b.sink_k], 1).to(dt)  # (N, W + S, H, D)
     values = torch.cat([b.win_v[:, 1:], v.to(b.win_v.dtype)[:, None], b.sink_v], 1).to(dt)
     sink_ok = (b.sink_index >= 0) & (b.sink_index <= (r - W)[:, None])
-    ok = torch.cat([b.win_pos[:, 1:] > 0, torch.ones_like(m)[:, None], sink_ok], 1)  # (N, W + S)
+    ok = torch.cat([b.win_pos[:, 1:] > 0, torch.ones_like(m)[:, None], sink_ok], 1)[:, None].expand(-1, H, -1)
+    if cache is not None:  # and the sparse cache's slots holding a token (cache_enter_ has taken the old one in)
+        keys, values = (torch.cat([a, c.to(dt)], 1) for a, c in ((keys, cache.k), (values, cache.v)))
+        ok = torch.cat([ok, torch.isfinite(cache.key).transpose(1, 2)], 2)  # (N, H, W + S + C)
     qh = q.view(N, H, Hq // H, D)
-    logits = (qh @ keys.permute(0, 2, 3, 1)).masked_fill(~ok[:, None, None], float("-inf"))  # (N, H, G, W + S)
+    logits = (qh @ keys.permute(0, 2, 3, 1)).masked_fill(~ok[:, :, None], float("-inf"))  # (N, H, G, keys)
     lse = torch.logsumexp(logits, -1, keepdim=True)  # finite: the new token is always a key
     o_exact = torch.exp(logits - lse) @ values.transpose(1, 2)  # (N, H, G, D)
     # the mix by mass, with the old stream's count and mean key after this step
@@ -106,6 +110,8 @@ def sink_window_gdn_step_(
     decays: bool = True,
     eps: float = 1e-12,
     backend: str = "auto",
+    cache: CacheBuffers | None = None,
+    token_key: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of N sequences through a sink + sliding-window block; every buffer changes in place.
 
@@ -120,6 +126,10 @@ def sink_window_gdn_step_(
             ``[N, H, K]`` for a per-channel decay, which only the torch body takes: ``"auto"`` picks it);
             mix_bias: ``[G·H]``; beta_max: the clip of β; window, sinks: ``W ≥ 1``, ``S ≥ 0``.
         decays: False for the ``deltanet`` target (no decay; the state is ``t×`` the GDN one).
+        cache, token_key: a sparse cache beside the window (``GDNOptions.sparse_cache``; ``CacheBuffers``, slots
+            ``[N, C, H, D]``, keys ``[N, C, H]`` and the window's keys ``[N, W, H]`` float64) and the new token's
+            selection key ``[N, H]``: first :func:`~linearize.ops.sparse_cache.cache_enter_` (the token leaving
+            the window offered to the cache), then the slots holding a token join the exact part's keys.
         backend: ``"triton"`` (the fused kernel; CUDA, or the CPU under TRITON_INTERPRET=1), ``"torch"``, or
             ``"auto"``: Triton on CUDA for a float32 state, D ≤ 256 and contiguous buffers, else torch.
     Returns:
@@ -144,7 +154,7 @@ def sink_window_gdn_step_(
         raise ValueError(f"a decode step needs window ≥ 1 and sinks ≥ 0; got window={window}, sinks={sinks}")
     per_channel = gate_factor.dim() == 3
     if backend == "auto":
-        in_place = [state, sum_k, sum_v, count, *buffers.tensors()]
+        in_place = [state, sum_k, sum_v, count, *buffers.tensors(), *(cache.tensors() if cache is not None else [])]
         fits = (q.is_cuda and state.dtype == torch.float32 and k.shape[-1] <= TRITON_MAX_K and not per_channel
                 and all(x.is_contiguous() for x in in_place))
         backend = "triton" if fits and _triton_usable(q) and _triton_usable(k) else "torch"
@@ -156,7 +166,12 @@ def sink_window_gdn_step_(
             raise ValueError("backend='triton' needs fp16/bf16/fp32 CUDA tensors (or TRITON_INTERPRET=1)")
         from .triton.window_step import sink_window_gdn_step_triton
 
-        return sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor,
-                                           gate_factor, mix_bias, beta_max, window, sinks, decays=decays, eps=eps)
-    return sink_window_gdn_step_torch(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor,
-                                      mix_bias, beta_max, window, sinks, decays=decays, eps=eps)
+        step = sink_window_gdn_step_triton
+    else:
+        step = sink_window_gdn_step_torch
+    if cache is not None:
+        if token_key is None or token_key.shape != cache.key.shape[::2]:
+            raise ValueError(f"a sparse cache needs the new token's key [N, H] = {list(cache.key.shape[::2])}")
+        cache_enter_(cache, buffers.win_k, buffers.win_v, buffers.win_pos, token_key, sinks)
+    return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, beta_max,
+                window, sinks, decays=decays, eps=eps, cache=cache)

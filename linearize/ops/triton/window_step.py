@@ -63,9 +63,10 @@ def _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc):
 def _sink_window_gdn_step_kernel(
     q, k, v, sink_k, sink_v, sink_index, win_k, win_v, win_pos, tokens, rows,
     state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, o, tickets, beta_max, eps,
+    cache_k, cache_v, cache_key,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BG: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    DECAYS: tl.constexpr,
+    DECAYS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -165,6 +166,17 @@ def _sink_window_gdn_step_kernel(
         b_kb = tl.load(sink_k + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_vb = tl.load(sink_v + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         m_run, l_run, acc = _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc)
+    # the sparse cache's slots that hold a token (a finite key), updated before the launch (cache_enter_)
+    o_c = tl.arange(0, BC)
+    for j0 in range(0, C, BC):
+        j = j0 + o_c
+        m_j = j < C
+        p_key = (i_n64 * C + j.to(tl.int64)) * H + i_h
+        ok = m_j & (tl.load(cache_key + p_key, mask=m_j, other=float("-inf")) > float("-inf"))
+        m_kv = ok[:, None] & m_d[None, :]
+        b_kb = tl.load(cache_k + p_key[:, None] * D + o_d[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        b_vb = tl.load(cache_v + p_key[:, None] * D + o_d[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        m_run, l_run, acc = _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc)
     # the new token becomes sink c while there are fewer than S (never a key of this step: it is in the window)
     fill = (c < S) & (tl.load(sink_index + i_n64 * S + c, mask=c < S, other=0) < 0)
     p_sink = ((i_n64 * S + c) * H + i_h) * D + o_d
@@ -202,7 +214,7 @@ def _sink_window_gdn_step_kernel(
         tl.atomic_xchg(tickets + i_n64, 0)
 
 
-def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks):
+def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks, cache):
     N, H, D = k.shape
     W, S = window, sinks
     if q.dim() != 3 or q.shape[0] != N or q.shape[2] != D or q.shape[1] % H:
@@ -215,6 +227,12 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
             "sink_v": (b.sink_v, (N, S, H, D)), "sink_index": (b.sink_index, (N, S)),
             "win_k": (b.win_k, (N, W, H, D)), "win_v": (b.win_v, (N, W, H, D)), "win_pos": (b.win_pos, (N, W)),
             "buffers.count": (b.count, (N,)), "rows": (b.rows, (N,))}
+    if cache is not None:
+        C = cache.key.shape[1]
+        want.update({"cache.k": (cache.k, (N, C, H, D)), "cache.v": (cache.v, (N, C, H, D)),
+                     "cache.key": (cache.key, (N, C, H))})
+        if not all(x.is_contiguous() for x in cache.tensors()):
+            raise ValueError("the sparse cache's buffers are read by the kernel: they must be contiguous")
     check_shapes(want, {"state": state, "sum_k": sum_k, "sum_v": sum_v, "count": count})
     for name, x in (("sink_index", b.sink_index), ("win_pos", b.win_pos), ("buffers.count", b.count),
                     ("rows", b.rows)):
@@ -225,21 +243,22 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
             raise ValueError(f"{name} is updated in place by the kernel: it must be contiguous fp16/bf16/fp32")
 
 
-def _blocks(G: int, D: int, W: int, S: int) -> dict[str, int]:
-    """Block sizes: a block of keys (``BW`` window slots, ``BS`` sinks) times the G query heads times D kept
+def _blocks(G: int, D: int, W: int, S: int, C: int) -> dict[str, int]:
+    """Block sizes: a block of keys (``BW`` window slots, ``BS`` sinks, ``BC`` cache slots) times the G query heads times D kept
     to 4096 products per program (32 fp32 registers a thread at 4 warps), a state tile of ``D × BV`` to 4096
     entries, ``win_pos`` shifted 1024 slots at a time."""
     BG, BD = next_pow2(G), next_pow2(D)
     keys = max(2, 4096 // (BG * BD))
     return dict(BG=BG, BD=BD, BW=min(keys, max(2, next_pow2(W))), BS=min(keys, max(2, next_pow2(max(S, 1)))),
+                BC=min(keys, max(2, next_pow2(max(C, 1)))),
                 BV=max(16, min(BD, 4096 // BD)), BP=min(1024, max(2, next_pow2(W))))
 
 
 def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
-                                beta_max, window, sinks, decays=True, eps=1e-12):
+                                beta_max, window, sinks, decays=True, eps=1e-12, cache=None):
     """The kernel's launcher; arguments as :func:`linearize.ops.window_step.sink_window_gdn_step_`. Returns
     ``o [N, G·H, D]`` float32; the buffers, ``state``, ``sum_k``, ``sum_v`` and ``count`` change in place."""
-    _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks)
+    _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks, cache)
     N, H, D = k.shape
     Hq = q.shape[1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -247,10 +266,13 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
     if N == 0:
         return o
     b = buffers
+    C = 0 if cache is None else cache.key.shape[1]
+    ck, cv, ckey = (b.sink_k, b.sink_v, b.sink_index) if cache is None else (cache.k, cache.v, cache.key)
     _sink_window_gdn_step_kernel[(N * H,)](
         q, k, v, b.sink_k, b.sink_v, b.sink_index, b.win_k, b.win_v, b.win_pos, b.count, b.rows,
         state, sum_k, sum_v, count, rho.contiguous(), beta_factor.contiguous(), gate_factor.contiguous(),
-        mix_bias.contiguous(), o, _tickets(q.device, N), float(beta_max), float(eps),
-        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), num_warps=4, **_blocks(Hq // H, D, window, sinks),
+        mix_bias.contiguous(), o, _tickets(q.device, N), float(beta_max), float(eps), ck, cv, ckey,
+        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, num_warps=4,
+        **_blocks(Hq // H, D, window, sinks, C),
     )
     return o

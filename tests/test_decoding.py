@@ -408,5 +408,9 @@ def test_model_generate_on_gpu_takes_the_graph_and_equals_transformers(keep):
     x, mask = x.cuda(), mask.cuda()
     kw = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, pad_token_id=0)
     base = type(model).__mro__[1]  # the teacher's class: transformers' own generate()
+    from linearize import decoding
+
+    decoding._GRAPH_FAILED.clear()  # a capture that failed falls back to transformers' loop, with a warning
     assert torch.equal(model.generate(x, **kw), base.generate(model, x, **kw))
+    assert not decoding._GRAPH_FAILED, decoding._GRAPH_FAILED
     assert model.__dict__["_linearize_decoder"].timing.graphed

@@ -90,8 +90,6 @@ def main(
     DEBUG = debug
 
 
-# --- output ------------------------------------------------------------------------------------
-
 # --- commands ------------------------------------------------------------------------------------
 
 @app.command()
@@ -369,6 +367,8 @@ def eval_(
                                             "e.g. yarn:4:2048 to read 8K rows like 2K ones."),
     rope_scaling_layers: str = typer.Option("all", "--rope-scaling-layers", help="all, or softmax: only the "
                                             "model's kept softmax layers (a hybrid; the teacher's are all)."),
+    sparse_cache: int | None = typer.Option(None, "--sparse-cache", help="Slots of the model's sparse cache per KV "
+                                            "head, in place of the ones it was trained with."),
     dtype: str = typer.Option("float32", "--dtype", help="float32, bfloat16 or float16."),
     device: str | None = typer.Option(None, "--device", help="cuda or cpu (default: cuda if there is one)."),
     output: Path | None = typer.Option(None, "--output", "-o", help="Write the results as JSON here."),

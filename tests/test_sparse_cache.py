@@ -357,3 +357,39 @@ def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
             assert torch.equal(a.double(), b)
         key = key + 0.5  # the next token's
     assert torch.isfinite(cache.key).sum() > 0
+
+
+def test_resized_cache_equals_a_model_converted_with_that_size(tmp_path, tiny_dir):
+    """``resize_sparse_cache``: the probe does not depend on the size, so a model converted with 3 slots and
+    resized to 9 computes what one converted with 9 does (same calibration), and differs from its own 3-slot
+    output past window + sinks + 3; ``linearize eval --sparse-cache`` resizes the model it measures and refuses,
+    in one line, a model without a cache or a size below 1."""
+    from test_cli import run
+
+    from linearize.layers.options import resize_sparse_cache
+
+    teacher = tiny_model("llama")
+    small = linearize.convert(teacher, calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2, sparse_cache=3))
+    big = linearize.convert(tiny_model("llama"), calibration_ids=calib(teacher),
+                            options=GDNOptions(window=4, sinks=2, sparse_cache=9))
+    x = ids(small, B=2, T=30)
+    with torch.no_grad():
+        before = small(x).logits
+        assert resize_sparse_cache(small, 9) == len(small.model.layers)
+        assert torch.allclose(small(x).logits, big(x).logits, atol=1e-6)
+        assert (small(x).logits - before)[:, 10:].abs().max() > 1e-4
+    assert small.config.linearize["options"]["sparse_cache"] == 9
+    assert resize_sparse_cache(linearize.convert(tiny_model("llama"), calibration_ids=calib(teacher),
+                                                 options=GDNOptions(window=4, sinks=2)), 9) == 0
+    for name, extra in (("m", ("--sparse-cache", 3)), ("plain", ())):
+        code, text = run("convert", "--model", tiny_dir, "--output", tmp_path / name, "--window", 4, "--tokens", 64,
+                         "--calibration-tokens", 64, *extra)
+        assert code == 0, text
+    common = ("--teacher", "none", "--tasks", "none", "--seq-len", 16, "--ppl-tokens", 64, "--device", "cpu")
+    code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 40, "-o", tmp_path / "q.json")
+    assert code == 0, text
+    assert json.loads((tmp_path / "q.json").read_text())["plan"]["sparse_cache"] == 40
+    code, text = run("eval", "-m", tmp_path / "plain", *common, "--sparse-cache", 40, "-o", tmp_path / "p.json")
+    assert code == 2 and "no sparse cache" in text and not (tmp_path / "p.json").exists()
+    code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 0)
+    assert code == 2 and "--sparse-cache must be at least 1" in text

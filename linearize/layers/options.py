@@ -4,6 +4,8 @@ recipe schema can check a form or target name before anything heavy is imported.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import asdict, dataclass
 
 # the Taylor forms of SPEC §2: "stable" (bounded c_t = ρ k̂_t, the default) and "seed" (the literal
@@ -137,3 +139,21 @@ def _check_linear(o: GDNOptions) -> None:
                          f"sinks={o.sinks}: set window=0 and sinks=0 (CLI: --window 0), or convert to gdn or deltanet")
     if o.form != "stable":
         raise ValueError(f"form must be 'stable' for the linear target (the other forms are Taylor-GDN ones); got {o.form!r}")
+
+
+def resize_sparse_cache(model, size: int) -> int:
+    """Give every converted block of ``model`` that has a sparse cache ``size`` slots per KV head instead of the
+    ones it was converted or trained with — its probe, which picks the tokens, does not depend on the size — to
+    evaluate or decode with more (or less) exact memory. Returns the blocks changed (0: the model has no cache)."""
+    if size < 1:
+        raise ValueError(f"a sparse cache needs at least 1 slot; got {size}")
+    changed = 0
+    for module in model.modules():
+        opts = getattr(module, "options", None)
+        if isinstance(opts, GDNOptions) and opts.sparse_cache:
+            module.options = dataclasses.replace(opts, sparse_cache=size)
+            changed += 1
+    saved = (getattr(model.config, "linearize", None) or {}).get("options")
+    if changed and isinstance(saved, dict):
+        saved["sparse_cache"] = size  # what save_pretrained writes, and decoding's graphable() reads
+    return changed

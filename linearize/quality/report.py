@@ -33,6 +33,7 @@ class Plan:
     passkey_depths: int = 5  # evenly from 0 (the key first) to 1 (the key last)
     rope_scaling: str | None = None  # KIND:FACTOR[:ORIGINAL], set on both sides (linearize.models.rope)
     rope_scaling_layers: str = "all"  # or "softmax": only the layers a hybrid kept softmax
+    sparse_cache: int | None = None  # the model's sparse cache resized to this many slots (layers.options)
     seed: int = 0
     device: str | None = None
     dtype: str = "float32"
@@ -130,6 +131,11 @@ def evaluate(plan: Plan, progress=print) -> dict:
             from ..models.rope import rope_scaling
 
             rope_scaling(lm, plan.rope_scaling, plan.rope_scaling_layers if side == "model" else "all")
+        if plan.sparse_cache is not None and side == "model":
+            from ..layers.options import resize_sparse_cache
+
+            if not resize_sparse_cache(lm, plan.sparse_cache):
+                raise UserError(f"--sparse-cache: {spec} has no sparse cache to resize; convert it with --sparse-cache C")
         progress(f"{side}: measuring")
         result["results"][side] = measure(plan, lm, tok)
         result["seconds"][side] = round(time.perf_counter() - t0, 1)
@@ -152,7 +158,7 @@ def check_plan(plan: Plan) -> None:
         raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
     for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),
                                ("--passkey-trials", plan.passkey_trials, 1), ("--passkey-depths", plan.passkey_depths, 2),
-                               ("--ppl-tokens", plan.ppl_tokens, 0)):
+                               ("--ppl-tokens", plan.ppl_tokens, 0), ("--sparse-cache", 1 if plan.sparse_cache is None else plan.sparse_cache, 1)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}; got {value}")
     if plan.ppl_tokens and plan.ppl_tokens < plan.seq_len:
@@ -194,7 +200,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
                 passkey_depths=opts.get("passkey_depths", 5), rope_scaling=opts.get("rope_scaling"),
-                rope_scaling_layers=opts.get("rope_scaling_layers", "all"),
+                rope_scaling_layers=opts.get("rope_scaling_layers", "all"), sparse_cache=opts.get("sparse_cache"),
                 passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
                 device=opts["device"], dtype=opts["dtype"])
     check_plan(plan)

@@ -5,7 +5,6 @@ recipe schema can check a form or target name before anything heavy is imported.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import asdict, dataclass
 
 # the Taylor forms of SPEC §2: "stable" (bounded c_t = ρ k̂_t, the default) and "seed" (the literal

@@ -4,8 +4,7 @@ recipe schema can check a form or target name before anything heavy is imported.
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # the Taylor forms of SPEC §2: "stable" (bounded c_t = ρ k̂_t, the default) and "seed" (the literal
 # form of seed 000, c_t = k̃_t, which diverges on real checkpoints: kept for study)
@@ -150,7 +149,7 @@ def resize_sparse_cache(model, size: int) -> int:
     for module in model.modules():
         opts = getattr(module, "options", None)
         if isinstance(opts, GDNOptions) and opts.sparse_cache:
-            module.options = dataclasses.replace(opts, sparse_cache=size)
+            module.options = replace(opts, sparse_cache=size)
             changed += 1
     saved = (getattr(model.config, "linearize", None) or {}).get("options")
     if changed and isinstance(saved, dict):

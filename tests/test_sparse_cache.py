@@ -327,15 +327,17 @@ def random_cache(N, H, D, W, C, win_pos, S, dtype, seed):
     key = torch.randn(N, C, H, generator=g, dtype=f64).masked_fill(torch.rand(N, C, H, generator=g) < 0.3, -math.inf)
     win_key = torch.randn(N, W, H, generator=g, dtype=f64).masked_fill((win_pos <= S)[..., None], -math.inf)
     k, v = (torch.randn(N, C, H, D, generator=g).to(dtype) for _ in range(2))
-    return CacheBuffers(k, v, key, win_key), torch.randn(N, H, generator=g, dtype=f64)
+    return CacheBuffers(k, v, key, win_key), torch.randn(N, H, generator=g)
 
 
 @pytest.mark.parametrize("case", [(2, 2, 2, 16, 4, 2, [3, 40], [0, 2], 5), (3, 3, 3, 64, 64, 4, [1, 70, 400], [5, 0, 2], 40),
-                                  (1, 1, 4, 40, 5, 3, [30], [1], 7)])
+                                  (1, 1, 4, 40, 5, 3, [30], [1], 7), (2, 1, 2, 16, 3, 2, [0, 1], [0, 1], 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
-    """The decode-step kernel with a sparse cache (TRITON_INTERPRET=1) against its PyTorch body in float64 on the
-    same rounded inputs, three steps on: the output, the states, every buffer and the cache's slots."""
+    """The decode-step kernel with a sparse cache (TRITON_INTERPRET=1) — the old token offered to the cache and the
+    new one keyed inside it — against the PyTorch body after ``cache_enter_``, in float64 on the same rounded
+    inputs, step after step past the window (the kernel's own keys offered in turn; rows filling their sinks):
+    the output, the states, every buffer and the cache's slots."""
     from test_window_step import ARGS, BETA_MAX, cast, named, random_step, rel
 
     from linearize.ops.sparse_cache import CacheBuffers
@@ -343,19 +345,23 @@ def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
 
     N, H, G, D, W, S, counts, pads, C = case
     x = cast(random_step(N, H, G, D, W, S, counts, pads, seed=D + C), dtype)
-    cache, key = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, dtype, seed=C)
-    for _ in range(3):
+    cache, score = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, dtype, seed=C)
+    for _ in range(min(W + 3, 8)):
         y, ycache = cast(x, f64, f64), CacheBuffers(*(t.double().clone() for t in cache.tensors()))
-        want = sink_window_gdn_step_(*(y[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=ycache, token_key=key)
-        got = sink_window_gdn_step_(*(x[n] for n in ARGS), BETA_MAX, W, S, backend="triton", cache=cache, token_key=key)
+        want = sink_window_gdn_step_(*(y[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=ycache,
+                                     token_score=score)
+        got = sink_window_gdn_step_(*(x[n] for n in ARGS), BETA_MAX, W, S, backend="triton", cache=cache,
+                                    token_score=score)
         assert torch.isfinite(got).all() and rel(got, want) < 1e-6
         for n in ("state", "sum_k", "sum_v"):
             assert rel(x[n], y[n]) < 1e-6, n
         for (name, a), b in zip(named(x["buffers"]).items(), y["buffers"].tensors()):
             assert torch.equal(a.double(), b), name
-        for a, b in zip(cache.tensors(), ycache.tensors()):
-            assert torch.equal(a.double(), b)
-        key = key + 0.5  # the next token's
+        assert torch.equal(cache.k.double(), ycache.k) and torch.equal(cache.v.double(), ycache.v)
+        for a, b in ((cache.key, ycache.key), (cache.win_key, ycache.win_key)):  # an FMA may round a key's last bit
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b)) and torch.allclose(a, b, rtol=1e-15, atol=0)
+        cache = CacheBuffers(cache.k, cache.v, ycache.key.clone(), ycache.win_key.clone())  # the same keys on
+        score = score + 0.5  # the next token's
     assert torch.isfinite(cache.key).sum() > 0
 
 
@@ -393,3 +399,16 @@ def test_resized_cache_equals_a_model_converted_with_that_size(tmp_path, tiny_di
     assert code == 2 and "no sparse cache" in text and not (tmp_path / "p.json").exists()
     code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 0)
     assert code == 2 and "--sparse-cache must be at least 1" in text
+
+
+def test_decode_through_the_kernel_equals_full_forward():
+    """The model decoding through the Triton step (TRITON_INTERPRET=1), its cache filling and evicting over 16
+    tokens, gives the full forward's logits (float32)."""
+    model = perturbed(GDNOptions(window=4, sinks=2, sparse_cache=3, backend="triton"))
+    x = ids(model, B=2, T=16)
+    mask, pos = torch.ones_like(x), torch.arange(16)[None].expand(2, -1)
+    with torch.no_grad():
+        full = model(x, attention_mask=mask, use_cache=False).logits
+        inc, cache = incremental_logits(model, x, mask, pos, prefill=3)
+    assert (inc - full).abs().max() < 1e-4
+    assert torch.isfinite(cache.layers[0].cache_buffers.key).all()

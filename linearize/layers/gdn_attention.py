@@ -385,12 +385,11 @@ class GDNAttention(nn.Module):
             backend = "torch"
         beta_factor, gate_factor = correction_factors(*self._logits(hidden_states, proj), dt)
         common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
-        if buffers is not None:  # (the new token's cache key from its position, buffers.count + 1)
-            key = None if cache is None else sc.token_keys(hidden_states, self.cache_probe, buffers.count[:, None] + 1,
-                                                            self.options.sinks)[:, 0]
+        if buffers is not None:  # (with a sparse cache, the new token's probe score: the step keys it)
+            score = None if cache is None else sc.probe_scores(hidden_states, self.cache_probe)[:, 0]
             o = sink_window_gdn_step_(q[:, 0].to(dt) * self.scaling, k[:, 0], v[:, 0], buffers, *common, self.mix_bias,
                                       self.options.beta_max, self.options.window, self.options.sinks,
-                                      decays=self.decays, backend=backend, cache=cache, token_key=key)
+                                      decays=self.decays, backend=backend, cache=cache, token_score=score)
             return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails, buffers, cache
         o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], *common, self.options.beta_max, self.scaling,
                              mask=None if mask is None else mask[:, 0], backend=backend)

@@ -23,6 +23,11 @@ new token at position ``p = c + 1`` (row position ``r``), in the layout of :mod:
   + v̄_t``: :func:`linearize.ops.taylor.fold_decay`); with ``m = 0`` nothing of it moves;
 - mix: ``o = w o_E + (1 − w) o_O`` with ``w = σ(lse − log max(t, 1) − q·k̄ − bias)`` (``w = 1`` while
   ``t = 0``), :func:`linearize.ops.window.mix_by_mass`.
+- with a sparse cache (``GDNOptions.sparse_cache``): first the token leaving the window takes the lowest-keyed
+  of the ``C`` cache slots when its selection key (the window's key of slot 0; −inf unless ``m``) is at least
+  that one's, and the new token's key — its probe score at position ``c + 1``,
+  :func:`linearize.ops.sparse_cache.selection_keys`, −inf for a sink — enters the window's keys; the slots
+  with a finite key are exact keys too (:func:`linearize.ops.sparse_cache.cache_enter_`, :func:`cache_step_`).
 
 This is what ``GDNAttention._attend_window`` computes for one token per row (``mask=None``) from a cache,
 together with the buffers ``cached_inputs`` returns and the state and running sums ``set_state`` stores.
@@ -39,7 +44,7 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
-from .sparse_cache import CacheBuffers, cache_enter_
+from .sparse_cache import CacheBuffers, cache_enter_, selection_keys
 from .window_inputs import WindowBuffers
 
 
@@ -111,7 +116,7 @@ def sink_window_gdn_step_(
     eps: float = 1e-12,
     backend: str = "auto",
     cache: CacheBuffers | None = None,
-    token_key: torch.Tensor | None = None,
+    token_score: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of N sequences through a sink + sliding-window block; every buffer changes in place.
 
@@ -126,10 +131,12 @@ def sink_window_gdn_step_(
             ``[N, H, K]`` for a per-channel decay, which only the torch body takes: ``"auto"`` picks it);
             mix_bias: ``[G·H]``; beta_max: the clip of β; window, sinks: ``W ≥ 1``, ``S ≥ 0``.
         decays: False for the ``deltanet`` target (no decay; the state is ``t×`` the GDN one).
-        cache, token_key: a sparse cache beside the window (``GDNOptions.sparse_cache``; ``CacheBuffers``, slots
+        cache, token_score: a sparse cache beside the window (``GDNOptions.sparse_cache``; ``CacheBuffers``, slots
             ``[N, C, H, D]``, keys ``[N, C, H]`` and the window's keys ``[N, W, H]`` float64) and the new token's
-            selection key ``[N, H]``: first :func:`~linearize.ops.sparse_cache.cache_enter_` (the token leaving
-            the window offered to the cache), then the slots holding a token join the exact part's keys.
+            probe score ``[N, H]`` float32 (:func:`~linearize.ops.sparse_cache.probe_scores`): first the token
+            leaving the window is offered to the cache (:func:`~linearize.ops.sparse_cache.cache_enter_`) and the
+            new token's selection key (its score at position ``count + 1``, −inf for a sink) joins the window's
+            keys, then the slots holding a token join the exact part's keys — in the kernel, or before the body.
         backend: ``"triton"`` (the fused kernel; CUDA, or the CPU under TRITON_INTERPRET=1), ``"torch"``, or
             ``"auto"``: Triton on CUDA for a float32 state, D ≤ 256 and contiguous buffers, else torch.
     Returns:
@@ -170,8 +177,13 @@ def sink_window_gdn_step_(
     else:
         step = sink_window_gdn_step_torch
     if cache is not None:
-        if token_key is None or token_key.shape != cache.key.shape[::2]:
-            raise ValueError(f"a sparse cache needs the new token's key [N, H] = {list(cache.key.shape[::2])}")
-        cache_enter_(cache, buffers.win_k, buffers.win_v, buffers.win_pos, token_key, sinks)
+        if token_score is None or token_score.shape != cache.key.shape[::2]:
+            raise ValueError(f"a sparse cache needs the new token's probe score [N, H] = {list(cache.key.shape[::2])}")
+        if backend == "triton":  # the kernel offers the old token and keys the new one itself
+            return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
+                        beta_max, window, sinks, decays=decays, eps=eps, cache=cache, token_score=token_score)
+        pos = buffers.count[:, None] + 1
+        key = selection_keys(token_score[:, None], pos)[:, 0].masked_fill(pos <= sinks, float("-inf"))
+        cache_enter_(cache, buffers.win_k, buffers.win_v, buffers.win_pos, key, sinks)
     return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, beta_max,
                 window, sinks, decays=decays, eps=eps, cache=cache)

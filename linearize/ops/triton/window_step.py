@@ -3,7 +3,10 @@
 Per sequence ``n`` and KV head, with the new token at position ``p = c + 1`` (``c``: real tokens so far) and
 row position ``r`` (padding counted), for the G query heads ``q_g`` of the head (softmax scale folded in):
 
-    exact keys  the new token; window slots j = 1 … W−1 with win_pos_j > 0; sinks j with 0 ≤ sink_index_j ≤ r − W
+    exact keys  the new token; window slots j = 1 … W−1 with win_pos_j > 0; sinks j with 0 ≤ sink_index_j ≤ r − W;
+                with a sparse cache, its slots with a finite key after the old token's offer (C > 0: the slot of
+                the lowest key, first of equals, takes slot 0 when its key is at least that; the new token's
+                key, tie-broken by position as ``selection_keys`` does, joins the window's keys)
     o_E, lse    their softmax, online over blocks of keys: m ← max(m, max s), l ← l·e^{m_old − m} + Σ e^{s − m},
                 acc ← acc·e^{m_old − m} + Σ e^{s − m} v;  o_E = acc/l,  lse = m + log l
     old token   window slot 0, written when win_pos_0 > S (m = 1): the Taylor step of ``ops/decode.py``
@@ -42,6 +45,7 @@ import triton
 import triton.language as tl
 
 from ..common import next_pow2
+from ..sparse_cache import _TIE
 from .decode import _tickets, check_shapes
 
 
@@ -63,10 +67,10 @@ def _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc):
 def _sink_window_gdn_step_kernel(
     q, k, v, sink_k, sink_v, sink_index, win_k, win_v, win_pos, tokens, rows,
     state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, o, tickets, beta_max, eps,
-    cache_k, cache_v, cache_key,
+    cache_k, cache_v, cache_key, win_key, token_score,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BG: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    DECAYS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr,
+    DECAYS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, TIE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -131,6 +135,40 @@ def _sink_window_gdn_step_kernel(
             b_og = tl.sum(b_h * b_qg[:, None], axis=0) + b_sv / t_safe
             tl.store(o + (i_nh64 * G + g) * D + o_v, b_og, mask=m_v)
 
+    if C > 0:  # the sparse cache (cache_enter_): the old token offered, the new one keyed, before the exact part
+        p_wk = win_key + i_n64 * W * H + i_h  # window slot j's selection key at p_wk + j·H
+        new = tl.where(m > 0.0, tl.load(p_wk), float("-inf"))  # the old token's key; −inf: no candidate
+        o_c = tl.arange(0, BC)
+        lane_min = tl.full((BC,), float("inf"), tl.float64)
+        lane_at = tl.zeros((BC,), tl.int32)
+        for j0 in range(0, C, BC):  # the lowest key and its first slot (as torch.argmin)
+            j = j0 + o_c
+            b_key = tl.load(cache_key + (i_n64 * C + j) * H + i_h, mask=j < C, other=float("inf"))
+            lower = b_key < lane_min
+            lane_at = tl.where(lower, j, lane_at)
+            lane_min = tl.where(lower, b_key, lane_min)
+        low = tl.min(lane_min, axis=0)
+        at = tl.min(tl.where(lane_min == low, lane_at, C), axis=0)
+        take = new >= low
+        p_at = ((i_n64 * C + at) * H + i_h) * D + o_d
+        m_take = tl.where(take, o_d, D) < D  # m_d where take (a vector & scalar mask comes out int32 interpreted)
+        tl.store(cache_k + p_at, b_kold.to(cache_k.dtype.element_ty), mask=m_take)
+        tl.store(cache_v + p_at, tl.load(win_v + p_win + o_d, mask=m_d, other=0.0).to(cache_v.dtype.element_ty),
+                 mask=m_take)
+        tl.store(cache_key + (i_n64 * C + at) * H + i_h, new, mask=take)
+        score = tl.load(token_score + i_nh64).to(tl.float64)
+        key = score + TIE * (c + 1).to(tl.float64) * (tl.abs(score) + 1.0)  # selection_keys at position c + 1
+        key = tl.where(c + 1 > S, key, float("-inf"))  # a sink is never a candidate
+        o_k = tl.arange(0, BP)
+        for j0 in range(0, W, BP):  # the window's keys move down one slot, the new token's last
+            slot = j0 + o_k
+            m_s = (slot < W) & (slot >= 1)
+            b_wk = tl.load(p_wk + slot * H, mask=m_s, other=0.0)
+            tl.debug_barrier()
+            tl.store(p_wk + (slot - 1) * H, b_wk, mask=m_s)
+        tl.debug_barrier()
+        tl.store(p_wk + (W - 1) * H, key)  # (the barriers above also order the cache's stores before its reads)
+
     # the exact part, online over the new token, the window (shifted as it streams) and the sinks
     b_k = tl.load(k + i_nh64 * D + o_d, mask=m_d, other=0.0)
     b_v = tl.load(v + i_nh64 * D + o_d, mask=m_d, other=0.0)
@@ -166,7 +204,7 @@ def _sink_window_gdn_step_kernel(
         b_kb = tl.load(sink_k + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_vb = tl.load(sink_v + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         m_run, l_run, acc = _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc)
-    # the sparse cache's slots that hold a token (a finite key), updated before the launch (cache_enter_)
+    # the sparse cache's slots that hold a token (a finite key), the old token's offer taken above
     o_c = tl.arange(0, BC)
     for j0 in range(0, C, BC):
         j = j0 + o_c
@@ -255,7 +293,7 @@ def _blocks(G: int, D: int, W: int, S: int, C: int) -> dict[str, int]:
 
 
 def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
-                                beta_max, window, sinks, decays=True, eps=1e-12, cache=None):
+                                beta_max, window, sinks, decays=True, eps=1e-12, cache=None, token_score=None):
     """The kernel's launcher; arguments as :func:`linearize.ops.window_step.sink_window_gdn_step_`. Returns
     ``o [N, G·H, D]`` float32; the buffers, ``state``, ``sum_k``, ``sum_v`` and ``count`` change in place."""
     _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks, cache)
@@ -267,12 +305,13 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
         return o
     b = buffers
     C = 0 if cache is None else cache.key.shape[1]
-    ck, cv, ckey = (b.sink_k, b.sink_v, b.sink_index) if cache is None else (cache.k, cache.v, cache.key)
+    ck, cv, ckey, wkey = (b.sink_k, b.sink_v, b.sink_index, b.sink_index) if cache is None else cache.tensors()
+    score = mix_bias if token_score is None else token_score.float().contiguous()
     _sink_window_gdn_step_kernel[(N * H,)](
         q, k, v, b.sink_k, b.sink_v, b.sink_index, b.win_k, b.win_v, b.win_pos, b.count, b.rows,
         state, sum_k, sum_v, count, rho.contiguous(), beta_factor.contiguous(), gate_factor.contiguous(),
-        mix_bias.contiguous(), o, _tickets(q.device, N), float(beta_max), float(eps), ck, cv, ckey,
-        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, num_warps=4,
+        mix_bias.contiguous(), o, _tickets(q.device, N), float(beta_max), float(eps), ck, cv, ckey, wkey, score,
+        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, TIE=_TIE, num_warps=4,
         **_blocks(Hq // H, D, window, sinks, C),
     )
     return o

@@ -331,7 +331,8 @@ def random_cache(N, H, D, W, C, win_pos, S, dtype, seed):
 
 
 @pytest.mark.parametrize("case", [(2, 2, 2, 16, 4, 2, [3, 40], [0, 2], 5), (3, 3, 3, 64, 64, 4, [1, 70, 400], [5, 0, 2], 40),
-                                  (1, 1, 4, 40, 5, 3, [30], [1], 7), (2, 1, 2, 16, 3, 2, [0, 1], [0, 1], 2)])
+                                  (1, 1, 4, 40, 5, 3, [30], [1], 7), (2, 1, 2, 16, 3, 2, [0, 1], [0, 1], 2),
+                                  (1, 1, 1, 16, 3, 1, [20], [0], 1030)])  # the lowest key sought in two blocks
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
     """The decode-step kernel with a sparse cache (TRITON_INTERPRET=1) — the old token offered to the cache and the

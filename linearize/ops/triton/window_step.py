@@ -70,7 +70,7 @@ def _sink_window_gdn_step_kernel(
     cache_k, cache_v, cache_key, win_key, token_score,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BG: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    DECAYS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, TIE: tl.constexpr,
+    DECAYS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TIE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -138,11 +138,11 @@ def _sink_window_gdn_step_kernel(
     if C > 0:  # the sparse cache (cache_enter_): the old token offered, the new one keyed, before the exact part
         p_wk = win_key + i_n64 * W * H + i_h  # window slot j's selection key at p_wk + j·H
         new = tl.where(m > 0.0, tl.load(p_wk), float("-inf"))  # the old token's key; −inf: no candidate
-        o_c = tl.arange(0, BC)
-        lane_min = tl.full((BC,), float("inf"), tl.float64)
-        lane_at = tl.zeros((BC,), tl.int32)
-        for j0 in range(0, C, BC):  # the lowest key and its first slot (as torch.argmin)
-            j = j0 + o_c
+        o_m = tl.arange(0, BM)
+        lane_min = tl.full((BM,), float("inf"), tl.float64)
+        lane_at = tl.zeros((BM,), tl.int32)
+        for j0 in range(0, C, BM):  # the lowest key and its first slot (as torch.argmin): keys only, wide blocks
+            j = j0 + o_m
             b_key = tl.load(cache_key + (i_n64 * C + j) * H + i_h, mask=j < C, other=float("inf"))
             lower = b_key < lane_min
             lane_at = tl.where(lower, j, lane_at)
@@ -282,13 +282,13 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
 
 
 def _blocks(G: int, D: int, W: int, S: int, C: int) -> dict[str, int]:
-    """Block sizes: a block of keys (``BW`` window slots, ``BS`` sinks, ``BC`` cache slots) times the G query heads times D kept
-    to 4096 products per program (32 fp32 registers a thread at 4 warps), a state tile of ``D × BV`` to 4096
-    entries, ``win_pos`` shifted 1024 slots at a time."""
+    """Block sizes: a block of keys (``BW`` window slots, ``BS`` sinks, ``BC`` cache slots) times the G query heads
+    times D kept to 4096 products per program (32 fp32 registers a thread at 4 warps), a state tile of ``D × BV``
+    to 4096 entries, ``win_pos`` shifted and the cache's lowest key sought 1024 slots at a time."""
     BG, BD = next_pow2(G), next_pow2(D)
     keys = max(2, 4096 // (BG * BD))
     return dict(BG=BG, BD=BD, BW=min(keys, max(2, next_pow2(W))), BS=min(keys, max(2, next_pow2(max(S, 1)))),
-                BC=min(keys, max(2, next_pow2(max(C, 1)))),
+                BC=min(keys, max(2, next_pow2(max(C, 1)))), BM=min(1024, max(2, next_pow2(max(C, 1)))),
                 BV=max(16, min(BD, 4096 // BD)), BP=min(1024, max(2, next_pow2(W))))
 
 

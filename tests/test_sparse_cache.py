@@ -400,6 +400,8 @@ def test_resized_cache_equals_a_model_converted_with_that_size(tmp_path, tiny_di
     assert code == 2 and "no sparse cache" in text and not (tmp_path / "p.json").exists()
     code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 0)
     assert code == 2 and "--sparse-cache must be at least 1" in text
+    code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 70000)
+    assert code == 2 and "at most 65536" in text
 
 
 def test_decode_through_the_kernel_equals_full_forward():

@@ -153,5 +153,5 @@ def resize_sparse_cache(model, size: int) -> int:
             changed += 1
     saved = (getattr(model.config, "linearize", None) or {}).get("options")
     if changed and isinstance(saved, dict):
-        saved["sparse_cache"] = size  # what save_pretrained writes, and decoding's graphable() reads
+        saved["sparse_cache"] = size  # what save_pretrained writes
     return changed

@@ -161,6 +161,8 @@ def check_plan(plan: Plan) -> None:
                                ("--ppl-tokens", plan.ppl_tokens, 0), ("--sparse-cache", 1 if plan.sparse_cache is None else plan.sparse_cache, 1)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}; got {value}")
+    if plan.sparse_cache is not None and plan.sparse_cache > 65536:
+        raise UserError(f"--sparse-cache must be at most 65536 slots; got {plan.sparse_cache}")
     if plan.ppl_tokens and plan.ppl_tokens < plan.seq_len:
         raise UserError(f"--ppl-tokens {plan.ppl_tokens} is less than one row of --seq-len {plan.seq_len}; "
                         "raise --ppl-tokens or lower --seq-len")

@@ -149,6 +149,7 @@ def _sink_window_gdn_step_kernel(
             lane_min = tl.where(lower, b_key, lane_min)
         low = tl.min(lane_min, axis=0)
         at = tl.min(tl.where(lane_min == low, lane_at, C), axis=0)
+        tl.debug_barrier()  # every thread has read the keys (a small block is loaded once per warp) before one changes
         take = new >= low
         p_at = ((i_n64 * C + at) * H + i_h) * D + o_d
         m_take = tl.where(take, o_d, D) < D  # m_d where take (a vector & scalar mask comes out int32 interpreted)
@@ -268,7 +269,9 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
     if cache is not None:
         C = cache.key.shape[1]
         want.update({"cache.k": (cache.k, (N, C, H, D)), "cache.v": (cache.v, (N, C, H, D)),
-                     "cache.key": (cache.key, (N, C, H))})
+                     "cache.key": (cache.key, (N, C, H)), "cache.win_key": (cache.win_key, (N, W, H))})
+        if cache.key.dtype != torch.float64 or cache.win_key.dtype != torch.float64:
+            raise ValueError("the sparse cache's selection keys are float64 (ops.sparse_cache.selection_keys)")
         if not all(x.is_contiguous() for x in cache.tensors()):
             raise ValueError("the sparse cache's buffers are read by the kernel: they must be contiguous")
     check_shapes(want, {"state": state, "sum_k": sum_k, "sum_v": sum_v, "count": count})

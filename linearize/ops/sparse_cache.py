@@ -207,8 +207,12 @@ class CacheBuffers:
 def token_keys(hidden_states: torch.Tensor, probe: torch.Tensor, pos: torch.Tensor, sinks: int) -> torch.Tensor:
     """``(B, T, H)`` float64: each token's selection key, −inf for the sinks and padding (``pos`` ≤ ``sinks``;
     ``pos`` ``(B, T)``: position in its document from 1, padding 0), which are never cache candidates."""
-    keys = selection_keys(probe_scores(hidden_states, probe), pos)
-    return keys.masked_fill((pos <= sinks)[..., None], float("-inf"))
+    return score_keys(probe_scores(hidden_states, probe), pos, sinks)
+
+
+def score_keys(score: torch.Tensor, pos: torch.Tensor, sinks: int) -> torch.Tensor:
+    """:func:`token_keys` from the probe's ``score`` ``(B, T, H)``: :func:`selection_keys`, −inf where ``pos`` ≤ ``sinks``."""
+    return selection_keys(score, pos).masked_fill((pos <= sinks)[..., None], float("-inf"))
 
 
 def fresh_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_ok: torch.Tensor, token_key: torch.Tensor,
@@ -241,25 +245,28 @@ def cache_step_(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_o
     takes that one's slot when it was a kept token (an empty slot, −inf, goes first). A handful of kernels
     instead of a selection's sort, and no new buffers: what a captured decode step replays."""
     B, _, Hq, D = q.shape
-    C, H = past.key.shape[1:]
+    H = past.key.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    new_key = stream_keys(token_key, old_ok, window, past.win_key)  # (B, 1, H)
-    cand_key = torch.cat([past.key, new_key], 1)  # (B, C + 1, H)
-    drop = cand_key.argmin(1, keepdim=True)  # (B, 1, H)
-    kept = (torch.arange(C + 1, device=q.device)[None, :, None] != drop) & torch.isfinite(cand_key)
-    ck, cv = (torch.cat([a, b.to(a.dtype)], 1).to(acc) for a, b in ((past.k, old_k), (past.v, old_v)))
-    logits = torch.einsum("bhgd,bphd->bhgp", q[:, 0].to(acc).view(B, H, Hq // H, D), ck)
-    logits = logits.masked_fill(~kept.permute(0, 2, 1)[:, :, None, :], float("-inf"))
+    _offer_(past, old_k, old_v, stream_keys(token_key, old_ok, window, past.win_key))  # kept: the filled slots after it
+    logits = torch.einsum("bhgd,bphd->bhgp", q[:, 0].to(acc).view(B, H, Hq // H, D), past.k.to(acc))
+    logits = logits.masked_fill(~torch.isfinite(past.key).permute(0, 2, 1)[:, :, None, :], float("-inf"))
     lse = logits.logsumexp(-1)  # (B, H, G)
     p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
-    o = torch.einsum("bhgp,bphd->bhgd", p, cv).reshape(B, 1, Hq, D)
-    slot, take = drop.clamp_max(C - 1), drop < C  # (B, 1, H)
-    at = slot[..., None].expand(-1, -1, -1, D)
-    for buf, new in ((past.k, old_k), (past.v, old_v)):
-        buf.scatter_(1, at, torch.where(take[..., None], new.to(buf.dtype), buf.gather(1, at)))
-    past.key.scatter_(1, slot, torch.where(take, new_key, past.key.gather(1, slot)))
+    o = torch.einsum("bhgp,bphd->bhgd", p, past.v.to(acc)).reshape(B, 1, Hq, D)
     win_key = torch.cat([past.win_key, token_key.double()], 1)[:, -window:]
     return o, lse.reshape(B, 1, Hq), CacheBuffers(past.k, past.v, past.key, win_key)
+
+
+def _offer_(cache: CacheBuffers, k: torch.Tensor, v: torch.Tensor, key: torch.Tensor) -> None:
+    """In place: a candidate (``k``, ``v`` ``(B, 1, H, D)``, ``key`` ``(B, 1, H)``) takes the lowest-keyed slot (the
+    first of equals, so an empty one, −inf, goes first) when its key is at least that one's: the slots then hold
+    the best ``C`` of the ``C + 1``."""
+    slot = cache.key.argmin(1, keepdim=True)  # (B, 1, H)
+    take = key >= cache.key.gather(1, slot)
+    at = slot[..., None].expand(-1, -1, -1, cache.k.shape[-1])
+    for buf, x in ((cache.k, k), (cache.v, v)):
+        buf.scatter_(1, at, torch.where(take[..., None], x.to(buf.dtype), buf.gather(1, at)))
+    cache.key.scatter_(1, slot, torch.where(take, key, cache.key.gather(1, slot)))
 
 
 def cache_enter_(cache: CacheBuffers, win_k: torch.Tensor, win_v: torch.Tensor, win_pos: torch.Tensor,
@@ -269,14 +276,8 @@ def cache_enter_(cache: CacheBuffers, win_k: torch.Tensor, win_v: torch.Tensor, 
     says so) takes the lowest-keyed of the ``C`` slots when its key is at least that one's (an empty slot, −inf,
     goes first), and the new token's key ``token_key`` ``(B, H)`` enters the window's keys. The slots then hold
     what :func:`cache_step_` attends to: the step's exact part reads them as keys where their key is finite."""
-    D = cache.k.shape[-1]
-    new = cache.win_key[:, 0].masked_fill(~(win_pos[:, 0] > sinks)[:, None], float("-inf"))  # (B, H)
-    slot = cache.key.argmin(1, keepdim=True)  # (B, 1, H)
-    take = new[:, None] >= cache.key.gather(1, slot)
-    at = slot[..., None].expand(-1, -1, -1, D)
-    for buf, x in ((cache.k, win_k), (cache.v, win_v)):
-        buf.scatter_(1, at, torch.where(take[..., None], x[:, :1].to(buf.dtype), buf.gather(1, at)))
-    cache.key.scatter_(1, slot, torch.where(take, new[:, None], cache.key.gather(1, slot)))
+    new = cache.win_key[:, :1].masked_fill(~(win_pos[:, :1] > sinks)[..., None], float("-inf"))  # (B, 1, H)
+    _offer_(cache, win_k[:, :1], win_v[:, :1], new)
     cache.win_key.copy_(torch.cat([cache.win_key[:, 1:], token_key.double()[:, None]], 1))
 
 

@@ -44,7 +44,7 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
-from .sparse_cache import CacheBuffers, cache_enter_, selection_keys
+from .sparse_cache import CacheBuffers, cache_enter_, score_keys
 from .window_inputs import WindowBuffers
 
 
@@ -183,7 +183,7 @@ def sink_window_gdn_step_(
             return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
                         beta_max, window, sinks, decays=decays, eps=eps, cache=cache, token_score=token_score)
         pos = buffers.count[:, None] + 1
-        key = selection_keys(token_score[:, None], pos)[:, 0].masked_fill(pos <= sinks, float("-inf"))
+        key = score_keys(token_score[:, None], pos, sinks)[:, 0]
         cache_enter_(cache, buffers.win_k, buffers.win_v, buffers.win_pos, key, sinks)
     return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, beta_max,
                 window, sinks, decays=decays, eps=eps, cache=cache)

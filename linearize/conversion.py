@@ -122,6 +122,20 @@ def fit_cache_probes(model, blocks: dict, tokenizer=None, calibration_ids: torch
             blocks[i].fit_cache_probe(cap.hidden_states, cap.position_embeddings)
 
 
+def refit_cache_probes(model, tokenizer=None, calibration_ids: torch.Tensor | None = None) -> int:
+    """Fit the sparse-cache probe of every converted block of ``model`` again (:func:`fit_cache_probes`), now on the
+    model's own hidden states and its blocks' own q/k — after training moved both away from the teacher's the
+    probes were fitted on at conversion; the text as there (``calibration_ids`` without a tokenizer). Returns the
+    blocks refitted (0: the model has no sparse cache)."""
+    from .eval import attention_modules
+
+    blocks = {i: m for i, m in enumerate(attention_modules(model))
+              if getattr(getattr(m, "options", None), "sparse_cache", 0)}
+    if blocks:
+        fit_cache_probes(model, blocks, tokenizer, calibration_ids)
+    return len(blocks)
+
+
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:
     return {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
 

@@ -415,3 +415,23 @@ def test_decode_through_the_kernel_equals_full_forward():
         inc, cache = incremental_logits(model, x, mask, pos, prefill=3)
     assert (inc - full).abs().max() < 1e-4
     assert torch.isfinite(cache.layers[0].cache_buffers.key).all()
+
+
+def test_refit_probes_on_the_converted_model():
+    """``refit_cache_probes`` fits each probe on the model it serves: layer 0's input and q/k are the teacher's in
+    the converted model too, so its refitted probe is the one conversion fitted; later layers read converted
+    layers' outputs, so theirs move."""
+    from linearize.conversion import refit_cache_probes
+
+    teacher = tiny_model("llama")
+    c = calib(teacher)
+    model = linearize.convert(teacher, calibration_ids=c, options=GDNOptions(window=4, sinks=2, sparse_cache=3))
+    blocks = [layer.self_attn for layer in model.model.layers]
+    fitted = [b.cache_probe.clone() for b in blocks]
+    for b in blocks:
+        b.cache_probe.zero_()
+    assert refit_cache_probes(model, calibration_ids=c) == len(blocks)
+    assert torch.allclose(blocks[0].cache_probe, fitted[0], rtol=1e-5, atol=1e-6)
+    assert max((b.cache_probe - f).abs().max().item() for b, f in zip(blocks[1:], fitted[1:])) > 1e-4
+    assert refit_cache_probes(linearize.convert(tiny_model("llama"), calibration_ids=c, options=GDNOptions(window=4)),
+                              calibration_ids=c) == 0

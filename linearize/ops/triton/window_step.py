@@ -34,8 +34,14 @@ Race-free in place:
   counter (the pure step's, ``ops/triton/decode.py``) when it is, and the last one writes those (shifting
   ``win_pos`` the same way) and resets the counter to 0 for the next launch.
 
-The kernel allocates nothing but its output, reads nothing back to the host and branches on no value on
-the host, so a CUDA graph can capture it.
+With a sparse cache the cache's slots are a second kernel's (flash-decoding): ``(sequence, KV head, split)``
+programs each fold ``_CACHE_SPLIT`` slots into a partial softmax — at batch 1 a layer's 256 slots are 8
+programs per KV head, not one walking them all — and the head's last program to finish (a ticket per
+sequence and KV head, acquire/release) joins them with the step kernel's partial (new token, window, sinks)
+and mixes. The step kernel makes the offer first, so the second reads the cache as the step leaves it.
+
+The kernels allocate nothing but their output and partials, read nothing back to the host and branch on no
+value on the host, so a CUDA graph can capture them.
 """
 
 from __future__ import annotations
@@ -51,13 +57,14 @@ from .decode import _tickets, check_shapes
 
 @triton.jit
 def _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc):
-    """Fold one block of keys ``[BW, BD]`` (``ok``: which are keys) into the running max ``m_run [BG]``, sum
-    ``l_run [BG]`` and unnormalized output ``acc [BG, BD]`` of the G query heads ``b_q [BG, BD]``."""
+    """Fold one block of keys ``[BW, BD]`` (``ok``: which are keys) into the running max ``m_run [BG]`` (−inf:
+    none yet), sum ``l_run [BG]`` and unnormalized output ``acc [BG, BD]`` of the G query heads ``b_q [BG, BD]``."""
     s = tl.sum(b_q[:, None, :] * b_kb[None, :, :], axis=2)  # (BG, BW)
     s = tl.where(ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_run, tl.max(s, axis=1))  # finite: m_run starts at the new token's score
-    p = tl.exp(s - m_new[:, None])
-    rescale = tl.exp(m_run - m_new)
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))
+    m_sub = tl.where(m_new > float("-inf"), m_new, 0.0)  # −inf while no key is seen (a cache split's start)
+    p = tl.exp(s - m_sub[:, None])
+    rescale = tl.exp(m_run - m_sub)
     l_run = l_run * rescale + tl.sum(p, axis=1)
     acc = acc * rescale[:, None] + tl.sum(p[:, :, None] * b_vb[None, :, :], axis=1)
     return m_new, l_run, acc
@@ -67,10 +74,10 @@ def _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc):
 def _sink_window_gdn_step_kernel(
     q, k, v, sink_k, sink_v, sink_index, win_k, win_v, win_pos, tokens, rows,
     state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, o, tickets, beta_max, eps,
-    cache_k, cache_v, cache_key, win_key, token_score,
+    cache_k, cache_v, cache_key, win_key, token_score, part_m, part_l, part_acc, part_z, NP,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BG: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    DECAYS: tl.constexpr, C: tl.constexpr, BC: tl.constexpr, BM: tl.constexpr, TIE: tl.constexpr,
+    DECAYS: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, TIE: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -205,17 +212,6 @@ def _sink_window_gdn_step_kernel(
         b_kb = tl.load(sink_k + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         b_vb = tl.load(sink_v + p_kv, mask=m_kv, other=0.0).to(tl.float32)
         m_run, l_run, acc = _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc)
-    # the sparse cache's slots that hold a token (a finite key), the old token's offer taken above
-    o_c = tl.arange(0, BC)
-    for j0 in range(0, C, BC):
-        j = j0 + o_c
-        m_j = j < C
-        p_key = (i_n64 * C + j.to(tl.int64)) * H + i_h
-        ok = m_j & (tl.load(cache_key + p_key, mask=m_j, other=float("-inf")) > float("-inf"))
-        m_kv = ok[:, None] & m_d[None, :]
-        b_kb = tl.load(cache_k + p_key[:, None] * D + o_d[None, :], mask=m_kv, other=0.0).to(tl.float32)
-        b_vb = tl.load(cache_v + p_key[:, None] * D + o_d[None, :], mask=m_kv, other=0.0).to(tl.float32)
-        m_run, l_run, acc = _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc)
     # the new token becomes sink c while there are fewer than S (never a key of this step: it is in the window)
     fill = (c < S) & (tl.load(sink_index + i_n64 * S + c, mask=c < S, other=0) < 0)
     p_sink = ((i_n64 * S + c) * H + i_h) * D + o_d
@@ -227,11 +223,17 @@ def _sink_window_gdn_step_kernel(
     lse = m_run + tl.log(l_run)
     log_z = tl.log(t_safe) + tl.sum(b_q * b_kmean[None, :], axis=1)
     log_z += tl.load(mix_bias + i_h * G + o_g, mask=m_g, other=0.0).to(tl.float32)
-    w = tl.where(t > 0.0, 1.0 / (1.0 + tl.exp(log_z - lse)), 1.0)[:, None]
-    tl.debug_barrier()  # o_O was stored by other threads
-    b_o = w * (acc / l_run[:, None]) + (1.0 - w) * tl.load(p_o, mask=m_o, other=0.0)
-    tl.debug_barrier()  # and is read by all before any overwrites it
-    tl.store(p_o, b_o, mask=m_o)
+    if C > 0:  # the cache's slots come in the next kernel, which mixes: this part's softmax and log Z handed on
+        tl.store(part_m + row_q * NP, m_run, mask=m_g)
+        tl.store(part_l + row_q * NP, l_run, mask=m_g)
+        tl.store(part_acc + row_q[:, None] * (NP * D) + o_d[None, :], acc, mask=m_o)
+        tl.store(part_z + row_q, tl.where(t > 0.0, log_z, float("-inf")), mask=m_g)
+    else:
+        w = tl.where(t > 0.0, 1.0 / (1.0 + tl.exp(log_z - lse)), 1.0)[:, None]
+        tl.debug_barrier()  # o_O was stored by other threads
+        b_o = w * (acc / l_run[:, None]) + (1.0 - w) * tl.load(p_o, mask=m_o, other=0.0)
+        tl.debug_barrier()  # and is read by all before any overwrites it
+        tl.store(p_o, b_o, mask=m_o)
 
     # what every head of the sequence read: moved on by its last program
     tl.debug_barrier()
@@ -251,6 +253,66 @@ def _sink_window_gdn_step_kernel(
         tl.store(rows + i_n64, r + 1)
         tl.store(count + i_n64, t)
         tl.atomic_xchg(tickets + i_n64, 0)
+
+
+@triton.jit
+def _cache_softmax_mix_kernel(
+    q, cache_k, cache_v, cache_key, o, part_m, part_l, part_acc, part_z, tickets, NP,
+    H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, C: tl.constexpr, CS: tl.constexpr, BG: tl.constexpr,
+    BD: tl.constexpr, BC: tl.constexpr,
+):
+    """The sparse cache's slots ``[i·CS, (i+1)·CS)`` of a KV head (program ``(n·H + h, i)``), the offer taken:
+    their softmax for the G query heads into partial ``i + 1`` (partial 0: the step kernel's new token, window
+    and sinks). The head's last program to finish joins the ``NP`` partials (flash-decoding) and mixes:
+    ``o = w o_E + (1 − w) o_O``, ``o_O`` read from ``o``, ``w = σ(lse − log Z)``."""
+    i_nh, i_sp = tl.program_id(0), tl.program_id(1)
+    i_n64, i_nh64 = (i_nh // H).to(tl.int64), i_nh.to(tl.int64)
+    i_h = i_nh % H
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    o_g = tl.arange(0, BG)
+    m_g = o_g < G
+    row_q = i_nh64 * G + o_g
+    m_o = m_g[:, None] & m_d[None, :]
+    b_q = tl.load(q + row_q[:, None] * D + o_d[None, :], mask=m_o, other=0.0).to(tl.float32)
+    m_run = tl.full((BG,), float("-inf"), tl.float32)
+    l_run = tl.zeros((BG,), tl.float32)
+    acc = tl.zeros((BG, BD), tl.float32)
+    o_c = tl.arange(0, BC)
+    for j0 in range(i_sp * CS, i_sp * CS + CS, BC):  # the slots that hold a token (a finite key)
+        j = j0 + o_c
+        m_j = (j < C) & (j < i_sp * CS + CS)
+        p_key = (i_n64 * C + j.to(tl.int64)) * H + i_h
+        ok = m_j & (tl.load(cache_key + p_key, mask=m_j, other=float("-inf")) > float("-inf"))
+        m_kv = ok[:, None] & m_d[None, :]
+        b_kb = tl.load(cache_k + p_key[:, None] * D + o_d[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        b_vb = tl.load(cache_v + p_key[:, None] * D + o_d[None, :], mask=m_kv, other=0.0).to(tl.float32)
+        m_run, l_run, acc = _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc)
+    part = 1 + i_sp
+    tl.store(part_m + row_q * NP + part, m_run, mask=m_g)
+    tl.store(part_l + row_q * NP + part, l_run, mask=m_g)
+    tl.store(part_acc + (row_q[:, None] * NP + part) * D + o_d[None, :], acc, mask=m_o)
+    tl.debug_barrier()  # every thread's partial stored before the ticket (acq_rel) publishes it
+    ticket = tl.atomic_add(tickets + i_nh64, 1)
+    if ticket == NP - 2:  # the last of the NP − 1 splits: join them all
+        tl.debug_barrier()
+        m_all = tl.full((BG,), float("-inf"), tl.float32)
+        for i in range(NP):  # partial 0 is finite (the new token's score), so m_all is
+            m_all = tl.maximum(m_all, tl.load(part_m + row_q * NP + i, mask=m_g, other=float("-inf"), cache_modifier=".cg"))
+        l_all = tl.zeros((BG,), tl.float32)
+        acc_all = tl.zeros((BG, BD), tl.float32)
+        for i in range(NP):
+            f = tl.exp(tl.load(part_m + row_q * NP + i, mask=m_g, other=float("-inf"), cache_modifier=".cg") - m_all)
+            l_all += f * tl.load(part_l + row_q * NP + i, mask=m_g, other=0.0, cache_modifier=".cg")
+            acc_all += f[:, None] * tl.load(part_acc + (row_q[:, None] * NP + i) * D + o_d[None, :], mask=m_o,
+                                            other=0.0, cache_modifier=".cg")
+        lse = m_all + tl.log(l_all)
+        log_z = tl.load(part_z + row_q, mask=m_g, other=0.0)
+        w = (1.0 / (1.0 + tl.exp(log_z - lse)))[:, None]  # log Z = −inf (no old token yet): w = 1
+        p_o = o + row_q[:, None] * D + o_d[None, :]
+        b_o = w * (acc_all / l_all[:, None]) + (1.0 - w) * tl.load(p_o, mask=m_o, other=0.0)
+        tl.store(p_o, b_o, mask=m_o)
+        tl.atomic_xchg(tickets + i_nh64, 0)
 
 
 def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks, cache):
@@ -284,6 +346,11 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
             raise ValueError(f"{name} is updated in place by the kernel: it must be contiguous fp16/bf16/fp32")
 
 
+# cache slots per program of the cache's kernel: at batch 1 a layer's 256 slots are 8 programs per KV head instead of
+# one walking them all (flash-decoding)
+_CACHE_SPLIT = 32
+
+
 def _blocks(G: int, D: int, W: int, S: int, C: int) -> dict[str, int]:
     """Block sizes: a block of keys (``BW`` window slots, ``BS`` sinks, ``BC`` cache slots) times the G query heads
     times D kept to 4096 products per program (32 fp32 registers a thread at 4 warps), a state tile of ``D × BV``
@@ -291,7 +358,7 @@ def _blocks(G: int, D: int, W: int, S: int, C: int) -> dict[str, int]:
     BG, BD = next_pow2(G), next_pow2(D)
     keys = max(2, 4096 // (BG * BD))
     return dict(BG=BG, BD=BD, BW=min(keys, max(2, next_pow2(W))), BS=min(keys, max(2, next_pow2(max(S, 1)))),
-                BC=min(keys, max(2, next_pow2(max(C, 1)))), BM=min(1024, max(2, next_pow2(max(C, 1)))),
+                BC=min(keys, _CACHE_SPLIT, max(2, next_pow2(max(C, 1)))), BM=min(1024, max(2, next_pow2(max(C, 1)))),
                 BV=max(16, min(BD, 4096 // BD)), BP=min(1024, max(2, next_pow2(W))))
 
 
@@ -310,11 +377,24 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
     C = 0 if cache is None else cache.key.shape[1]
     ck, cv, ckey, wkey = (b.sink_k, b.sink_v, b.sink_index, b.sink_index) if cache is None else cache.tensors()
     score = mix_bias if token_score is None else token_score.float().contiguous()
+    tickets = _tickets(q.device, N * H)  # per sequence here, per (sequence, KV head) in the cache's kernel
+    blocks = _blocks(Hq // H, D, window, sinks, C)
+    BC = blocks.pop("BC")
+    splits = triton.cdiv(C, _CACHE_SPLIT)
+    NP = splits + 1  # the partial softmaxes the cache's kernel joins: the step kernel's, then one per split
+    part_m, part_l, part_z = (torch.empty(N * Hq, NP if i < 2 else 1, dtype=torch.float32, device=q.device)
+                              for i in range(3)) if C else (o, o, o)
+    part_acc = torch.empty(N * Hq, NP, D, dtype=torch.float32, device=q.device) if C else o
     _sink_window_gdn_step_kernel[(N * H,)](
         q, k, v, b.sink_k, b.sink_v, b.sink_index, b.win_k, b.win_v, b.win_pos, b.count, b.rows,
         state, sum_k, sum_v, count, rho.contiguous(), beta_factor.contiguous(), gate_factor.contiguous(),
-        mix_bias.contiguous(), o, _tickets(q.device, N), float(beta_max), float(eps), ck, cv, ckey, wkey, score,
-        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, TIE=_TIE, num_warps=4,
-        **_blocks(Hq // H, D, window, sinks, C),
+        mix_bias.contiguous(), o, tickets, float(beta_max), float(eps), ck, cv, ckey, wkey, score,
+        part_m, part_l, part_acc, part_z, NP,
+        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, TIE=_TIE, num_warps=4, **blocks,
     )
+    if C:
+        _cache_softmax_mix_kernel[(N * H, splits)](
+            q, ck, cv, ckey, o, part_m, part_l, part_acc, part_z, tickets, NP,
+            H=H, G=Hq // H, D=D, C=C, CS=_CACHE_SPLIT, BG=blocks["BG"], BD=blocks["BD"], BC=BC, num_warps=4,
+        )
     return o

@@ -318,13 +318,13 @@ def test_decode_step_equals_the_selection_and_updates_in_place():
     assert torch.isfinite(b.key).all() and [x.data_ptr() for x in b.tensors()[:3]] == tensors
 
 
-def random_cache(N, H, D, W, C, win_pos, S, dtype, seed):
-    """Cache slots of ``dtype`` with float64 keys, some slots empty (−inf); the window's keys −inf where its slot
-    holds padding or a sink (as token_keys leaves them)."""
+def random_cache(N, H, D, W, C, win_pos, S, dtype, seed, empty=0.3):
+    """Cache slots of ``dtype`` with float64 keys, a share ``empty`` of the slots empty (−inf); the window's keys
+    −inf where its slot holds padding or a sink (as token_keys leaves them)."""
     from linearize.ops.sparse_cache import CacheBuffers
 
     g = torch.Generator().manual_seed(seed)
-    key = torch.randn(N, C, H, generator=g, dtype=f64).masked_fill(torch.rand(N, C, H, generator=g) < 0.3, -math.inf)
+    key = torch.randn(N, C, H, generator=g, dtype=f64).masked_fill(torch.rand(N, C, H, generator=g) < empty, -math.inf)
     win_key = torch.randn(N, W, H, generator=g, dtype=f64).masked_fill((win_pos <= S)[..., None], -math.inf)
     k, v = (torch.randn(N, C, H, D, generator=g).to(dtype) for _ in range(2))
     return CacheBuffers(k, v, key, win_key), torch.randn(N, H, generator=g)
@@ -332,11 +332,12 @@ def random_cache(N, H, D, W, C, win_pos, S, dtype, seed):
 
 @pytest.mark.parametrize("case", [(2, 2, 2, 16, 4, 2, [3, 40], [0, 2], 5), (3, 3, 3, 64, 64, 4, [1, 70, 400], [5, 0, 2], 40),
                                   (1, 1, 4, 40, 5, 3, [30], [1], 7), (2, 1, 2, 16, 3, 2, [0, 1], [0, 1], 2),
-                                  (1, 1, 1, 16, 3, 1, [20], [0], 1030)])  # the lowest key sought in two blocks
+                                  (1, 1, 1, 16, 3, 1, [20], [0], 1030),  # the lowest key sought in two blocks
+                                  (2, 2, 2, 16, 4, 2, [50, 9], [0, 1], 100, 0.97)])  # splits of the cache all empty
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
-    """The decode-step kernel with a sparse cache (TRITON_INTERPRET=1) — the old token offered to the cache and the
-    new one keyed inside it — against the PyTorch body after ``cache_enter_``, in float64 on the same rounded
+    """The decode-step kernels with a sparse cache (TRITON_INTERPRET=1) — the old token offered to the cache and the
+    new one keyed inside it, the slots' softmax split 32 at a time and joined — against the PyTorch body after ``cache_enter_``, in float64 on the same rounded
     inputs, step after step past the window (the kernel's own keys offered in turn; rows filling their sinks):
     the output, the states, every buffer and the cache's slots."""
     from test_window_step import ARGS, BETA_MAX, cast, named, random_step, rel
@@ -344,9 +345,9 @@ def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
     from linearize.ops.sparse_cache import CacheBuffers
     from linearize.ops.window_step import sink_window_gdn_step_
 
-    N, H, G, D, W, S, counts, pads, C = case
+    N, H, G, D, W, S, counts, pads, C, *empty = case
     x = cast(random_step(N, H, G, D, W, S, counts, pads, seed=D + C), dtype)
-    cache, score = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, dtype, seed=C)
+    cache, score = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, dtype, seed=C, empty=(empty or [0.3])[0])
     for _ in range(min(W + 3, 8)):
         y, ycache = cast(x, f64, f64), CacheBuffers(*(t.double().clone() for t in cache.tensors()))
         want = sink_window_gdn_step_(*(y[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=ycache,

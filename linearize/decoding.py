@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
 import time
 import warnings
 from dataclasses import dataclass
@@ -290,7 +291,7 @@ class Decoder:
                 for _ in range(2):
                     self._body(cache, ids_buf, pos_buf, logits_buf, kv=kv)
             torch.cuda.current_stream(dev).wait_stream(stream)
-            with torch.cuda.graph(graph):
+            with collector_paused(), torch.cuda.graph(graph):
                 self._body(cache, ids_buf, pos_buf, logits_buf, kv=kv)
         for layer, n in zip(counted, seen):
             layer.seen = n
@@ -304,6 +305,22 @@ class Decoder:
                 layer.seen += 1
 
         return ids_buf, pos_buf, logits_buf, run
+
+
+@contextlib.contextmanager
+def collector_paused():
+    """Python's garbage collector run, then off until the block ends. A collection inside a capture that frees
+    an earlier CUDA graph — a dropped model's decoder keeps its graphs in a reference cycle (``model_decoder``)
+    — invalidates the capture (cudaErrorStreamCaptureInvalidated); torch collects before a capture only under
+    ``TORCH_CUDAGRAPH_GC``."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

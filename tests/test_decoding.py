@@ -79,6 +79,35 @@ def test_fused_decode_steps_equal_the_composed_ops(case):
     assert torch.allclose(fused[keep], composed[keep], rtol=1e-10, atol=1e-10)
 
 
+def test_capture_runs_with_the_collector_collected_and_off():
+    """A dropped model with a decoder (``generate()`` attaches one) is a reference cycle that only the collector
+    frees; ``collector_paused``, around the graph's capture, frees it first and keeps the collector from running
+    (and freeing an earlier graph) inside, then puts it back as it was."""
+    import gc
+    import weakref
+
+    from linearize.decoding import collector_paused
+
+    class Held:  # a model and what points back at it
+        pass
+
+    a = Held()
+    a.me = a
+    gone = weakref.ref(a)
+    del a
+    gc.enable()
+    with collector_paused():
+        assert gone() is None and not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
 def test_sampling_equals_transformers_generate():
     """Same seed, same random draws: temperature, top-k and top-p applied as transformers applies them."""
     model = converted(window=4, sinks=2)

@@ -259,6 +259,8 @@ def generate(
                                             "length, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), e.g. yarn:4:2048."),
     rope_scaling_layers: str = typer.Option("softmax", "--rope-scaling-layers", help="softmax: only the layers a "
                                             "hybrid kept softmax (the converted ones keep their RoPE); or all."),
+    sparse_cache: int | None = typer.Option(None, "--sparse-cache", help="Slots of the sparse cache per KV head, in "
+                                            "place of the trained ones (more find more far back)."),
 ):
     """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 
@@ -268,7 +270,7 @@ def generate(
         prompts = read_prompts(prompt, batch_file)
         checks.positive(max_new_tokens, "--max-new-tokens", 1)
         sampling = sampling_of(temperature, top_k, top_p)
-        lm, tok = load_for_generation(model, device, rope_scaling, rope_scaling_layers, debug=DEBUG)
+        lm, tok = load_for_generation(model, device, rope_scaling, rope_scaling_layers, DEBUG, sparse_cache)
         out = generate_texts(lm, tok, prompts, max_new_tokens, chat=chat, sampling=sampling, seed=seed)
         for i, text in enumerate(out.texts):
             if len(out.texts) > 1:

@@ -13,9 +13,10 @@ from .decoding import Decoder, Sampling
 
 
 def load_for_generation(model: Path, device: str | None, rope: str | None = None, rope_layers: str = "softmax",
-                        debug: bool = False):
+                        debug: bool = False, sparse_cache: int | None = None):
     """``(lm, tok)``: the converted model directory ``model`` on ``device`` (bf16 on CUDA, float32 on the CPU),
-    with the RoPE scaling ``rope`` on ``rope_layers`` (:func:`linearize.models.rope.rope_scaling`) if given."""
+    with the RoPE scaling ``rope`` on ``rope_layers`` (:func:`linearize.models.rope.rope_scaling`) if given, and
+    its sparse cache resized to ``sparse_cache`` slots (:func:`linearize.layers.options.resize_sparse_cache`)."""
     from transformers import AutoTokenizer
 
     from . import checks
@@ -25,6 +26,8 @@ def load_for_generation(model: Path, device: str | None, rope: str | None = None
     if rope:
         parse_rope_scaling(rope)
         check_layers(rope_layers)
+    if sparse_cache is not None and not 1 <= sparse_cache <= 65536:
+        raise UserError(f"--sparse-cache must be from 1 to 65536 slots; got {sparse_cache}")
     if not (model / "config.json").is_file():
         raise UserError(f"{model} is not a converted model directory (no config.json); make one with linearize convert")
     checks.inspect_model(str(model))
@@ -34,6 +37,11 @@ def load_for_generation(model: Path, device: str | None, rope: str | None = None
     tok = checks.loaded(str(model), debug=debug, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
     if rope:
         rope_scaling(lm, rope, rope_layers)
+    if sparse_cache is not None:
+        from .layers.options import resize_sparse_cache
+
+        if not resize_sparse_cache(lm, sparse_cache):
+            raise UserError(f"--sparse-cache: {model} has no sparse cache to resize; convert it with --sparse-cache C")
     return lm, tok
 
 

@@ -370,9 +370,9 @@ def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
 def test_resized_cache_equals_a_model_converted_with_that_size(tmp_path, tiny_dir):
     """``resize_sparse_cache``: the probe does not depend on the size, so a model converted with 3 slots and
     resized to 9 computes what one converted with 9 does (same calibration), and differs from its own 3-slot
-    output past window + sinks + 3; ``linearize eval --sparse-cache`` resizes the model it measures and refuses,
-    in one line, a model without a cache or a size below 1."""
-    from test_cli import run
+    output past window + sinks + 3; ``linearize eval --sparse-cache`` (and ``generate``) resizes the model it
+    measures and refuses, in one line, a model without a cache or a size below 1."""
+    from test_cli import assert_one_line_error, run
 
     from linearize.layers.options import resize_sparse_cache
 
@@ -401,6 +401,11 @@ def test_resized_cache_equals_a_model_converted_with_that_size(tmp_path, tiny_di
     assert code == 2 and "no sparse cache" in text and not (tmp_path / "p.json").exists()
     code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 0)
     assert code == 2 and "--sparse-cache must be at least 1" in text
+    gen = ("generate", "-n", 4, "--device", "cpu", "Hello")  # linearize generate resizes the same way
+    code, text = run(*gen, "--model", tmp_path / "m", "--sparse-cache", 40)
+    assert code == 0, text
+    for name, size, why in (("plain", 40, "no sparse cache"), ("m", 0, "from 1 to 65536")):
+        assert_one_line_error(*run(*gen, "--model", tmp_path / name, "--sparse-cache", size), why)
     code, text = run("eval", "-m", tmp_path / "m", *common, "--sparse-cache", 70000)
     assert code == 2 and "at most 65536" in text
 

@@ -414,3 +414,19 @@ def test_triton_step_in_a_cuda_graph(compiled, dtype):
             assert torch.equal(graphed[n], eager[n]), n
         for (name, a), b in zip(named(graphed["buffers"]).items(), eager["buffers"].tensors()):
             assert torch.equal(a, b), name
+
+
+def test_outgrown_ticket_counters_stay_allocated():
+    """The step kernels' ticket counters grow with the batch; the ones a larger batch replaces stay allocated,
+    because a CUDA graph captured at the smaller batch still counts on them when it replays."""
+    import weakref
+
+    from linearize.ops.triton import decode
+
+    dev = torch.device("cpu")
+    small = decode._tickets(dev, 8)
+    old, ptr = weakref.ref(small), small.data_ptr()
+    del small
+    big = decode._tickets(dev, decode._tickets(dev, 8).numel() + 1)
+    assert big.numel() > 8 and big.data_ptr() != ptr and not big.any()
+    assert old() is not None and old().data_ptr() == ptr

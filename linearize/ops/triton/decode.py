@@ -106,14 +106,17 @@ def _taylor_gdn_step_kernel(
 
 
 _TICKETS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []  # replaced counters stay allocated: a CUDA graph captured on them replays them
 
 
 def _tickets(device: torch.device, N: int) -> torch.Tensor:
-    """The per-sequence ticket counters, zero between launches (each launch's last programs reset theirs).
-    Kept per device and reused, so a captured step allocates nothing; launches on several streams at once
-    must not share them."""
+    """At least ``N`` ticket counters (per sequence, or per sequence and KV head), zero between launches (each
+    launch's last programs reset theirs). Kept per device and reused, so a captured step allocates nothing;
+    launches on several streams at once must not share them."""
     buf = _TICKETS.get(device)
     if buf is None or buf.numel() < N:
+        if buf is not None:
+            _OUTGROWN.append(buf)
         buf = _TICKETS[device] = torch.zeros(max(N, 64), dtype=torch.int32, device=device)
     return buf
 

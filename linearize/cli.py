@@ -257,10 +257,8 @@ def generate(
     device: str | None = typer.Option(None, "--device", help="cuda (bfloat16) or cpu (float32); default cuda if there is one."),
     rope_scaling: str | None = typer.Option(None, "--rope-scaling", help="RoPE scaling for prompts past the trained "
                                             "length, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), e.g. yarn:4:2048."),
-    rope_scaling_layers: str = typer.Option("softmax", "--rope-scaling-layers", help="softmax: only the layers a "
-                                            "hybrid kept softmax (the converted ones keep their RoPE); or all."),
-    sparse_cache: int | None = typer.Option(None, "--sparse-cache", help="Slots of the sparse cache per KV head, in "
-                                            "place of the trained ones (more find more far back)."),
+    rope_scaling_layers: str = typer.Option("softmax", "--rope-scaling-layers", help="softmax: a hybrid's kept ones; all."),
+    sparse_cache: int | None = typer.Option(None, "--sparse-cache", help="Sparse cache slots per KV head (not the trained)."),
 ):
     """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 

@@ -37,8 +37,7 @@ from .layers.step_projection import refresh as refresh_stacked
 
 @dataclass
 class Timing:
-    """Of the last ``generate``: seconds of the prefill, of the decode loop (capture included) and of the
-    capture alone, and the decode steps run."""
+    """Of the last ``generate``: seconds of prefill, decode loop (capture included) and capture; steps run."""
 
     prefill_s: float = 0.0
     decode_s: float = 0.0
@@ -48,9 +47,8 @@ class Timing:
 
 
 def graph_generate(model, inputs: torch.Tensor | None, kwargs: dict) -> torch.Tensor | None:
-    """What a converted model's ``generate()`` returns through the CUDA-graph decoder — on CUDA, when the
-    step has fixed shapes (:func:`graphable`) and the call is plain (:func:`plain_generate_kwargs`) — or
-    None: then transformers' own."""
+    """What a converted model's ``generate()`` returns through the CUDA-graph decoder — on CUDA, when the step has
+    fixed shapes (:func:`graphable`) and the call is plain (:func:`plain_generate_kwargs`) — or None (transformers')."""
     ids = inputs if inputs is not None else kwargs.get("input_ids")
     rest = {k: v for k, v in kwargs.items() if k != "input_ids"}
     if not (torch.is_tensor(ids) and ids.dim() == 2 and ids.is_cuda and graphable(model)):
@@ -88,17 +86,14 @@ def all_gdn(model) -> bool:
 def graphable(model) -> bool:
     """Whether the decode step of ``model`` has fixed shapes (what a CUDA graph records): every layer GDN, or
     softmax layers of full (not sliding-window) attention through SDPA or eager attention, whose keys and
-    values then sit in fixed-size buffers (:class:`~linearize.layers.cache.StaticKVLayer`). A block's sparse
-    cache is fixed-size too: a step selects and evicts on the device (:func:`linearize.ops.sparse_cache.cached_cache`)."""
+    values then sit in fixed-size buffers (:class:`~linearize.layers.cache.StaticKVLayer`); a sparse cache is fixed-size."""
     if all_gdn(model):
         return True
     cfg = model.config
     softmax = (getattr(cfg, "linearize", None) or {}).get("softmax_layers") or []
     types = getattr(cfg, "layer_types", None)
-    if types is not None:
-        sliding = any(types[i] != "full_attention" for i in softmax)
-    else:
-        sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+    sliding = (any(types[i] != "full_attention" for i in softmax) if types is not None
+               else getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True))
     return bool(softmax) and not sliding and getattr(cfg, "_attn_implementation", None) in ("sdpa", "eager")
 
 
@@ -309,18 +304,16 @@ class Decoder:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's garbage collector run, then off until the block ends. A collection inside a capture that frees
-    an earlier CUDA graph — a dropped model's decoder keeps its graphs in a reference cycle (``model_decoder``)
-    — invalidates the capture (cudaErrorStreamCaptureInvalidated); torch collects before a capture only under
-    ``TORCH_CUDAGRAPH_GC``."""
+    """Python's garbage collector run, then off for the block: a collection inside a capture that frees an earlier
+    CUDA graph (a dropped model's decoder keeps its graphs in a reference cycle, :func:`model_decoder`) invalidates
+    the capture (cudaErrorStreamCaptureInvalidated); torch collects first only under ``TORCH_CUDAGRAPH_GC``."""
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        enabled and gc.enable()
 
 
 @contextlib.contextmanager

@@ -9,7 +9,12 @@ probes are fitted as ``linearize convert`` fits them (8,192 built-in tokens, the
 layers with the strongest retrieval heads, and on passkey prompts (``linearize.quality.passkey``) of each length
 and depth the rank of the key's first token among the older tokens at the prompt's end is printed per layer and
 KV head (0 = the best scored; the key is in a cache of C when its rank is below C). At the teacher's own hidden
-states: a lower bound on what the converted model sees. Writes JSON.
+states: a lower bound on what the converted model sees. With ``--converted DIR`` (a converted or trained model
+with a sparse cache) the ranks are that model's own: its probes (``cache_probe``) on its own hidden states — what
+its cache holds at the prompt's end. Beside each rank, how many distinct token ids the tokens ranked above the
+key are (a filler repeated hundreds of times fills a cache with copies of a few tokens). Writes JSON.
+
+    python scripts/sparse_cache_key_rank.py --converted runs/…/model --lengths 4096 8192 --output …
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def main():
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--probe-rows", type=int, default=None, help="rows of probe text (default: convert's)")
     p.add_argument("--probe-tokens", type=int, default=None, help="tokens per row (default: convert's)")
+    p.add_argument("--converted", type=Path, default=None, help="a converted model directory with a sparse cache: "
+                   "its own probes and hidden states (default: the teacher's, probes fitted here)")
     p.add_argument("--output", type=Path, required=True)
     args = p.parse_args()
 
@@ -41,17 +48,33 @@ def main():
     from linearize.ops.sparse_cache import far_attention, fit_probe, probe_scores, selection_keys
     from linearize.quality.passkey import keys, make_prompt
 
-    teacher, tok = load_teacher(args.model)
-    mods = attention_modules(teacher)
-    rows_, tokens_ = probe_shape(teacher.config)
-    rows_, tokens_ = args.probe_rows or rows_, args.probe_tokens or tokens_
-    caps = capture_attention(teacher, text_ids(tok, tokens_, "train", batch=rows_), args.layers, stop_early=True)
-    probes = {}
-    with torch.no_grad():
-        for i in args.layers:
-            q, k, _ = project_qkv(mods[i], caps[i].hidden_states, caps[i].position_embeddings)
-            probes[i] = fit_probe(caps[i].hidden_states, far_attention(q.double() * mods[i].scaling, k, args.window))
-    del caps
+    if args.converted is not None:  # the model's own probes, on its own hidden states below
+        from transformers import AutoTokenizer
+
+        from linearize.saving import load
+
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        teacher = load(args.converted).to(dev)
+        tok = AutoTokenizer.from_pretrained(args.converted)
+        mods = attention_modules(teacher)
+        if not all(getattr(getattr(mods[i], "options", None), "sparse_cache", 0) for i in args.layers):
+            raise SystemExit(f"error: {args.converted} has no sparse cache on layers {args.layers}")
+        probes = {i: mods[i].cache_probe.double() for i in args.layers}
+        args.window, args.sinks = mods[args.layers[0]].options.window, mods[args.layers[0]].options.sinks
+        rows_ = tokens_ = None
+    else:
+        teacher, tok = load_teacher(args.model)
+        mods = attention_modules(teacher)
+        rows_, tokens_ = probe_shape(teacher.config)
+        rows_, tokens_ = args.probe_rows or rows_, args.probe_tokens or tokens_
+        caps = capture_attention(teacher, text_ids(tok, tokens_, "train", batch=rows_), args.layers, stop_early=True)
+        probes = {}
+        with torch.no_grad():
+            for i in args.layers:
+                q, k, _ = project_qkv(mods[i], caps[i].hidden_states, caps[i].position_embeddings)
+                probes[i] = fit_probe(caps[i].hidden_states, far_attention(q.double() * mods[i].scaling, k, args.window))
+        del caps
+    dev = next(teacher.parameters()).device
     rows = []
     key = keys(11, 1)[0]
     digits = tok(key, add_special_tokens=False).input_ids
@@ -59,17 +82,20 @@ def main():
         for depth in args.depths:
             ids = make_prompt(tok, n, depth, key).ids
             at = next(j for j in range(len(ids) - len(digits)) if ids[j:j + len(digits)] == digits)
-            cap = capture_attention(teacher, torch.tensor([ids]), args.layers, stop_early=True)
-            ranks = {}
+            cap = capture_attention(teacher, torch.tensor([ids], device=dev), args.layers, stop_early=True)
+            ranks, distinct = {}, {}
+            old_ids = torch.tensor(ids[args.sinks:len(ids) - args.window])
             for i in args.layers:
                 s = selection_keys(probe_scores(cap[i].hidden_states, probes[i].float()),
-                                   torch.arange(1, len(ids) + 1)[None])[0]
-                old = s[args.sinks:len(ids) - args.window]
-                ranks[str(i)] = (old > s[at]).sum(0).tolist()
+                                   torch.arange(1, len(ids) + 1, device=dev)[None])[0].cpu()
+                above = s[args.sinks:len(ids) - args.window] > s[at]  # (older tokens, KV heads)
+                ranks[str(i)] = above.sum(0).tolist()
+                distinct[str(i)] = [old_ids[above[:, h]].unique().numel() for h in range(above.shape[1])]
             rows.append({"length": n, "depth": depth, "key_position": at, "older_tokens": len(ids) - args.window - args.sinks,
-                         "rank_per_layer_and_kv_head": ranks})
-            print(n, depth, ranks, flush=True)
-    out = {"command": " ".join(["python", *sys.argv]), "model": args.model, "key": key, "probe_rows": rows_,
+                         "rank_per_layer_and_kv_head": ranks, "distinct_ids_above_key": distinct})
+            print(n, depth, ranks, distinct, flush=True)
+    out = {"command": " ".join(["python", *sys.argv]), "model": str(args.converted or args.model), "key": key,
+           "probes": "the model's own" if args.converted else "fitted here on the teacher", "probe_rows": rows_,
            "probe_tokens": tokens_, "rows": rows}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(out, indent=1) + "\n")

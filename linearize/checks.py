@@ -30,6 +30,24 @@ def positive(value, flag: str, least: float = 1, finite: bool = False) -> None:
         raise UserError(f"{flag} must be at least {least}; got {value}")
 
 
+def sparse_cache_size(size: int | None) -> None:
+    """``--sparse-cache``: None (the size the model was trained with), or 1 to 65536 slots (``GDNOptions``' bound)."""
+    if size is None:
+        return
+    positive(size, "--sparse-cache", 1)
+    if size > 65536:
+        raise UserError(f"--sparse-cache must be at most 65536 slots; got {size}")
+
+
+def resize_sparse_cache(model, size: int | None, what: str) -> None:
+    """``--sparse-cache`` on a loaded ``model`` (:func:`linearize.layers.options.resize_sparse_cache`), refused for
+    a model ``what`` without a sparse cache."""
+    from .layers.options import resize_sparse_cache as resize
+
+    if size is not None and not resize(model, size):
+        raise UserError(f"--sparse-cache: {what} has no sparse cache to resize; convert it with --sparse-cache C")
+
+
 def device_name(device: str | None, flag: str = "--device") -> str:
     """``cuda`` or ``cpu``: the one asked for (checked), or cuda when there is one."""
     import torch

@@ -26,8 +26,7 @@ def load_for_generation(model: Path, device: str | None, rope: str | None = None
     if rope:
         parse_rope_scaling(rope)
         check_layers(rope_layers)
-    if sparse_cache is not None and not 1 <= sparse_cache <= 65536:
-        raise UserError(f"--sparse-cache must be from 1 to 65536 slots; got {sparse_cache}")
+    checks.sparse_cache_size(sparse_cache)
     if not (model / "config.json").is_file():
         raise UserError(f"{model} is not a converted model directory (no config.json); make one with linearize convert")
     checks.inspect_model(str(model))
@@ -37,11 +36,7 @@ def load_for_generation(model: Path, device: str | None, rope: str | None = None
     tok = checks.loaded(str(model), debug=debug, fn=lambda: AutoTokenizer.from_pretrained(model, trust_remote_code=False))
     if rope:
         rope_scaling(lm, rope, rope_layers)
-    if sparse_cache is not None:
-        from .layers.options import resize_sparse_cache
-
-        if not resize_sparse_cache(lm, sparse_cache):
-            raise UserError(f"--sparse-cache: {model} has no sparse cache to resize; convert it with --sparse-cache C")
+    checks.resize_sparse_cache(lm, sparse_cache, str(model))
     return lm, tok
 
 

@@ -131,11 +131,10 @@ def evaluate(plan: Plan, progress=print) -> dict:
             from ..models.rope import rope_scaling
 
             rope_scaling(lm, plan.rope_scaling, plan.rope_scaling_layers if side == "model" else "all")
-        if plan.sparse_cache is not None and side == "model":
-            from ..layers.options import resize_sparse_cache
+        if side == "model":
+            from ..checks import resize_sparse_cache
 
-            if not resize_sparse_cache(lm, plan.sparse_cache):
-                raise UserError(f"--sparse-cache: {spec} has no sparse cache to resize; convert it with --sparse-cache C")
+            resize_sparse_cache(lm, plan.sparse_cache, spec)
         progress(f"{side}: measuring")
         result["results"][side] = measure(plan, lm, tok)
         result["seconds"][side] = round(time.perf_counter() - t0, 1)
@@ -149,6 +148,7 @@ def evaluate(plan: Plan, progress=print) -> dict:
 
 def check_plan(plan: Plan) -> None:
     """Option checks that need no model: before anything loads."""
+    from ..checks import sparse_cache_size
     from ..models.rope import check_layers, parse_rope_scaling
 
     if plan.rope_scaling:
@@ -158,11 +158,10 @@ def check_plan(plan: Plan) -> None:
         raise UserError(f"--limit must be at least 1 (rows per task); got {plan.limit}")
     for flag, value, least in (("--batch-size", plan.batch_size, 1), ("--seq-len", plan.seq_len, 2),
                                ("--passkey-trials", plan.passkey_trials, 1), ("--passkey-depths", plan.passkey_depths, 2),
-                               ("--ppl-tokens", plan.ppl_tokens, 0), ("--sparse-cache", 1 if plan.sparse_cache is None else plan.sparse_cache, 1)):
+                               ("--ppl-tokens", plan.ppl_tokens, 0)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}; got {value}")
-    if plan.sparse_cache is not None and plan.sparse_cache > 65536:
-        raise UserError(f"--sparse-cache must be at most 65536 slots; got {plan.sparse_cache}")
+    sparse_cache_size(plan.sparse_cache)
     if plan.ppl_tokens and plan.ppl_tokens < plan.seq_len:
         raise UserError(f"--ppl-tokens {plan.ppl_tokens} is less than one row of --seq-len {plan.seq_len}; "
                         "raise --ppl-tokens or lower --seq-len")

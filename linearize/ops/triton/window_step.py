@@ -382,9 +382,11 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
     BC = blocks.pop("BC")
     splits = triton.cdiv(C, _CACHE_SPLIT)
     NP = splits + 1  # the partial softmaxes the cache's kernel joins: the step kernel's, then one per split
-    part_m, part_l, part_z = (torch.empty(N * Hq, NP if i < 2 else 1, dtype=torch.float32, device=q.device)
-                              for i in range(3)) if C else (o, o, o)
-    part_acc = torch.empty(N * Hq, NP, D, dtype=torch.float32, device=q.device) if C else o
+    part_m = part_l = part_acc = part_z = o  # without a cache unused: the step kernel mixes itself
+    if C:
+        f32 = dict(dtype=torch.float32, device=q.device)
+        part_m, part_l, part_acc, part_z = (torch.empty(N * Hq, NP, **f32), torch.empty(N * Hq, NP, **f32),
+                                            torch.empty(N * Hq, NP, D, **f32), torch.empty(N * Hq, **f32))
     _sink_window_gdn_step_kernel[(N * H,)](
         q, k, v, b.sink_k, b.sink_v, b.sink_index, b.win_k, b.win_v, b.win_pos, b.count, b.rows,
         state, sum_k, sum_v, count, rho.contiguous(), beta_factor.contiguous(), gate_factor.contiguous(),

@@ -8,7 +8,9 @@ probes are fitted as ``linearize convert`` fits them (8,192 built-in tokens, the
 ``--probe-rows`` rows of ``--probe-tokens``) on the
 layers with the strongest retrieval heads, and on passkey prompts (``linearize.quality.passkey``) of each length
 and depth the rank of the key's first token among the older tokens at the prompt's end is printed per layer and
-KV head (0 = the best scored; the key is in a cache of C when its rank is below C). At the teacher's own hidden
+KV head (0 = the best scored; the key is in a cache of C when its rank is below C), and in the JSON the worst
+rank over every token of both of the needle's copies of the key (``worst_key_token_rank``: the whole key is
+held when it is below C). At the teacher's own hidden
 states: a lower bound on what the converted model sees. With ``--converted DIR`` (a converted or trained model
 with a sparse cache) the ranks are that model's own: its probes (``cache_probe``) on its own hidden states — what
 its cache holds at the prompt's end. Beside each rank, how many distinct token ids the tokens ranked above the
@@ -81,19 +83,23 @@ def main():
     for n in args.lengths:
         for depth in args.depths:
             ids = make_prompt(tok, n, depth, key).ids
-            at = next(j for j in range(len(ids) - len(digits)) if ids[j:j + len(digits)] == digits)
+            copies = [j for j in range(len(ids) - len(digits)) if ids[j:j + len(digits)] == digits]
+            at, every = copies[0], torch.tensor([j + d for j in copies for d in range(len(digits))])
             cap = capture_attention(teacher, torch.tensor([ids], device=dev), args.layers, stop_early=True)
-            ranks, distinct = {}, {}
+            ranks, distinct, worst = {}, {}, {}
             old_ids = torch.tensor(ids[args.sinks:len(ids) - args.window])
             for i in args.layers:
                 s = selection_keys(probe_scores(cap[i].hidden_states, probes[i].float()),
                                    torch.arange(1, len(ids) + 1, device=dev)[None])[0].cpu()
-                above = s[args.sinks:len(ids) - args.window] > s[at]  # (older tokens, KV heads)
+                older = s[args.sinks:len(ids) - args.window]  # (older tokens, KV heads)
+                above = older > s[at]
                 ranks[str(i)] = above.sum(0).tolist()
+                worst[str(i)] = (older[None] > s[every][:, None]).sum(1).amax(0).tolist()
                 distinct[str(i)] = [old_ids[above[:, h]].unique().numel() for h in range(above.shape[1])]
             rows.append({"length": n, "depth": depth, "key_position": at, "older_tokens": len(ids) - args.window - args.sinks,
-                         "rank_per_layer_and_kv_head": ranks, "distinct_ids_above_key": distinct})
-            print(n, depth, ranks, distinct, flush=True)
+                         "rank_per_layer_and_kv_head": ranks, "distinct_ids_above_key": distinct,
+                         "key_tokens": len(every), "worst_key_token_rank": worst})
+            print(n, depth, ranks, distinct, "worst", worst, flush=True)
     out = {"command": " ".join(["python", *sys.argv]), "model": str(args.converted or args.model), "key": key,
            "probes": "the model's own" if args.converted else "fitted here on the teacher", "probe_rows": rows_,
            "probe_tokens": tokens_, "rows": rows}

@@ -211,6 +211,8 @@ def main():
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
     p.add_argument("--compile", action="store_true",
                    help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled)")
+    p.add_argument("--paths", nargs="+", default=None, metavar="NAME",
+                   help="time only these paths (teacher, teacher_static, converted, converted_compiled, …)")
     p.add_argument("--check-prompts", type=int, default=0, help="check graph == eager greedy tokens on N prompts")
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--plot", type=Path, default=None, help="tokens/s against context, one PNG per batch size")
@@ -239,6 +241,8 @@ def main():
             ids = torch.randint(1, vocab, (batch, context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
             row = {"context": context, "batch": batch}
             for name, run in paths(teacher, converted, ids, args.eager, cpu, args.compile, args.prefill_chunk).items():
+                if args.paths and name not in args.paths:
+                    continue
                 gc.collect()
                 if not cpu:
                     torch.cuda.empty_cache()

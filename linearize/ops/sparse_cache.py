@@ -28,6 +28,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .common import TRITON_MAX_K
+
 _TIE = 1e-14  # far below float32's spacing: it orders equal scores without reordering different ones
 # queries per block of the selection (at least the cache's size): its work grows as T · (C + block). On a CPU
 # small blocks win (T = 2048, C = 256: 31 against 512 ms for all queries in one block); on an H200 at training's
@@ -51,12 +53,13 @@ def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor) -> torch.Tens
 
 
 def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torch.Tensor | None,
-                   query_doc: torch.Tensor | None, block: int | None):
-    """Each block of queries ``[t0, t1)`` with the only candidates it can keep: ``(t0, t1, idx, kept)``, ``idx``
-    ``(B, H, P)`` indices into the candidates — the ``size`` best seen before the block (carried from block to
-    block, of the document of the query before it), then the block's own stream candidates — and ``kept``
-    ``(B, H, Q, P)`` which of them each query keeps. A query's ``size`` best lie among those: an older candidate
-    that is not among the carried best never will be again (the seen set only grows within a document).
+                   query_doc: torch.Tensor | None, block: int | None, kept: bool = True):
+    """Each block of queries ``[t0, t1)`` with the only candidates it can keep: ``(t0, t1, idx, thr, kept)``,
+    ``idx`` ``(B, H, P)`` indices into the candidates — the ``size`` best seen before the block (carried from
+    block to block, of the document of the query before it), then the block's own stream candidates — ``thr``
+    ``(B, H, Q)`` each query's threshold, ``kept`` ``(B, H, Q, P)`` which of them each query keeps (None
+    unless ``kept``). A query's ``size`` best lie among those: an older candidate that is not among the
+    carried best never will be again (the seen set only grows within a document).
     Arguments as :func:`cache_threshold`; the work grows as ``T · (size + block)``, not ``T²``."""
     B, N, H = cand_key.shape
     T, dev = N - prior, cand_key.device
@@ -81,7 +84,7 @@ def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torc
         count = seen.gather(-1, order[:, :, None, :].expand_as(seen)).cumsum(-1, dtype=torch.int32)
         r = torch.searchsorted(count, torch.full((B, H, Q, 1), size, dtype=torch.int32, device=dev)).squeeze(-1)
         thr = torch.where(r < c + Q, ordered.gather(-1, r.clamp_max(c + Q - 1)), torch.full_like(r, ninf, dtype=pool.dtype))
-        yield t0, t1, idx, thr, seen & (pool[:, :, None, :] >= thr[..., None])
+        yield t0, t1, idx, thr, (seen & (pool[:, :, None, :] >= thr[..., None])) if kept else None
         if t1 == T:
             break
         if docs is not None:  # the next block's older candidates: of the document of its first query's predecessor
@@ -224,14 +227,23 @@ def fresh_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_o
 
 
 def cached_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_ok: torch.Tensor, token_key: torch.Tensor,
-                 past: CacheBuffers, window: int, size: int) -> tuple[torch.Tensor, torch.Tensor, CacheBuffers]:
+                 past: CacheBuffers, window: int, size: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, CacheBuffers]:
     """``(o, lse, buffers after)``: a continuation from ``past``, whose ``size`` tokens every query sees beside
     the old stream's. The buffers after keep the ``size`` best-keyed candidates and the window's last keys.
-    Reads nothing on the host (a decode step through it can be captured in a CUDA graph)."""
+    Reads nothing on the host (a decode step through it can be captured in a CUDA graph). Without gradients
+    on CUDA (a prefill; ``backend="triton"``: also under the interpreter) the softmax is one Triton kernel a
+    block of queries (:func:`linearize.ops.triton.cache_fwd.cache_softmax_triton`)."""
+    from .window import window_triton_usable
+
     stream = stream_keys(token_key, old_ok, window, past.win_key)
     cand_key = torch.cat([past.key, stream], 1)  # (B, C + T, H)
     cand_k, cand_v = (torch.cat([a, b.to(a.dtype)], 1) for a, b in ((past.k, old_k), (past.v, old_v)))
-    o, lse = cache_softmax(q, cand_k, cand_v, cand_key, size, size)
+    if window_triton_usable(q, backend) and q.shape[-1] <= TRITON_MAX_K:
+        from .triton.cache_fwd import cache_softmax_triton
+
+        o, lse = cache_softmax_triton(q, cand_k, cand_v, cand_key, size, size)
+    else:
+        o, lse = cache_softmax(q, cand_k, cand_v, cand_key, size, size)
     best = cand_key.topk(size, dim=1).indices  # (B, C, H): what the next query sees of these
     gather = lambda x: torch.gather(x, 1, best[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
     win_key = torch.cat([past.win_key, token_key.double()], 1)[:, -window:]

@@ -19,7 +19,10 @@ in tiles of ``BN`` entries:
 
 The keys and values are gathered a row at a time by index (a pool is not contiguous in the sequence), so
 each tile reads ``BN`` rows of ``D`` elements wherever they lie. fp16/bf16 dots multiply in the inputs' dtype
-and add in float32; fp32 inputs take IEEE dots.
+and add in float32; fp32 inputs take IEEE dots. Measured on an H200 (SmolLM2-135M's architecture, a cache of
+1,024, `scripts/bench_decode.py --paths teacher converted`): time to first token at 32K × 16 4.19 s against the
+teacher's 1.94 s in the same run, where the dense form took 15.3 s against 1.96 s
+(``results/prefill_sparse_cache_kernel_random_weights.json``, ``results/bench_decode_sparse_cache_1024_compiled_32kx16.json``).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ in tiles of ``BN`` entries:
                    of the block sees, entry ``carried + j`` (the block's j-th stream token) queries ``t0 + j``
                    and later; the tile's queries need the entries up to ``carried + (last query − t0)``
     kept           seen, and its selection key finite and at least the query's threshold ``thr`` (float64)
-    softmax        online in float32 (:func:`linearize.ops.triton.window_fwd._online`); o = 0, lse = −inf
+    softmax        online in float32 (:func:`linearize.ops.triton.tiles.online`); o = 0, lse = −inf
                    where a query keeps nothing
 
 The keys and values are gathered a row at a time by index (a pool is not contiguous in the sequence), so
@@ -32,8 +32,7 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .tiles import dot, mm
-from .window_fwd import _online
+from .tiles import dot, mm, online
 
 
 @triton.jit
@@ -73,7 +72,7 @@ def _cache_fwd_kernel(
         seen = (p[None, :] < carried) | (p[None, :] - carried <= j[:, None])
         kept = seen & (b_key[None, :] > float("-inf")) & (b_key[None, :] >= b_thr[:, None]) & m_r[:, None]
         s = tl.where(kept, dot(b_q, b_kt, IEEE), float("-inf"))  # (BR, BN)
-        m_run, pr, l_run, acc = _online(s, m_run, l_run, acc)
+        m_run, pr, l_run, acc = online(s, m_run, l_run, acc)
         acc += mm(pr, b_v, b_v, IEEE)
 
     ok = l_run > 0.0

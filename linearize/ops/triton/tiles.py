@@ -1,6 +1,7 @@
-"""``@triton.jit`` tile helpers shared by the GDN kernels: the dots with their precision switch, and the
-sequential kernels' [K, BV] state held as up to four (KB, BV) float32 K blocks (the blocks past K are never
-touched), so each product is (BT, KB)·(KB, BV) and the blocks update independently."""
+"""``@triton.jit`` tile helpers shared by the kernels: the dots with their precision switch; the sequential GDN
+kernels' [K, BV] state held as up to four (KB, BV) float32 K blocks (the blocks past K are never touched), so
+each product is (BT, KB)·(KB, BV) and the blocks update independently; and the online softmax step of the
+exact-attention kernels (window, sparse cache)."""
 
 from __future__ import annotations
 
@@ -148,3 +149,14 @@ def _block_update(b, scale, x, stride, o_r, m_r, kb, d, K: tl.constexpr, KB: tl.
         return b * scale - _cols_dot(x, stride, o_r, m_r, kb, d, K, KB, IEEE)
     else:
         return b * scale + _cols_dot(x, stride, o_r, m_r, kb, d, K, KB, IEEE)
+
+
+@triton.jit
+def online(s, m_run, l_run, acc):
+    """Fold scores ``s [BR, n]`` (−inf: not a key) into the running max and sum; returns the new max, the
+    probabilities ``p [BR, n]`` and ``acc [BR, BD]``, ``l [BR]`` rescaled to it (``p·v`` still to add)."""
+    m_new = tl.maximum(m_run, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at p = 0
+    p = tl.exp(s - m_use[:, None])
+    alpha = tl.exp(m_run - m_use)
+    return m_new, p, l_run * alpha + tl.sum(p, axis=1), acc * alpha[:, None]

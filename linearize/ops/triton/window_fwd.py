@@ -33,18 +33,7 @@ import triton
 import triton.language as tl
 
 from ..common import TRITON_MAX_K, cdiv, next_pow2
-from .tiles import dot, mm
-
-
-@triton.jit
-def _online(s, m_run, l_run, acc):
-    """Fold scores ``s [BR, n]`` (−inf: not a key) into the running max and sum; returns the new max, the
-    probabilities ``p [BR, n]`` and ``acc [BR, BD]``, ``l [BR]`` rescaled to it (``p·v`` still to add)."""
-    m_new = tl.maximum(m_run, tl.max(s, axis=1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at p = 0
-    p = tl.exp(s - m_use[:, None])
-    alpha = tl.exp(m_run - m_use)
-    return m_new, p, l_run * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+from .tiles import dot, mm, online
 
 
 @triton.jit
@@ -87,7 +76,7 @@ def _sink_window_fwd_kernel(
         ok = (j[None, :] > t[:, None]) & (j[None, :] <= t[:, None] + W) & (b_kd[None, :] == b_qd[:, None])
         ok = ok & m_j[None, :] & m_r[:, None]
         s = tl.where(ok, dot(b_q, b_kt, IEEE), float("-inf"))  # (BR, BN)
-        m_run, p, l_run, acc = _online(s, m_run, l_run, acc)
+        m_run, p, l_run, acc = online(s, m_run, l_run, acc)
         acc += mm(p, b_v, b_v, IEEE)
 
     if SHARED_SINKS:  # one set of sinks a sequence: a tile of BS keys, as the window's
@@ -98,7 +87,7 @@ def _sink_window_fwd_kernel(
         b_sv = tl.load(sink_v + p_sk[:, None] + o_d[None, :], mask=m_s[:, None] & m_d[None, :], other=0.0)
         ok = tl.load(sink_ok + ((i_b * T + t) * S)[:, None] + o_s[None, :], mask=m_r[:, None] & m_s[None, :], other=0)
         s = tl.where(ok != 0, dot(b_q, b_skt, IEEE), float("-inf"))  # (BR, BS)
-        m_run, p, l_run, acc = _online(s, m_run, l_run, acc)
+        m_run, p, l_run, acc = online(s, m_run, l_run, acc)
         acc += mm(p, b_sv, b_sv, IEEE)
     else:  # sinks of their own for each query (packed documents): one column at a time, a dot product a row
         for js in range(S):
@@ -107,7 +96,7 @@ def _sink_window_fwd_kernel(
             m_sk = ok[:, None] & m_d[None, :]
             b_sk = tl.load(sink_k + p_sk, mask=m_sk, other=0.0).to(tl.float32)
             s = tl.where(ok, tl.sum(b_q.to(tl.float32) * b_sk, axis=1), float("-inf"))[:, None]  # (BR, 1)
-            m_run, p, l_run, acc = _online(s, m_run, l_run, acc)
+            m_run, p, l_run, acc = online(s, m_run, l_run, acc)
             acc += p * tl.load(sink_v + p_sk, mask=m_sk, other=0.0).to(tl.float32)
 
     seen = l_run > 0.0

@@ -101,3 +101,23 @@ GPU_CASES = CASES + [
 @pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
 def test_cache_triton_gpu_equals_reference(dtype, case, compiled):
     check(dtype, "cuda", *case)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_a_fresh_prefill_skipping_the_empty_slots_equals_reading_them(backend):
+    """``fresh=True`` (a decoder's first chunk) leaves the empty past out of the softmax: same outputs, same buffers."""
+    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernel: TRITON_INTERPRET=1")
+    B, T, H, G, D, W, C = 2, 30, 2, 2, 16, 8, 12  # T - W < C: some slots stay empty after
+    q, old_k, old_v, _ = cache_args(B, T, H, G, D, 0, C, seed=3)
+    old_ok = torch.arange(T)[None].expand(B, T) >= W  # the window not yet full: nothing leaves it
+    token_key = torch.randn(B, T, H, generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        runs = [cached_cache(q, old_k, old_v, old_ok, token_key, CacheBuffers.empty(old_k, C, W), W, C, backend=backend,
+                             fresh=fresh) for fresh in (False, True)]
+    (o1, l1, b1), (o2, l2, b2) = runs
+    assert torch.isfinite(l1).any() and not torch.isfinite(l1).all()
+    assert torch.equal(torch.isfinite(l1), torch.isfinite(l2)) and (o1 - o2).abs().max() < 1e-6
+    assert (l1 - l2)[torch.isfinite(l1)].abs().max() < 1e-6
+    for a, b in zip(b1.tensors(), b2.tensors()):
+        assert torch.equal(a, b)

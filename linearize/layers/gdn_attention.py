@@ -314,7 +314,8 @@ class GDNAttention(nn.Module):
             else:
                 cpast = layer.cache_buffers if h0 is not None else sc.CacheBuffers.empty(k, C, W)
                 args = (q, inp.old_k, inp.old_v, inp.old_ok, token_key, cpast, W)  # a decode step: in place
-                o_c, lse_c, sparse = sc.cache_step_(*args) if T == 1 else sc.cached_cache(*args, C, self.options.backend)
+                o_c, lse_c, sparse = sc.cache_step_(*args) if T == 1 else \
+                    sc.cached_cache(*args, C, self.options.backend, fresh=h0 is None)
             o_exact, lse = sc.merge_softmax(o_exact, lse, o_c, lse_c)
         beta_logit, gate_logit = self._logits(hidden_states)
         if mask is not None:  # a padding slot still writes the token leaving the window: with factors 1

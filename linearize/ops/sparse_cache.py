@@ -31,8 +31,9 @@ import torch.nn.functional as F
 from .common import TRITON_MAX_K
 
 _TIE = 1e-14  # far below float32's spacing: it orders equal scores without reordering different ones
-# queries per block of the selection (at least the cache's size): its work grows as T · (C + block). On a CPU
-# small blocks win (T = 2048, C = 256: 31 against 512 ms for all queries in one block); on an H200 at training's
+# queries per block of the selection (any size is exact): its work grows as T · (C + block). On a CPU small
+# blocks win (T = 2048, C = 256: 31 against 512 ms for all queries in one block; C = 1,024, a fresh prefill's
+# cache_softmax: 0.26 against 0.72 s in blocks of 1,024, 1.18 s reading the empty slots too); on an H200 at training's
 # length they lost (16 x 2048 tokens, C = 256, forward + backward: 977 ms a step in blocks of 256 against 732 ms
 # in one, results/bench_sparse_cache_training*.json), so on a GPU the blocks are 2048 queries
 _BLOCK = 256
@@ -63,7 +64,7 @@ def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torc
     Arguments as :func:`cache_threshold`; the work grows as ``T · (size + block)``, not ``T²``."""
     B, N, H = cand_key.shape
     T, dev = N - prior, cand_key.device
-    block = block or max(_BLOCK if dev.type == "cpu" else _BLOCK_GPU, size)
+    block = block or (_BLOCK if dev.type == "cpu" else max(_BLOCK_GPU, size))
     keys = cand_key.double().permute(0, 2, 1)  # (B, H, N)
     ninf = float("-inf")
     top = keys[:, :, :prior].topk(min(size, prior), -1)  # every query sees the carried ones
@@ -227,9 +228,11 @@ def fresh_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_o
 
 
 def cached_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_ok: torch.Tensor, token_key: torch.Tensor,
-                 past: CacheBuffers, window: int, size: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor, CacheBuffers]:
+                 past: CacheBuffers, window: int, size: int, backend: str = "auto",
+                 fresh: bool = False) -> tuple[torch.Tensor, torch.Tensor, CacheBuffers]:
     """``(o, lse, buffers after)``: a continuation from ``past``, whose ``size`` tokens every query sees beside
-    the old stream's. The buffers after keep the ``size`` best-keyed candidates and the window's last keys.
+    the old stream's (``fresh``: ``past`` is empty, and the softmax skips its slots). The buffers after keep
+    the ``size`` best-keyed candidates and the window's last keys.
     Reads nothing on the host (a decode step through it can be captured in a CUDA graph). Without gradients
     on CUDA (a prefill; ``backend="triton"``: also under the interpreter) the softmax is one Triton kernel a
     block of queries (:func:`linearize.ops.triton.cache_fwd.cache_softmax_triton`)."""
@@ -238,12 +241,14 @@ def cached_cache(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_
     stream = stream_keys(token_key, old_ok, window, past.win_key)
     cand_key = torch.cat([past.key, stream], 1)  # (B, C + T, H)
     cand_k, cand_v = (torch.cat([a, b.to(a.dtype)], 1) for a, b in ((past.k, old_k), (past.v, old_v)))
+    prior = 0 if fresh else size
+    cand = [x[:, size - prior:] for x in (cand_k, cand_v, cand_key)]
     if window_triton_usable(q, backend) and q.shape[-1] <= TRITON_MAX_K:
         from .triton.cache_fwd import cache_softmax_triton
 
-        o, lse = cache_softmax_triton(q, cand_k, cand_v, cand_key, size, size)
+        o, lse = cache_softmax_triton(q, *cand, prior, size)
     else:
-        o, lse = cache_softmax(q, cand_k, cand_v, cand_key, size, size)
+        o, lse = cache_softmax(q, *cand, prior, size)
     best = cand_key.topk(size, dim=1).indices  # (B, C, H): what the next query sees of these
     gather = lambda x: torch.gather(x, 1, best[..., None].expand(-1, -1, -1, x.shape[-1]))  # noqa: E731
     win_key = torch.cat([past.win_key, token_key.double()], 1)[:, -window:]

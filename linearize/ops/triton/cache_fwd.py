@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .tiles import dot, mm, online
+from .tiles import dot, mm, online, online_result
 
 
 @triton.jit
@@ -75,10 +75,9 @@ def _cache_fwd_kernel(
         m_run, pr, l_run, acc = online(s, m_run, l_run, acc)
         acc += mm(pr, b_v, b_v, IEEE)
 
-    ok = l_run > 0.0
-    b_o = tl.where(ok[:, None], acc / tl.where(ok, l_run, 1.0)[:, None], 0.0)
+    b_o, b_lse = online_result(m_run, l_run, acc)
     tl.store(o + row[:, None] * D + o_d[None, :], b_o, mask=m_rd)
-    tl.store(lse + row, tl.where(ok, m_run + tl.log(tl.where(ok, l_run, 1.0)), float("-inf")), mask=m_r)
+    tl.store(lse + row, b_lse, mask=m_r)
 
 
 def tiles(G: int, D: int, dtype: torch.dtype) -> dict[str, int]:

@@ -160,3 +160,12 @@ def online(s, m_run, l_run, acc):
     p = tl.exp(s - m_use[:, None])
     alpha = tl.exp(m_run - m_use)
     return m_new, p, l_run * alpha + tl.sum(p, axis=1), acc * alpha[:, None]
+
+
+@triton.jit
+def online_result(m_run, l_run, acc):
+    """What :func:`online` folded, finished: ``o = acc / l`` and ``lse = m + log l`` a row, ``o = 0`` and
+    ``lse = −inf`` for a row that saw no key."""
+    seen = l_run > 0.0
+    o = tl.where(seen[:, None], acc / tl.where(seen, l_run, 1.0)[:, None], 0.0)
+    return o, tl.where(seen, m_run + tl.log(tl.where(seen, l_run, 1.0)), float("-inf"))

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ..common import TRITON_MAX_K, cdiv, next_pow2
-from .tiles import dot, mm, online
+from .tiles import dot, mm, online, online_result
 
 
 @triton.jit
@@ -99,10 +99,9 @@ def _sink_window_fwd_kernel(
             m_run, p, l_run, acc = online(s, m_run, l_run, acc)
             acc += p * tl.load(sink_v + p_sk, mask=m_sk, other=0.0).to(tl.float32)
 
-    seen = l_run > 0.0
-    b_o = tl.where(seen[:, None], acc / tl.where(seen, l_run, 1.0)[:, None], 0.0)
+    b_o, b_lse = online_result(m_run, l_run, acc)
     tl.store(o + row[:, None] * D + o_d[None, :], b_o, mask=m_rd)
-    tl.store(lse + row, tl.where(seen, m_run + tl.log(tl.where(seen, l_run, 1.0)), float("-inf")), mask=m_r)
+    tl.store(lse + row, b_lse, mask=m_r)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)

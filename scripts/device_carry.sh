@@ -8,10 +8,10 @@
 #                  ~25M, its other training shards in .carry/corpus_2, _3 … ('corpus-part' carries each)
 #   .carry/ev      the zero-shot task data of `linearize eval` (the six tasks; MMLU with --mmlu)
 # Then the calls of scripts/device_calls.sh (its header), one after the other while the machine stays warm
-# (30 s): 'wheels' (carry .carry/w .carry/g1), 'teacher' (.carry/g2 .whl), 'start' (.carry/corpus: a subset of
+# (30 s): 'wheels' (carry .carry/w .carry/g1), 'lm-eval' (.whl), 'teacher' (.carry/g2), 'start' (.carry/corpus: a subset of
 # more than ~8M training tokens, 2 bytes a token, fills a call: 25M tokens take 53 MB), 'evaldata' (.carry/ev),
 # and for the kernel benchmarks 'fla' (.carry/fla).
-# The Gemma 3 270M teacher and a Gemma-tokenized corpus: scripts/device_carry_gemma.sh (.carry/gm1-gm5).
+# The Gemma 3 270M teacher and a Gemma-tokenized corpus: scripts/device_carry_gemma.sh (.carry/gm1 …).
 # usage: scripts/device_carry.sh [-h] [--mmlu] CORPUS_DIR [TRAIN_TOKENS (default 7M)]
 #        scripts/device_carry.sh --wheels          # only the wheels (.whl, .carry/w, .carry/fla)
 set -euo pipefail

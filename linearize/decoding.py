@@ -304,16 +304,16 @@ class Decoder:
 
 @contextlib.contextmanager
 def collector_paused():
-    """Python's garbage collector run, then off for the block: a collection inside a capture that frees an earlier
-    CUDA graph (a dropped model's decoder keeps its graphs in a reference cycle, :func:`model_decoder`) invalidates
-    the capture (cudaErrorStreamCaptureInvalidated); torch collects first only under ``TORCH_CUDAGRAPH_GC``."""
+    """The garbage collector run, then off for the block: collecting an earlier CUDA graph (a dropped model's decoder
+    holds its graphs in a cycle, :func:`model_decoder`) inside a capture invalidates it; torch does not collect first."""
     enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
         yield
     finally:
-        enabled and gc.enable()
+        if enabled:
+            gc.enable()
 
 
 @contextlib.contextmanager

@@ -55,8 +55,7 @@ def main():
 
         from linearize.saving import load
 
-        dev = "cuda" if torch.cuda.is_available() else "cpu"
-        teacher = load(args.converted).to(dev)
+        teacher = load(args.converted).to("cuda" if torch.cuda.is_available() else "cpu")
         tok = AutoTokenizer.from_pretrained(args.converted)
         mods = attention_modules(teacher)
         if not all(getattr(getattr(mods[i], "options", None), "sparse_cache", 0) for i in args.layers):

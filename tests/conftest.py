@@ -13,6 +13,13 @@ import pytest
 import torch
 
 
+def needs_interpreter():
+    """Skips the calling test unless the Triton kernels run interpreted: TRITON_INTERPRET=1, which this file sets
+    unless told otherwise (the GPU runs set 0 and take the ``gpu`` tests instead)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest.py sets it unless told otherwise)")
+
+
 def tiny_config(family: str, **overrides):
     """A small random-weight config of each supported family, built here (no hub)."""
     from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config

@@ -7,10 +7,9 @@ decoder's continuation lays them out: ``prior`` carried slots (some empty), then
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import needs_interpreter
 
 from linearize.ops.sparse_cache import CacheBuffers, cache_softmax, cached_cache
 from linearize.ops.triton.cache_fwd import cache_softmax_triton
@@ -59,15 +58,13 @@ def check(dtype, device, B, T, H, G, D, prior, size, block, seed=0) -> tuple[flo
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_cache_triton_interpreted_equals_reference(dtype, case):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernel: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+    needs_interpreter()
     check(dtype, "cpu", *case)
 
 
 def test_cached_cache_on_the_kernel_equals_the_dense_form():
     """A decoder's prefill after a first chunk: the same outputs and the same buffers after, kernel or not."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernel: TRITON_INTERPRET=1")
+    needs_interpreter()
     B, T, H, G, D, W, C = 2, 45, 2, 3, 16, 8, 6
     q, old_k, old_v, _ = cache_args(B, T, H, G, D, 0, C, seed=1)
     g = torch.Generator().manual_seed(2)
@@ -106,8 +103,8 @@ def test_cache_triton_gpu_equals_reference(dtype, case, compiled):
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_a_fresh_prefill_skipping_the_empty_slots_equals_reading_them(backend):
     """``fresh=True`` (a decoder's first chunk) leaves the empty past out of the softmax: same outputs, same buffers."""
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernel: TRITON_INTERPRET=1")
+    if backend == "triton":
+        needs_interpreter()
     B, T, H, G, D, W, C = 2, 30, 2, 2, 16, 8, 12  # T - W < C: some slots stay empty after
     q, old_k, old_v, _ = cache_args(B, T, H, G, D, 0, C, seed=3)
     old_ok = torch.arange(T)[None].expand(B, T) >= W  # the window not yet full: nothing leaves it

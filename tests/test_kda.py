@@ -13,7 +13,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import tiny_model
+from conftest import needs_interpreter, tiny_model
 from test_convert import incremental_logits
 
 import linearize
@@ -253,12 +253,9 @@ def test_kda_saves_loads_and_generates(tmp_path):
 def test_kda_block_on_the_triton_kernels_equals_torch():
     """A converted kda model (channels decaying each their own way) on the interpreted kernels: logits, prefill +
     decode from the cache (the decode steps run the torch body), and every parameter's gradient."""
-    import os
-
     from test_linear_ops import rel
 
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1")
+    needs_interpreter()
     teacher = tiny_model("llama", num_hidden_layers=2)
     model = linearize.convert(teacher, to="kda", calibration_ids=calib(teacher), options=GDNOptions(window=4, sinks=2))
     perturb(model)

@@ -6,10 +6,9 @@ anywhere would overflow."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import needs_interpreter
 from test_kda import kda_inputs
 from test_linear_ops import rel
 
@@ -56,8 +55,7 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, tol=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
 def test_kda_triton_interpreted_equals_reference(dtype, shape):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+    needs_interpreter()
     check(dtype, "cpu", *shape)
 
 

@@ -5,10 +5,9 @@ and compiled on a CUDA GPU (``-m gpu``, NaN-poisoned buffers, fp32 and bf16)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import needs_interpreter
 from test_kda import kda_inputs
 from test_kda_triton import GPU_SHAPES, SHAPES, TOL, ids
 from test_linear_ops import rel
@@ -65,40 +64,35 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, *, h0=True, final=True, to
     assert got[2].dtype == dtype and got[5].dtype == torch.float32 and (not h0 or got[7].dtype == torch.float32)
 
 
-def interpreted():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
 def test_kda_triton_grads_interpreted_equal_reference(shape):
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", *shape)
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=ids)
 def test_kda_triton_grads_interpreted_fp16(shape):
-    interpreted()
+    needs_interpreter()
     check(torch.float16, "cpu", *shape)
 
 
 def test_kda_triton_grads_without_states():
     """No initial state and no final state: dh0 is None, and the state's gradient starts from zero."""
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", 1, 70, 1, 2, 16, 16, None, 3.0, h0=False, final=False)
 
 
 def test_kda_triton_grads_channel_slices():
     """Keys wider than one slice of ``_intra_bwd_kernel`` (32 channels): K = 72 takes three, the last one mostly
     masked; packed documents and two query heads per KV head."""
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", 1, 100, 1, 2, 72, 16, [0, 30, 100], 3.0)
 
 
 def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
     """``gated_delta_rule(backend="triton")`` with a per-channel g differentiates through the KDA kernels
     (equal to the chunkwise PyTorch form); ``"auto"`` off CUDA keeps the PyTorch form."""
-    interpreted()
+    needs_interpreter()
     from linearize.ops import gated_delta_rule
 
     q, k, v, g, beta = (x.float() for x in kda_inputs(1, 20, 2, 2, 8, 8, seed=0, decay=2.0))

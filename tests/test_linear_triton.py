@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import needs_interpreter, tiny_model
 from test_convert import incremental_logits
 from test_linear_ops import inputs, rel
 from test_vala import blocks, calib, ids
@@ -49,16 +49,14 @@ def check(dtype, device, B, T, H, G, K, V, cu, tol=None):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
 def test_linear_attention_triton_interpreted_equals_reference(dtype, shape):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+    needs_interpreter()
     check(dtype, "cpu", *shape)
 
 
 def test_linear_attention_triton_takes_gradients():
     """backend='triton' differentiates through the backward kernels (tests/test_linear_triton_bwd.py checks
     their values); 'auto' off CUDA stays on the chunkwise PyTorch form."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1")
+    needs_interpreter()
     q, k, v, g, w, _ = inputs(1, 20, 2, 2, 8, 8, seed=0, dtype=torch.float32)
     q.requires_grad_(True)
     o, _ = linear_attention(q, k, v, g, w, backend="triton")
@@ -84,8 +82,7 @@ def test_linear_attention_triton_gpu_equals_reference(dtype, shape):
 
 def test_vala_block_on_the_triton_forward_equals_torch():
     """A converted model's inference (full forward, prefill + decode from the cache) on the interpreted kernels."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1")
+    needs_interpreter()
     teacher = tiny_model("llama")
     model = linearize.convert(teacher, to="linear", calibration_ids=calib(teacher))
     x = ids(model, B=2, T=70)

@@ -5,10 +5,9 @@ compiled on a CUDA GPU (``-m gpu``, NaN-poisoned buffers, fp32 and bf16)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import needs_interpreter
 from test_linear_ops import inputs, rel
 
 from linearize.ops.linear import linear_attention
@@ -80,20 +79,15 @@ def test_linear_attention_decay_gradient_identity_float64():
         assert torch.allclose(dg[0, s:e], want, rtol=1e-10, atol=1e-10), n
 
 
-def interpreted():
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernels: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
 def test_linear_attention_triton_grads_interpreted_equal_reference(shape):
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", *shape)
 
 
 @pytest.mark.parametrize("h0,final", [(False, False), (True, False), (False, True)])
 def test_linear_attention_triton_grads_without_states(h0, final):
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", 1, 100, 2, 2, 16, 16, [0, 40, 40, 100], h0=h0, final=final)
 
 
@@ -102,7 +96,7 @@ def test_linear_attention_triton_grads_strong_decay():
     within 1e-6 of the float64 loop over 1,000 tokens — the in-chunk decays between two tokens summed from
     the g between them; taken as differences of G (|G| reaches thousands) dg's error was 1.2e-5, the
     output's 7.8e-7 (an fp32 loop: 1e-7)."""
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", 1, 1000, 2, 2, 64, 64, None, decay=30.0, tol=1e-6)
 
 
@@ -111,7 +105,7 @@ def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
     output kernels (16 of V = 40 here: two full blocks and a masked one, against one block of 64); forced
     on the interpreter as a 132-SM GPU would pick them, the output, final state and every gradient still
     match the reference."""
-    interpreted()
+    needs_interpreter()
     from linearize.ops.triton import linear_fwd
     from linearize.ops.triton.settings import state_bv
 
@@ -121,13 +115,13 @@ def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
 
 
 def test_linear_attention_triton_grads_fp16_interpreted():
-    interpreted()
+    needs_interpreter()
     check(torch.float16, "cpu", 1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130])
 
 
 def test_linear_attention_triton_grads_of_an_all_empty_batch():
     """Every document empty: no chunk to run, the final state's gradient passes to the initial state."""
-    interpreted()
+    needs_interpreter()
     check(torch.float32, "cpu", 1, 0, 2, 2, 8, 8, [0, 0, 0])
 
 
@@ -156,7 +150,7 @@ def test_vala_block_training_on_the_triton_kernels_equals_torch():
 
     import linearize
 
-    interpreted()
+    needs_interpreter()
     teacher = tiny_model("llama")
     model = linearize.convert(teacher, to="linear", calibration_ids=calib(teacher)).train()
     x = ids(model, B=2, T=70)

@@ -7,10 +7,9 @@ laid out as the model lays them out, by ``fresh_inputs`` (a batch, padded rows, 
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
+from conftest import needs_interpreter
 
 from linearize.ops.triton.window_fwd import sink_window_triton
 from linearize.ops.window import sink_window_softmax
@@ -88,8 +87,7 @@ def check(dtype, device, B, T, H, G, D, W, S, layout, seed=0) -> tuple[float, fl
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_sink_window_triton_interpreted_equals_reference(dtype, case):
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the interpreted kernel: TRITON_INTERPRET=1 (conftest sets it unless told otherwise)")
+    needs_interpreter()
     check(dtype, "cpu", *case)
 
 

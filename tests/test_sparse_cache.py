@@ -84,6 +84,36 @@ def test_fresh_cache_keeps_the_best_scored_and_attends_exactly(window, sinks, si
             assert torch.allclose(lse[0, t, h], both, atol=1e-12)
 
 
+@pytest.mark.parametrize("block", [256, 7])
+def test_fused_cpu_block_softmax_equals_the_float64_cache(block, monkeypatch):
+    """A float32 prefill on the CPU without gradients runs each block's softmax as torch's fused CPU attention
+    (``_block_softmax_cpu``): the same ``(o, lse)`` as the float64 composed ops to float32 rounding, −inf and 0
+    for the queries whose cache is still empty; with gradients the composed ops run."""
+    monkeypatch.setattr(sparse_cache, "_BLOCK", block)
+    calls = []
+    fused = sparse_cache._block_softmax_cpu
+    monkeypatch.setattr(sparse_cache, "_block_softmax_cpu", lambda *a: calls.append(1) or fused(*a))
+    T, W, S, C = 40, 4, 2, 5
+    q, k, v, score = problem(T, seed=5)
+    cu = torch.tensor([0, 17, T])
+    inp = fresh_inputs(k, v, W, S, cu)
+    key = selection_keys(score, inp.pos).masked_fill((inp.pos <= S)[..., None], -math.inf)
+    args = (inp.old_ok, key, inp.key_doc[:, :T], inp.query_doc, W, C)
+    o64, lse64 = fresh_cache(q, inp.old_k, inp.old_v, *args)
+    with torch.no_grad():
+        o32, lse32 = fresh_cache(q.float(), inp.old_k.float(), inp.old_v.float(), *args)
+    assert calls and o32.dtype == lse32.dtype == torch.float32
+    empty = torch.isinf(lse64)
+    assert empty.any() and (~empty).any()  # the first queries of each document keep nothing yet
+    assert torch.equal(torch.isinf(lse32), empty) and o32[empty].abs().max() == 0
+    assert (lse32[~empty].double() - lse64[~empty]).abs().max() < 1e-5
+    assert (o32.double() - o64).abs().max() < 1e-5
+    calls.clear()
+    qg = q.float().requires_grad_(True)
+    fresh_cache(qg, inp.old_k.float(), inp.old_v.float(), *args)[0].sum().backward()
+    assert not calls and qg.grad is not None
+
+
 def test_room_for_every_token_is_causal_softmax():
     """C ≥ T: sinks + window + cache cover every earlier token of the document — the teacher's softmax."""
     T, W, S = 30, 4, 2

@@ -121,19 +121,49 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
     G = Hq // H
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ck, cv = (x.to(acc).permute(0, 2, 1, 3) for x in (cand_k, cand_v))  # (B, H, N, D)
+    fused = _cpu_fused(q, ck, cv)
     outs, lses = [], []
     for t0, t1, idx, _, kept in _pooled_blocks(cand_key, prior, size, cand_doc, query_doc, block):
         at = idx[..., None].expand(-1, -1, -1, D)
         kb, vb = torch.gather(ck, 2, at), torch.gather(cv, 2, at)  # (B, H, P, D)
         qb = q[:, t0:t1].to(acc).view(B, t1 - t0, H, G, D)
-        logits = torch.einsum("bthgd,bhpd->bhgtp", qb, kb).masked_fill(~kept[:, :, None], float("-inf"))
-        lse = logits.logsumexp(-1)  # (B, H, G, Q)
-        p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
-        outs.append(torch.einsum("bhgtp,bhpd->bthgd", p, vb).reshape(B, t1 - t0, Hq, D))
+        if fused:
+            o, lse = _block_softmax_cpu(qb, kb, vb, kept)
+        else:
+            logits = torch.einsum("bthgd,bhpd->bhgtp", qb, kb).masked_fill(~kept[:, :, None], float("-inf"))
+            lse = logits.logsumexp(-1)  # (B, H, G, Q)
+            p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
+            o = torch.einsum("bhgtp,bhpd->bthgd", p, vb)
+        outs.append(o.reshape(B, t1 - t0, Hq, D))
         lses.append(lse.permute(0, 3, 1, 2).reshape(B, t1 - t0, Hq))
     if not outs:
         return q.new_zeros(B, 0, Hq, D, dtype=acc), q.new_zeros(B, 0, Hq, dtype=acc)
     return torch.cat(outs, 1), torch.cat(lses, 1)
+
+
+def _cpu_fused(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+    """Whether a block's softmax runs as torch's fused CPU attention (which returns the log-sum-exp too): on the CPU
+    in float32 without gradients (a prefill or scoring; its log-sum-exp carries none)."""
+    needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, *kv))
+    return (q.device.type == "cpu" and q.dtype == torch.float32 and not needs_grad
+            and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
+
+
+def _block_softmax_cpu(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
+                       kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of :func:`cache_softmax` in torch's fused CPU attention: the G query heads of a KV head and the Q
+    queries as one axis of G·Q queries over the same keys, ``kept`` ``(B, H, Q, P)`` as an additive mask (a 2K
+    prefill of SmolLM2 with a cache of 1,024 on a 2-core CPU: 10.2 s against 16.6 s composed,
+    results/prefill_cpu_sparse_cache_fused_softmax.json). ``qb`` ``(B, Q, H, G, D)`` scaled; returns ``o (B, Q, H, G, D)`` and
+    ``lse (B, H, G, Q)``, −inf and 0 for a query that keeps nothing."""
+    B, Q, H, G, D = qb.shape
+    P = kb.shape[2]
+    mask = torch.zeros(kept.shape, dtype=qb.dtype).masked_fill_(~kept, float("-inf"))
+    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        qb.permute(0, 2, 3, 1, 4).reshape(B, H, G * Q, D), kb, vb, 0.0, False,
+        attn_mask=mask[:, :, None].expand(B, H, G, Q, P).reshape(B, H, G * Q, P), scale=1.0)
+    lse = lse.view(B, H, G, Q).masked_fill(~kept.any(-1)[:, :, None], float("-inf"))
+    return o.view(B, H, G, Q, D).permute(0, 3, 1, 2, 4), lse
 
 
 def merge_softmax(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

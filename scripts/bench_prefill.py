@@ -2,6 +2,7 @@
 
     python scripts/bench_prefill.py --contexts 8192 32768 65536 --batches 1 16 --profile 32768x1 \\
         --output results/bench_prefill.json
+    python scripts/bench_prefill.py --sparse-cache 1024 --contexts 32768 --batches 1 16 --profile 32768x16
 
 Per (context, batch), on the same random prompt, the call a decoder makes before its first token:
 ``model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)`` — for the teacher its
@@ -71,6 +72,8 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--window", type=int, default=64, help="the converted block's window (0: the pure block)")
     p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--sparse-cache", type=int, default=0,
+                   help="the converted block's sparse cache (slots per KV head; the corpus recipe's is 1024)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton"),
                    help="the converted block's backend: triton also runs the window part through its Triton forward")
     p.add_argument("--profile", default=None, metavar="CxB", help="also list the kernels of this context x batch")
@@ -90,7 +93,7 @@ def main():
     teacher = build_teacher(args.model, torch.bfloat16).cuda()
     vocab = teacher.config.vocab_size
     calib = torch.randint(0, vocab, (1, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
-    options = GDNOptions(window=args.window, sinks=args.sinks, backend=args.backend)
+    options = GDNOptions(window=args.window, sinks=args.sinks, sparse_cache=args.sparse_cache, backend=args.backend)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",

@@ -38,35 +38,35 @@ grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/ex
 grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
 [ -d .whl ] && ls .carry/w/omegaconf-*.whl .carry/w/gguf-*.whl >/dev/null 2>&1 || scripts/device_carry.sh --wheels
 tmp=$(mktemp -d) && trap 'rm -rf "$tmp"' EXIT
-rm -rf .carry/gm? && mkdir -p .carry/gm1 .carry/gm5
+rm -rf .carry/gm? && mkdir -p .carry/gm1 "$tmp/arch"
 
-# the corpus subset and the task data, each one xz archive
+# the corpus subset, the task data and the tokenizer, each one xz archive (the last part carries them)
 linearize data subset "$corpus" --out "$tmp/corpus_gemma" --train-tokens "$tokens"
 rm -f "$tmp"/corpus_gemma/*/train-*.parquet  # the training split's text: training reads its token shards only
-tar -C "$tmp" -cf - corpus_gemma | xz -T0 -6 > .carry/gm5/corpus_gemma.tar.xz
+tar -C "$tmp" -cf - corpus_gemma | xz -T0 -6 > "$tmp/arch/corpus_gemma.tar.xz"
 mkdir -p "$tmp/ev/hf_datasets" "$tmp/ev/oe_eval_tasks"
 cp -r "$evdata"/hf_datasets/{piqa,ai2_arc,hellaswag,winogrande} "$tmp/ev/hf_datasets/"
 cp -r "$evdata"/oe_eval_tasks/lambada "$tmp/ev/oe_eval_tasks/"
 [ "$mmlu" = 1 ] && cp -r "$evdata"/hf_datasets/hails "$tmp/ev/hf_datasets/"
-tar -C "$tmp" -cf - ev | xz -T0 -6 > .carry/gm5/ev.tar.xz
+tar -C "$tmp" -cf - ev | xz -T0 -6 > "$tmp/arch/ev.tar.xz"
 mkdir -p "$tmp/tok" && python3 -c "import sys; from transformers import AutoTokenizer; \
 AutoTokenizer.from_pretrained(sys.argv[1], gguf_file=sys.argv[2]).save_pretrained(sys.argv[3])" \
     "$(dirname "$gguf")" "$(basename "$gguf")" "$tmp/tok"
-tar -C "$tmp/tok" -cf - tokenizer.json tokenizer_config.json | xz -T0 -6 > .carry/gm5/tokenizer.tar.xz
+tar -C "$tmp/tok" -cf - tokenizer.json tokenizer_config.json | xz -T0 -6 > "$tmp/arch/tokenizer.tar.xz"
 
 # the teacher in parts: the first beside the wheels, full ones, the last beside the archives; each call also
 # carries the working tree (tracked and untracked files), so a part is what 64 MiB leaves beside it
 limit=$(( 64 * 1024 * 1024 ))
 tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- 2> /dev/null | tail -1 | cut -f1)
 part=$(( limit - tree - 2000000 ))   # 2 MB of slack in every call
-size=$(stat -c %s "$gguf") whl=$(du -cb .whl/*.whl .carry/w/*.whl | tail -1 | cut -f1) extra=$(du -cb .carry/gm5/*.tar.xz | tail -1 | cut -f1)
+size=$(stat -c %s "$gguf") whl=$(du -cb .whl/*.whl .carry/w/*.whl | tail -1 | cut -f1) extra=$(du -cb "$tmp"/arch/*.tar.xz | tail -1 | cut -f1)
 first=$(( part - whl )) last_room=$(( part - extra ))
 [ "$first" -gt 0 ] && [ "$last_room" -gt 0 ] \
     || { echo "error: the wheels or the archives leave no room for the teacher in a call; carry fewer TRAIN_TOKENS or drop --mmlu" >&2; exit 2; }
-mv .carry/gm5/*.tar.xz "$tmp"/ && rm -rf .carry/gm5
 head -c "$first" "$gguf" > .carry/gm1/gguf.part00
 rest=$(( size - first )) n=1
 while [ "$rest" -gt "$last_room" ]; do  # full parts while what is left does not fit beside the archives
+    [ "$n" -lt 9 ] || { echo "error: more than ten parts (gguf.part00-09); the tree is too large to carry beside them" >&2; exit 2; }
     mkdir -p ".carry/gm$(( n + 1 ))"
     chunk=$(( rest < part ? rest : part ))
     dd if="$gguf" of=".carry/gm$(( n + 1 ))/gguf.part0$n" iflag=skip_bytes,count_bytes skip=$(( size - rest )) \
@@ -74,8 +74,7 @@ while [ "$rest" -gt "$last_room" ]; do  # full parts while what is left does not
     rest=$(( rest - chunk )) n=$(( n + 1 ))
 done
 lastdir=.carry/gm$(( n + 1 ))
-[ "$n" -le 9 ] || { echo "error: more than ten parts; the tree is too large to carry beside them" >&2; exit 2; }
-mkdir -p "$lastdir" && tail -c "$rest" "$gguf" > "$lastdir/gguf.part0$n" && mv "$tmp"/*.tar.xz "$lastdir"/
+mkdir -p "$lastdir" && tail -c "$rest" "$gguf" > "$lastdir/gguf.part0$n" && mv "$tmp"/arch/*.tar.xz "$lastdir"/
 (sha256sum "$gguf" | sed "s|  .*|  gemma-3-270m-q4_k_m.gguf|"; cd "$lastdir" && sha256sum corpus_gemma.tar.xz ev.tar.xz tokenizer.tar.xz) > "$lastdir/SHA256SUMS"
 cat .carry/gm?/gguf.part0? | cmp - "$gguf"   # the parts join back into the teacher
 

@@ -1,9 +1,8 @@
 """The ``linearize`` command line. Thin: parse, check, call the Python API, print.
 
-Every option is checked before anything slow runs (ranges as soon as the model's config says how
-many layers it has). Bad input ends with one line on stderr and exit code 2 (``--debug`` shows the
-traceback); Ctrl-C says where the run stopped, exit code 130. Nothing heavy is imported here at
-module level, so ``--help`` is instant.
+Every option is checked before anything slow runs (ranges as soon as the model's config says how many layers
+it has). Bad input ends with one line on stderr and exit code 2 (``--debug`` shows the traceback); Ctrl-C says
+where the run stopped, exit code 130. Nothing heavy is imported at module level, so ``--help`` is instant.
 """
 
 from __future__ import annotations
@@ -259,6 +258,7 @@ def generate(
                                             "length, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), e.g. yarn:4:2048."),
     rope_scaling_layers: str = typer.Option("softmax", "--rope-scaling-layers", help="softmax: a hybrid's kept ones; all."),
     sparse_cache: int | None = typer.Option(None, "--sparse-cache", help="Sparse cache slots per KV head (not the trained)."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the decode step (a GPU's graph; a CPU's steps)."),
 ):
     """Generate text with a converted model (constant-size state; the decode step as one CUDA graph on a GPU)."""
 
@@ -269,7 +269,7 @@ def generate(
         checks.positive(max_new_tokens, "--max-new-tokens", 1)
         sampling = sampling_of(temperature, top_k, top_p)
         lm, tok = load_for_generation(model, device, rope_scaling, rope_scaling_layers, DEBUG, sparse_cache)
-        out = generate_texts(lm, tok, prompts, max_new_tokens, chat=chat, sampling=sampling, seed=seed)
+        out = generate_texts(lm, tok, prompts, max_new_tokens, chat=chat, sampling=sampling, seed=seed, compile=compile)
         for i, text in enumerate(out.texts):
             if len(out.texts) > 1:
                 typer.echo(f"--- {i + 1}")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .compat import cache_kwargs
+from .compiling import compiled_blocks, compiled_steps
 from .generation import Sampling, next_tokens, plain_generate_kwargs
 from .layers.cache import GDNStateLayer, StaticKVLayer, StaticMask
 from .layers.gdn_attention import GDNAttention
@@ -106,7 +107,8 @@ class Decoder:
     model's weights must stay where they were captured: a decoder that finds them moved (``.to()``, a
     reload) captures again. ``static`` (default: as ``graph``) decodes on those fixed-size buffers without
     a graph: the recorded step, run eagerly. ``compile``: the graph is recorded with the blocks' norms,
-    MLPs and GDN projections compiled (:func:`compiled_blocks`).
+    MLPs and GDN projections compiled (:func:`~linearize.compiling.compiled_blocks`); without a graph (a CPU)
+    the steps run so, and every GDN block's whole decode step compiled too (:func:`~linearize.compiling.compiled_steps`).
 
     The softmax layers of a hybrid model decode from fixed-size key/value buffers of the prompt's length
     plus ``max_new_tokens``, rounded up to ``kv_bucket`` (one graph per batch size and bucket), through a
@@ -190,20 +192,22 @@ class Decoder:
         pos_buf.copy_(pos[:, -1:] + 1)
         out = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        for i in range(max_new_tokens):
-            nxt = next_tokens(logits, sampling, generator)
-            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
-            out.append(nxt[:, None])
-            if eos.numel():
-                done |= torch.isin(nxt, eos)
-                if (i + 1) % self.check_every == 0 and bool(done.all()):
+        eager_compiled = self.compile and not self.graph  # (a recorded graph holds its compiled kernels itself)
+        with compiled_blocks(model, eager_compiled), compiled_steps(model, eager_compiled):
+            for i in range(max_new_tokens):
+                nxt = next_tokens(logits, sampling, generator)
+                nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+                out.append(nxt[:, None])
+                if eos.numel():
+                    done |= torch.isin(nxt, eos)
+                    if (i + 1) % self.check_every == 0 and bool(done.all()):
+                        break
+                if i + 1 == max_new_tokens:
                     break
-            if i + 1 == max_new_tokens:
-                break
-            ids_buf.copy_(nxt[:, None])
-            run()
-            logits = logits_buf
-            self.timing.steps += 1
+                ids_buf.copy_(nxt[:, None])
+                run()
+                logits = logits_buf
+                self.timing.steps += 1
         self.timing.decode_s = _now(dev) - t0
         return torch.cat(out, 1)
 
@@ -314,33 +318,6 @@ def collector_paused():
     finally:
         if enabled:
             gc.enable()
-
-
-@contextlib.contextmanager
-def compiled_blocks(model, enabled: bool = True):
-    """Within: every decoder block's norms and MLP, and a GDN block's projections (q/k/v, their norms,
-    RoPE), run through ``torch.compile``, their element-wise work fused into a few kernels; afterwards the
-    model is as it was. The GDN step and the cache updates stay as they are. A graph recorded within keeps
-    the compiled kernels."""
-    from .models.adapters import decoder_layers
-
-    patched = []
-    if enabled:
-        for block in decoder_layers(model):
-            for name, child in block.named_children():
-                method = "forward" if name == "mlp" or name.endswith("norm") else \
-                    "project" if isinstance(child, GDNAttention) else None
-                if method:
-                    patched.append((child, method, child.__dict__.get(method)))
-                    setattr(child, method, torch.compile(getattr(child, method), dynamic=False))
-    try:
-        yield
-    finally:
-        for child, method, before in patched:
-            if before is None:
-                delattr(child, method)
-            else:
-                setattr(child, method, before)
 
 
 def _addresses(model) -> tuple[int, ...]:

@@ -91,7 +91,7 @@ class Generated:
 
 
 def generate_texts(lm, tok, prompts: list[str], max_new_tokens: int, chat: bool = False,
-                   sampling: Sampling | None = None, seed: int = 0) -> Generated:
+                   sampling: Sampling | None = None, seed: int = 0, compile: bool = False) -> Generated:
     if chat and not getattr(tok, "chat_template", None):
         raise UserError("--chat: the model's tokenizer has no chat template; drop --chat")
     rows = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True,
@@ -108,7 +108,7 @@ def generate_texts(lm, tok, prompts: list[str], max_new_tokens: int, chat: bool 
     eos = tok.eos_token_id
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos
     gen = torch.Generator(dev).manual_seed(seed)
-    dec = Decoder(lm)
+    dec = Decoder(lm, compile=compile)
     out = dec.generate(ids.to(dev), attention_mask=mask.to(dev), max_new_tokens=max_new_tokens, eos_token_id=eos,
                        pad_token_id=pad, sampling=sampling, generator=gen)
     new = out[:, T:].cpu()

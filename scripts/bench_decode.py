@@ -23,7 +23,7 @@ new tokens (no end of text).
 ``--check-prompts N`` also checks that the graph path's greedy continuations equal the eager path's on
 N prompts, token for token. Without ``--model``: SmolLM2-135M's architecture with random weights (speed
 does not depend on the weights). ``--device cpu``: float32, the teacher's default path against the
-converted model's (no compile, no graph, no peak memory).
+converted model's (no graph, no peak memory; ``--compile`` adds its steps compiled, :mod:`linearize.compiling`).
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: boo
         return run
 
     if cpu:  # what runs on a CPU: the teacher's default path and the converted model's (eager) decoder
-        return {"teacher": hf(teacher), "converted": dec(False)}
+        return {"teacher": hf(teacher), "converted": dec(False), **({"converted_compiled": dec(False, True)} if compiled else {})}
     out = {"teacher": hf(teacher), "teacher_static": hf(teacher, cache_implementation="static"), "converted": dec(True)}
     if compiled:
         out["converted_compiled"] = dec(True, compile=True)
@@ -210,7 +210,8 @@ def main():
                         "'8:induction', or indices '3,7')")
     p.add_argument("--eager", action="store_true", help="also time the converted model's eager paths")
     p.add_argument("--compile", action="store_true",
-                   help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled)")
+                   help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled; "
+                        "on a CPU: the eager steps compiled)")
     p.add_argument("--paths", nargs="+", default=None, metavar="NAME",
                    help="time only these paths (teacher, teacher_static, converted, converted_compiled, …)")
     p.add_argument("--check-prompts", type=int, default=0, help="check graph == eager greedy tokens on N prompts")

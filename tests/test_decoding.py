@@ -335,7 +335,7 @@ def test_sliding_softmax_layers_are_not_recorded():
 def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     """The norms and MLPs compiled for a captured step give the eager model's tokens and logits (to float32
     rounding: the compiler reorders sums), and leave the model's own modules afterwards."""
-    from linearize.decoding import compiled_blocks
+    from linearize.compiling import compiled_blocks
 
     model = converted(family="llama", window=4, sinks=2).eval()
     x, mask = left_padded(model)
@@ -352,6 +352,31 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     assert (compiled_logits - logits).abs().max() < 1e-5 * logits.abs().max()
     assert (block.mlp.forward.__func__, block.input_layernorm.forward.__func__) == forwards
     assert "forward" not in block.mlp.__dict__ and "project" not in block.self_attn.__dict__
+
+
+
+@pytest.mark.parametrize("case", [dict(family="llama"), dict(family="llama", window=4, sinks=2, sparse_cache=3)],
+                         ids=["taylor", "window-cache"])
+def test_compiled_steps_decode_the_same_and_put_the_model_back(case, monkeypatch):
+    """Every GDN block's whole decode step compiled (the eager decoder's ``compile=True``, a CPU's path) gives the
+    eager steps' tokens — through the Taylor step, and through the window's, whose cache fills and evicts in
+    place — and the blocks' own ``_step`` afterwards; ``Decoder(compile=True)`` without a graph decodes so."""
+    import linearize.decoding as decoding
+    from linearize.compiling import compiled_blocks, compiled_steps
+
+    model = converted(**case).eval()
+    x, mask = left_padded(model)
+    attn = [m for m in model.modules() if isinstance(m, GDNAttention)]
+    want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=10)
+    with compiled_blocks(model), compiled_steps(model):
+        assert all("_step" in a.__dict__ for a in attn)  # compiled, on the instance
+        got = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=10)
+    assert torch.equal(got, want)
+    assert not any("_step" in a.__dict__ for a in attn)
+    used = []
+    monkeypatch.setattr(decoding, "compiled_steps", lambda m, on: used.append(on) or compiled_steps(m, on))
+    assert torch.equal(Decoder(model, graph=False, compile=True).generate(x, attention_mask=mask, max_new_tokens=10), want)
+    assert used == [True]
 
 
 def test_a_failed_capture_decodes_eagerly_when_the_graph_was_not_asked_for(monkeypatch):

@@ -106,8 +106,7 @@ def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
 
 def test_a_16_bit_backward_is_refused_where_ptxas_miscompiles_it(monkeypatch):
     """ptxas 12.8 (Triton 3.6's) miscompiles the backward's 16-bit tensor-core products: a CUDA bf16/fp16
-    call that will want gradients is refused with what to do; fp32, ptxas 12.9+, the CPU and calls without a
-    gradient go on. ``kda_triton`` asks before the forward runs."""
+    call that will want gradients is refused with what to do; fp32, ptxas 12.9+ and the CPU go on."""
     import linearize.ops.triton.kda_bwd as kb
 
     cuda = torch.device("cuda")
@@ -123,6 +122,13 @@ def test_a_16_bit_backward_is_refused_where_ptxas_miscompiles_it(monkeypatch):
         monkeypatch.setattr(kb, "ptxas_version", lambda v=version: v)
         kb.check_backward_compiler(torch.bfloat16, cuda)
         assert kb.backward_compiles(torch.bfloat16, cuda)
+
+
+def test_the_backward_compiler_is_asked_before_a_forward_that_will_want_gradients(monkeypatch):
+    """``kda_triton`` checks the backward's compiler before its forward runs, and only when gradients will follow."""
+    import linearize.ops.triton.kda_bwd as kb
+
+    needs_interpreter()
     asked = []
     monkeypatch.setattr(kb, "check_backward_compiler", lambda dtype, device: asked.append((dtype, device.type)))
     gen = torch.Generator().manual_seed(0)

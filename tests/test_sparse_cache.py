@@ -15,6 +15,7 @@ from test_convert import calib, ids, incremental_logits
 from test_window import dense_sink_window
 
 import linearize
+import linearize.ops.sparse_cache as sc
 from linearize.config import load_recipe
 from linearize.layers import GDNAttention, GDNOptions
 from linearize.ops import sparse_cache
@@ -360,10 +361,13 @@ def random_cache(N, H, D, W, C, win_pos, S, dtype, seed, empty=0.3):
     return CacheBuffers(k, v, key, win_key), torch.randn(N, H, generator=g)
 
 
-@pytest.mark.parametrize("case", [(2, 2, 2, 16, 4, 2, [3, 40], [0, 2], 5), (3, 3, 3, 64, 64, 4, [1, 70, 400], [5, 0, 2], 40),
-                                  (1, 1, 4, 40, 5, 3, [30], [1], 7), (2, 1, 2, 16, 3, 2, [0, 1], [0, 1], 2),
-                                  (1, 1, 1, 16, 3, 1, [20], [0], 1030),  # the lowest key sought in two blocks
-                                  (2, 2, 2, 16, 4, 2, [50, 9], [0, 1], 100, 0.97)])  # splits of the cache all empty
+STEP_CASES = [(2, 2, 2, 16, 4, 2, [3, 40], [0, 2], 5), (3, 3, 3, 64, 64, 4, [1, 70, 400], [5, 0, 2], 40),
+              (1, 1, 4, 40, 5, 3, [30], [1], 7), (2, 1, 2, 16, 3, 2, [0, 1], [0, 1], 2),
+              (1, 1, 1, 16, 3, 1, [20], [0], 1030),  # the lowest key sought in two blocks
+              (2, 2, 2, 16, 4, 2, [50, 9], [0, 1], 100, 0.97)]  # splits of the cache all empty
+
+
+@pytest.mark.parametrize("case", STEP_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
     """The decode-step kernels with a sparse cache (TRITON_INTERPRET=1) — the old token offered to the cache and the
@@ -395,6 +399,37 @@ def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
         cache = CacheBuffers(cache.k, cache.v, ycache.key.clone(), ycache.win_key.clone())  # the same keys on
         score = score + 0.5  # the next token's
     assert torch.isfinite(cache.key).sum() > 0
+
+
+@pytest.mark.parametrize("case", STEP_CASES + [(1, 2, 2, 16, 4, 2, [1], [0], 6, 1.0)])  # every slot empty
+def test_cpu_step_with_a_cache_in_float32_equals_the_float64_body(case, monkeypatch):
+    """The PyTorch body of the decode step in float32 on the CPU — the window's and the cache's softmax each through
+    torch's fused CPU attention on the buffers in place, then joined — against the same body in float64 (composed),
+    step after step: the output, the states, every buffer and the cache's slots."""
+    from test_window_step import ARGS, BETA_MAX, cast, named, random_step, rel
+
+    import linearize.ops.window_step as ws
+    from linearize.ops.sparse_cache import CacheBuffers
+
+    fused = []
+    monkeypatch.setattr(ws, "cpu_fused", lambda q, *kv: fused.append((q.dtype, sc.cpu_fused(q, *kv))) or fused[-1][1])
+    N, H, G, D, W, S, counts, pads, C, *empty = case
+    x = cast(random_step(N, H, G, D, W, S, counts, pads, seed=D + C), torch.float32)
+    cache, score = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, torch.float32, seed=C, empty=(empty or [0.3])[0])
+    for _ in range(min(W + 3, 8)):
+        y, ycache = cast(x, f64, f64), CacheBuffers(*(t.double().clone() for t in cache.tensors()))
+        want = ws.sink_window_gdn_step_(*(y[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=ycache,
+                                        token_score=score)
+        got = ws.sink_window_gdn_step_(*(x[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=cache,
+                                       token_score=score)
+        assert got.dtype == torch.float32 and torch.isfinite(got).all() and rel(got, want) < 1e-5
+        for n in ("state", "sum_k", "sum_v"):
+            assert rel(x[n], y[n]) < 1e-5, n
+        for (name, a), b in zip(named(x["buffers"]).items(), y["buffers"].tensors()):
+            assert torch.equal(a.double(), b), name
+        assert torch.equal(cache.k.double(), ycache.k) and torch.equal(cache.v.double(), ycache.v)
+        score = score + 0.5
+    assert set(fused) == {(torch.float32, True), (f64, False)}  # float32: the fused route, always
 
 
 def test_resized_cache_equals_a_model_converted_with_that_size(tmp_path, tiny_dir):

@@ -27,6 +27,7 @@ def forget(model) -> None:
         module.__dict__.pop("_stacked", None)
 
 
+@torch.compiler.disable  # host-side bookkeeping (pointers, version counters): run eagerly inside a compiled step
 def refresh(attn) -> dict | None:
     """The block's stacked weights, built or brought up to date with its projections (None where they
     cannot be stacked)."""

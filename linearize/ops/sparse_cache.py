@@ -121,7 +121,7 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
     G = Hq // H
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ck, cv = (x.to(acc).permute(0, 2, 1, 3) for x in (cand_k, cand_v))  # (B, H, N, D)
-    fused = _cpu_fused(q, ck, cv)
+    fused = cpu_fused(q, ck, cv)
     outs, lses = [], []
     for t0, t1, idx, _, kept in _pooled_blocks(cand_key, prior, size, cand_doc, query_doc, block):
         at = idx[..., None].expand(-1, -1, -1, D)
@@ -141,7 +141,7 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
     return torch.cat(outs, 1), torch.cat(lses, 1)
 
 
-def _cpu_fused(q: torch.Tensor, *kv: torch.Tensor) -> bool:
+def cpu_fused(q: torch.Tensor, *kv: torch.Tensor) -> bool:
     """Whether a block's softmax runs as torch's fused CPU attention (which returns the log-sum-exp too): on the CPU
     in float32 without gradients (a prefill or scoring; its log-sum-exp carries none)."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, *kv))

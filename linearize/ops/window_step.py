@@ -44,7 +44,7 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
-from .sparse_cache import CacheBuffers, cache_enter_, score_keys
+from .sparse_cache import CacheBuffers, cache_enter_, cpu_fused, merge_softmax, score_keys
 from .window_inputs import WindowBuffers
 
 
@@ -64,17 +64,16 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     o_old = taylor_gdn_step_torch(q, b.win_k[:, 0].to(dt), b.win_v[:, 0].to(dt), state, sum_k, sum_v, count, rho,
                                   beta_factor, gate_factor, beta_max, 1.0, mask=m, eps=eps, decays=decays)
     # the exact part: window slots 1 … W − 1 holding a token, the new token, the sinks outside the window
-    keys = torch.cat([b.win_k[:, 1:], k.to(b.win_k.dtype)[:, None], b.sink_k], 1).to(dt)  # (N, W + S, H, D)
-    values = torch.cat([b.win_v[:, 1:], v.to(b.win_v.dtype)[:, None], b.sink_v], 1).to(dt)
+    keys = torch.cat([b.win_k[:, 1:], k.to(b.win_k.dtype)[:, None], b.sink_k], 1)  # (N, W + S, H, D)
+    values = torch.cat([b.win_v[:, 1:], v.to(b.win_v.dtype)[:, None], b.sink_v], 1)
     sink_ok = (b.sink_index >= 0) & (b.sink_index <= (r - W)[:, None])
     ok = torch.cat([b.win_pos[:, 1:] > 0, torch.ones_like(m)[:, None], sink_ok], 1)[:, None].expand(-1, H, -1)
-    if cache is not None:  # and the sparse cache's slots holding a token (cache_enter_ has taken the old one in)
-        keys, values = (torch.cat([a, c.to(dt)], 1) for a, c in ((keys, cache.k), (values, cache.v)))
-        ok = torch.cat([ok, torch.isfinite(cache.key).transpose(1, 2)], 2)  # (N, H, W + S + C)
     qh = q.view(N, H, Hq // H, D)
-    logits = (qh @ keys.permute(0, 2, 3, 1)).masked_fill(~ok[:, :, None], float("-inf"))  # (N, H, G, keys)
-    lse = torch.logsumexp(logits, -1, keepdim=True)  # finite: the new token is always a key
-    o_exact = torch.exp(logits - lse) @ values.transpose(1, 2)  # (N, H, G, D)
+    o_exact, lse = keyed_softmax(qh, keys, values, ok)  # lse finite: the new token is always a key
+    if cache is not None:  # and the sparse cache's slots holding a token (cache_enter_ has taken the old one in)
+        o_c, lse_c = keyed_softmax(qh, cache.k, cache.v, torch.isfinite(cache.key).transpose(1, 2))
+        o_exact, lse = merge_softmax(o_exact, lse, o_c, lse_c)
+    lse = lse[..., None]
     # the mix by mass, with the old stream's count and mean key after this step
     t = count.to(dt)[:, None, None, None].clamp_min(1)
     log_z = (qh @ sum_k.to(dt)[..., None]) / t + torch.log(t) + mix_bias.to(dt).view(H, -1, 1)
@@ -93,6 +92,24 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     c.add_(1)
     r.add_(1)
     return o
+
+
+def keyed_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                  ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax of ``q`` ``(N, H, G, D)`` (scaled) over the ``keys``/``values`` ``(N, P, H, D)`` that ``ok`` ``(N, H, P)``
+    admits: ``o (N, H, G, D)`` and ``lse (N, H, G)`` in q's dtype, −inf and 0 where none is admitted. On the CPU in
+    float32 without gradients, torch's fused CPU attention on the buffers as they lie (a strided view, no copy:
+    a decode step over a cache of 1,024 reads it in place), else composed."""
+    kt, vt = (x.to(q.dtype).transpose(1, 2) for x in (keys, values))  # (N, H, P, D)
+    if cpu_fused(q, kt, vt):
+        mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill_(~ok, float("-inf"))[:, :, None]
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, kt, vt, 0.0, False, attn_mask=mask.expand(-1, -1, q.shape[2], -1), scale=1.0)
+        return o, lse.masked_fill(~ok.any(-1)[..., None], float("-inf"))
+    logits = (q @ kt.transpose(-1, -2)).masked_fill(~ok[:, :, None], float("-inf"))  # (N, H, G, P)
+    lse = torch.logsumexp(logits, -1)
+    p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
+    return p @ vt, lse
 
 
 def sink_window_gdn_step_(

@@ -349,6 +349,29 @@ def test_decode_step_equals_the_selection_and_updates_in_place():
     assert torch.isfinite(b.key).all() and [x.data_ptr() for x in b.tensors()[:3]] == tensors
 
 
+
+def test_a_compiled_offer_writes_what_the_eager_one_does():
+    """The offer of a token to the cache traced by torch.compile (an indexed write in place) against the eager
+    scatter, step after step from a partly empty cache: the same slots, keys and values, in the same tensors."""
+    from linearize.ops.sparse_cache import CacheBuffers, _offer_
+
+    g = torch.Generator().manual_seed(4)
+    B, C, H, D = 2, 5, 3, 8
+    key = torch.randn(B, C, H, generator=g, dtype=f64).masked_fill(torch.rand(B, C, H, generator=g) < 0.5, -math.inf)
+    a = CacheBuffers(torch.randn(B, C, H, D, generator=g), torch.randn(B, C, H, D, generator=g), key, key[:, :1])
+    b = CacheBuffers(*(t.clone() for t in a.tensors()))
+    tensors = [t.data_ptr() for t in b.tensors()[:3]]
+    offer = torch.compile(_offer_, dynamic=False)
+    for _ in range(12):
+        k, v = torch.randn(B, 1, H, D, generator=g), torch.randn(B, 1, H, D, generator=g)
+        new = torch.randn(B, 1, H, generator=g, dtype=f64).masked_fill(torch.rand(B, 1, H, generator=g) < 0.2, -math.inf)
+        _offer_(a, k, v, new)
+        offer(b, k, v, new)
+        for x, y in zip(a.tensors()[:3], b.tensors()[:3]):
+            assert torch.equal(x, y)
+    assert torch.isfinite(a.key).all() and [t.data_ptr() for t in b.tensors()[:3]] == tensors
+
+
 def random_cache(N, H, D, W, C, win_pos, S, dtype, seed, empty=0.3):
     """Cache slots of ``dtype`` with float64 keys, a share ``empty`` of the slots empty (−inf); the window's keys
     −inf where its slot holds padding or a sink (as token_keys leaves them)."""

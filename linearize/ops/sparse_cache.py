@@ -308,6 +308,15 @@ def _offer_(cache: CacheBuffers, k: torch.Tensor, v: torch.Tensor, key: torch.Te
     """In place: a candidate (``k``, ``v`` ``(B, 1, H, D)``, ``key`` ``(B, 1, H)``) takes the lowest-keyed slot (the
     first of equals, so an empty one, −inf, goes first) when its key is at least that one's: the slots then hold
     the best ``C`` of the ``C + 1``."""
+    if torch.compiler.is_compiling():  # traced (a compiled CPU step): an indexed write, which the compiler keeps in
+        B, _, H = cache.key.shape      # place, where it copies a scattered buffer whole (the step 1.45x faster)
+        slot, b, h = cache.key.argmin(1), torch.arange(B, device=key.device)[:, None], torch.arange(H, device=key.device)
+        low = cache.key[b, slot, h]  # (B, H)
+        take = key[:, 0] >= low
+        for buf, x in ((cache.k, k), (cache.v, v)):
+            buf[b, slot, h] = torch.where(take[..., None], x[:, 0].to(buf.dtype), buf[b, slot, h])
+        cache.key[b, slot, h] = torch.where(take, key[:, 0], low)
+        return
     slot = cache.key.argmin(1, keepdim=True)  # (B, 1, H)
     take = key >= cache.key.gather(1, slot)
     at = slot[..., None].expand(-1, -1, -1, cache.k.shape[-1])

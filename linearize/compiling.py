@@ -5,8 +5,10 @@ block's running means, β, the gate, the rank-1 update, the window's and the cac
 MLP's activation — is a few hundred tiny operations per layer, each paying the framework's dispatch. On a GPU
 the CUDA graph removes that cost (:class:`linearize.decoding.Decoder`); :func:`compiled_blocks` also fuses
 the element-wise work it records. On a CPU there is no graph: :func:`compiled_steps` compiles each GDN
-block's whole decode step as well, so that a step runs a few fused loops instead of several hundred operations
+block's decode step, so that a step runs a few fused loops instead of several hundred operations
 (SmolLM2-135M with the recipe's cache of 1,024 on a 2-core CPU: ``results/bench_decode_cpu_compiled.json``).
+There the norms and MLPs stay eager: a compiled region's entry costs more than their few operations save (the
+same decode was about 8% slower with :func:`compiled_blocks` as well).
 
 Both patch the modules' methods on the instances and put them back on exit; compiled code is kept by
 ``torch.compile`` itself, keyed on the functions, so a second use of the same shapes compiles nothing.
@@ -65,13 +67,25 @@ def compiled_blocks(model, enabled: bool = True):
 
 @contextlib.contextmanager
 def compiled_steps(model, enabled: bool = True):
-    """Within: every GDN block's decode step (``GDNAttention._step``: its projections, the Taylor-GDN update,
-    the window's and the sparse cache's softmax and their in-place updates, the mix) through ``torch.compile``;
-    afterwards the model is as it was. For eager decoding (a CPU); a CUDA graph has no per-operation cost to
-    remove there. The stacked projections' refresh runs eagerly between the compiled parts
-    (:func:`linearize.layers.step_projection.refresh`)."""
-    targets = [(m, "_step") for m in model.modules() if isinstance(m, GDNAttention)] if enabled else []
-    patched = _patched(targets)
+    """Within: every GDN block's decode step (``GDNAttention._step``: the Taylor-GDN update, the window's and the
+    sparse cache's softmax and their in-place updates, the mix) through ``torch.compile`` as one region; afterwards
+    the model is as it was. For eager decoding (a CPU); a CUDA graph has no per-operation cost to remove there.
+    The step's stacked projections (one product, :func:`linearize.layers.step_projection.step_projections`) run
+    eagerly before it: their weights' bookkeeping is host-side, and inside it would split the region in two."""
+    from .layers.step_projection import step_projections
+
+    def compiled(attn):
+        step = torch.compile(attn._step, dynamic=False)
+
+        def run(hidden_states, *args, **kwargs):
+            proj = step_projections(attn, hidden_states) if attn.stacked_step else None
+            return step(hidden_states, *args, proj=proj, **kwargs)
+        return run
+
+    patched = []
+    for attn in (m for m in model.modules() if isinstance(m, GDNAttention)) if enabled else ():
+        patched.append((attn, "_step", attn.__dict__.get("_step")))
+        attn._step = compiled(attn)
     try:
         yield
     finally:

@@ -107,8 +107,8 @@ class Decoder:
     model's weights must stay where they were captured: a decoder that finds them moved (``.to()``, a
     reload) captures again. ``static`` (default: as ``graph``) decodes on those fixed-size buffers without
     a graph: the recorded step, run eagerly. ``compile``: the graph is recorded with the blocks' norms,
-    MLPs and GDN projections compiled (:func:`~linearize.compiling.compiled_blocks`); without a graph (a CPU)
-    the steps run so, and every GDN block's whole decode step compiled too (:func:`~linearize.compiling.compiled_steps`).
+    MLPs and GDN projections compiled (:func:`~linearize.compiling.compiled_blocks`); without a graph (a CPU),
+    every GDN block's decode step is compiled instead (:func:`~linearize.compiling.compiled_steps`).
 
     The softmax layers of a hybrid model decode from fixed-size key/value buffers of the prompt's length
     plus ``max_new_tokens``, rounded up to ``kv_bucket`` (one graph per batch size and bucket), through a
@@ -192,8 +192,7 @@ class Decoder:
         pos_buf.copy_(pos[:, -1:] + 1)
         out = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        eager_compiled = self.compile and not self.graph  # (a recorded graph holds its compiled kernels itself)
-        with compiled_blocks(model, eager_compiled), compiled_steps(model, eager_compiled):
+        with compiled_steps(model, self.compile and not self.graph):  # (a recorded graph holds compiled kernels itself)
             for i in range(max_new_tokens):
                 nxt = next_tokens(logits, sampling, generator)
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)

@@ -362,13 +362,13 @@ def test_compiled_steps_decode_the_same_and_put_the_model_back(case, monkeypatch
     eager steps' tokens — through the Taylor step, and through the window's, whose cache fills and evicts in
     place — and the blocks' own ``_step`` afterwards; ``Decoder(compile=True)`` without a graph decodes so."""
     import linearize.decoding as decoding
-    from linearize.compiling import compiled_blocks, compiled_steps
+    from linearize.compiling import compiled_steps
 
     model = converted(**case).eval()
     x, mask = left_padded(model)
     attn = [m for m in model.modules() if isinstance(m, GDNAttention)]
     want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=10)
-    with compiled_blocks(model), compiled_steps(model):
+    with compiled_steps(model):
         assert all("_step" in a.__dict__ for a in attn)  # compiled, on the instance
         got = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=10)
     assert torch.equal(got, want)
@@ -377,6 +377,29 @@ def test_compiled_steps_decode_the_same_and_put_the_model_back(case, monkeypatch
     monkeypatch.setattr(decoding, "compiled_steps", lambda m, on: used.append(on) or compiled_steps(m, on))
     assert torch.equal(Decoder(model, graph=False, compile=True).generate(x, attention_mask=mask, max_new_tokens=10), want)
     assert used == [True]
+
+
+
+def test_prefilled_states_have_the_standard_strides_whatever_the_prompt_length():
+    """A prefill's states are slices of its whole-prompt tensors; the cache keeps them with row-major strides (size-1
+    dimensions' too), so that a compiled decode step — whose guards read every stride — compiles once per batch
+    size, not once per prompt length."""
+    from transformers import DynamicCache
+
+    from linearize.compat import cache_kwargs
+    from linearize.layers.cache import GDNStateLayer
+
+    model = converted(family="llama", window=4, sinks=2, sparse_cache=3).eval()
+    for T in (5, 9, 30):
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(torch.randint(1, model.config.vocab_size, (1, T)), **cache_kwargs(cache), use_cache=True)
+        layers = [layer for layer in cache.layers if isinstance(layer, GDNStateLayer)]
+        assert layers
+        for layer in layers:
+            for i, x in layer.recurrent_states.items():
+                if layer.is_recurrent_states_initialized[i]:
+                    assert x.stride() == torch.empty(x.shape).stride(), (T, i, x.shape, x.stride())
 
 
 def test_a_failed_capture_decodes_eagerly_when_the_graph_was_not_asked_for(monkeypatch):

@@ -90,7 +90,7 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
             slots.append((_SUM_KK, sums.kk))
         for i, x in slots:
             if not (self.is_recurrent_states_initialized[i] and self.recurrent_states[i] is x):  # updated in place
-                self.update_recurrent_state(x, state_idx=i)
+                self.update_recurrent_state(_standard(x), state_idx=i)
             self.has_previous_state[i] = True
         self.seen += new_tokens
         self.is_initialized = True
@@ -120,6 +120,16 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         raise RuntimeError("a recurrent GDN state cannot be cropped back to an earlier position")
+
+
+def _standard(x: torch.Tensor) -> torch.Tensor:
+    """``x``, or a copy of it where its strides are not the standard row-major ones — a size-1 dimension's too: a
+    prefill's slices carry the prompt's length in them, and a compiled decode step would compile again for each."""
+    stride, n = [], 1
+    for size in reversed(x.shape):
+        stride.insert(0, n)
+        n *= size
+    return x if tuple(stride) == x.stride() else x.clone(memory_format=torch.contiguous_format)
 
 
 def gdn_cache_layer(cache, layer_idx: int) -> GDNStateLayer:

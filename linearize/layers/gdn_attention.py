@@ -375,11 +375,13 @@ class GDNAttention(nn.Module):
             )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
 
-    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None, cache=None):
+    def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None, cache=None,
+              proj=None):
         """One decode step updating the cache's state, sums (and window ``buffers``) in place, in one kernel on
-        CUDA: :func:`~linearize.ops.decode.taylor_gdn_step_`, :func:`~linearize.ops.window_step.sink_window_gdn_step_`."""
+        CUDA: :func:`~linearize.ops.decode.taylor_gdn_step_`, :func:`~linearize.ops.window_step.sink_window_gdn_step_`.
+        ``proj``: the :func:`~linearize.layers.step_projection.step_projections` of ``hidden_states``, if made already."""
         B = hidden_states.shape[0]
-        proj = step_projections(self, hidden_states) if self.stacked_step else None  # one product for five
+        proj = proj or (step_projections(self, hidden_states) if self.stacked_step else None)  # one product for five
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past, projections=proj and proj[:3])
         dt, backend = h0.dtype, {"reference": "torch"}.get(self.options.backend, self.options.backend)
         if self.per_channel:  # the decode-step kernels take one decay per head: kda's step is the torch body

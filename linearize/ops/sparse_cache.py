@@ -151,19 +151,19 @@ def cpu_fused(q: torch.Tensor, *kv: torch.Tensor) -> bool:
 
 def _block_softmax_cpu(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
                        kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of :func:`cache_softmax` in torch's fused CPU attention: the G query heads of a KV head and the Q
-    queries as one axis of G·Q queries over the same keys, ``kept`` ``(B, H, Q, P)`` as an additive mask (a 2K
-    prefill of SmolLM2 with a cache of 1,024 on a 2-core CPU: 10.2 s against 16.6 s composed,
-    results/prefill_cpu_sparse_cache_fused_softmax.json). ``qb`` ``(B, Q, H, G, D)`` scaled; returns ``o (B, Q, H, G, D)`` and
-    ``lse (B, H, G, Q)``, −inf and 0 for a query that keeps nothing."""
-    B, Q, H, G, D = qb.shape
-    P = kb.shape[2]
+    """One block of :func:`cache_softmax` in torch's fused CPU attention, one call for each of the G query heads of
+    a KV head, ``kept`` ``(B, H, Q, P)`` as an additive mask that every call reads as it is (a 2K prefill of SmolLM2
+    with a cache of 1,024 on a 2-core CPU: 10.2 s against 16.6 s composed, results/prefill_cpu_sparse_cache_fused_softmax.json;
+    G calls beat one over all G·Q queries, whose mask had to be copied G times). ``qb`` ``(B, Q, H, G, D)`` scaled;
+    returns ``o (B, Q, H, G, D)`` and ``lse (B, H, G, Q)``, −inf and 0 for a query that keeps nothing."""
+    G = qb.shape[3]
     mask = torch.zeros(kept.shape, dtype=qb.dtype).masked_fill_(~kept, float("-inf"))
-    o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        qb.permute(0, 2, 3, 1, 4).reshape(B, H, G * Q, D), kb, vb, 0.0, False,
-        attn_mask=mask[:, :, None].expand(B, H, G, Q, P).reshape(B, H, G * Q, P), scale=1.0)
-    lse = lse.view(B, H, G, Q).masked_fill(~kept.any(-1)[:, :, None], float("-inf"))
-    return o.view(B, H, G, Q, D).permute(0, 3, 1, 2, 4), lse
+    heads = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb[:, :, :, g].transpose(1, 2), kb, vb, 0.0,
+                                                                        False, attn_mask=mask, scale=1.0)[:2]
+             for g in range(G)]
+    o = torch.stack([x for x, _ in heads], 2)  # (B, H, G, Q, D)
+    lse = torch.stack([x for _, x in heads], 2).masked_fill(~kept.any(-1)[:, :, None], float("-inf"))
+    return o.permute(0, 3, 1, 2, 4), lse
 
 
 def merge_softmax(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

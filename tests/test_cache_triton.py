@@ -85,6 +85,29 @@ def test_cached_cache_on_the_kernel_equals_the_dense_form():
         assert torch.equal(a, b)
 
 
+def check_thresholds(device, B, T, H, G, D, prior, size, block, seed=0):
+    """Every block's thresholds from the kernel equal the PyTorch count's, bit for bit, and so do the pools."""
+    from linearize.ops.sparse_cache import _pooled_blocks
+    from linearize.ops.triton.cache_fwd import block_thresholds
+
+    key = cache_args(B, T, H, G, D, prior, size, seed)[3].to(device)
+    torch_form = list(_pooled_blocks(key, prior, size, None, None, block, kept=False))
+    kernel = list(_pooled_blocks(key, prior, size, None, None, block, kept=False, thresholds=block_thresholds))
+    assert len(kernel) == len(torch_form) > 0
+    for (t0, t1, idx, thr, _), (u0, u1, jdx, want, _) in zip(kernel, torch_form):
+        assert (t0, t1) == (u0, u1) and torch.equal(idx, jdx) and thr.shape == want.shape
+        assert torch.equal(thr.cpu(), want.cpu())
+    assert any(torch.isfinite(b[3]).any() for b in torch_form) and any((~torch.isfinite(b[3])).any() for b in torch_form)
+
+
+@pytest.mark.parametrize("case", CASES + [(2, 300, 2, 1, 8, 100, 100, 128), (1, 200, 3, 1, 8, 0, 40, 70)], ids=case_id)
+def test_threshold_kernel_interpreted_equals_the_count(case):
+    """The selection's thresholds through the kernel (several tiles of queries and of pool entries, carried entries
+    some empty, stream steps that write nothing) against the PyTorch form's count."""
+    needs_interpreter()
+    check_thresholds("cpu", *case)
+
+
 GPU_CASES = CASES + [
     (2, 4096, 3, 3, 64, 1024, 1024, None),  # SmolLM2's heads, the recipe's cache, blocks of 2,048
     (1, 5000, 1, 4, 128, 256, 256, None),
@@ -98,6 +121,13 @@ GPU_CASES = CASES + [
 @pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
 def test_cache_triton_gpu_equals_reference(dtype, case, compiled):
     check(dtype, "cuda", *case)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("case", GPU_CASES, ids=case_id)
+def test_threshold_kernel_gpu_equals_the_count(case, compiled):
+    check_thresholds("cuda", *case)
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -54,14 +54,16 @@ def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor) -> torch.Tens
 
 
 def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torch.Tensor | None,
-                   query_doc: torch.Tensor | None, block: int | None, kept: bool = True):
+                   query_doc: torch.Tensor | None, block: int | None, kept: bool = True, thresholds=None):
     """Each block of queries ``[t0, t1)`` with the only candidates it can keep: ``(t0, t1, idx, thr, kept)``,
     ``idx`` ``(B, H, P)`` indices into the candidates — the ``size`` best seen before the block (carried from
     block to block, of the document of the query before it), then the block's own stream candidates — ``thr``
     ``(B, H, Q)`` each query's threshold, ``kept`` ``(B, H, Q, P)`` which of them each query keeps (None
     unless ``kept``). A query's ``size`` best lie among those: an older candidate that is not among the
     carried best never will be again (the seen set only grows within a document).
-    Arguments as :func:`cache_threshold`; the work grows as ``T · (size + block)``, not ``T²``."""
+    Arguments as :func:`cache_threshold`; the work grows as ``T · (size + block)``, not ``T²``. ``thresholds``:
+    without documents or ``kept``, what computes them from the sorted pool and each entry's first query
+    (:func:`linearize.ops.triton.cache_fwd.block_thresholds`) in place of the count below."""
     B, N, H = cand_key.shape
     T, dev = N - prior, cand_key.device
     block = block or (_BLOCK if dev.type == "cpu" else max(_BLOCK_GPU, size))
@@ -76,16 +78,21 @@ def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torc
         idx = torch.cat([carry, torch.arange(prior + t0, prior + t1, device=dev).expand(B, H, Q)], -1)  # (B, H, P)
         pool = torch.cat([carry_key, keys[:, :, prior + t0:prior + t1]], -1)
         j = torch.arange(c + Q, device=dev)
-        seen = ((j < c) | (j - c <= torch.arange(Q, device=dev)[:, None])) & torch.isfinite(pool)[:, :, None, :]
-        if docs is not None:
-            pool_doc = torch.gather(docs, 2, idx)
-            seen = seen & (pool_doc[:, :, None, :] == query_doc[:, None, t0:t1, None])
         # each query's threshold: the key at the rank (pool sorted once) where its count of seen ones reaches size
         ordered, order = pool.sort(-1, descending=True)
-        count = seen.gather(-1, order[:, :, None, :].expand_as(seen)).cumsum(-1, dtype=torch.int32)
-        r = torch.searchsorted(count, torch.full((B, H, Q, 1), size, dtype=torch.int32, device=dev)).squeeze(-1)
-        thr = torch.where(r < c + Q, ordered.gather(-1, r.clamp_max(c + Q - 1)), torch.full_like(r, ninf, dtype=pool.dtype))
-        yield t0, t1, idx, thr, (seen & (pool[:, :, None, :] >= thr[..., None])) if kept else None
+        if thresholds is not None and docs is None and not kept:
+            first = torch.where(torch.isfinite(pool), j - c, Q).clamp_min(-1).to(torch.int32)  # the first query seeing it
+            yield t0, t1, idx, thresholds(ordered, first.gather(-1, order), Q, size), None
+        else:
+            seen = ((j < c) | (j - c <= torch.arange(Q, device=dev)[:, None])) & torch.isfinite(pool)[:, :, None, :]
+            if docs is not None:
+                pool_doc = torch.gather(docs, 2, idx)
+                seen = seen & (pool_doc[:, :, None, :] == query_doc[:, None, t0:t1, None])
+            count = seen.gather(-1, order[:, :, None, :].expand_as(seen)).cumsum(-1, dtype=torch.int32)
+            r = torch.searchsorted(count, torch.full((B, H, Q, 1), size, dtype=torch.int32, device=dev)).squeeze(-1)
+            thr = torch.where(r < c + Q, ordered.gather(-1, r.clamp_max(c + Q - 1)),
+                              torch.full_like(r, ninf, dtype=pool.dtype))
+            yield t0, t1, idx, thr, (seen & (pool[:, :, None, :] >= thr[..., None])) if kept else None
         if t1 == T:
             break
         if docs is not None:  # the next block's older candidates: of the document of its first query's predecessor

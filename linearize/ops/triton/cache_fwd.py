@@ -80,6 +80,43 @@ def _cache_fwd_kernel(
     tl.store(lse + row, b_lse, mask=m_r)
 
 
+
+@triton.jit
+def _threshold_kernel(ordered, arrival, thr, P, Q, size, BQ: tl.constexpr, BN: tl.constexpr):
+    """Per (query tile, sequence × KV head): each query's threshold, the key at the first position of the pool
+    sorted by key (descending) where the count of the entries it sees reaches ``size`` (−inf if it never does).
+    Entry ``r`` is seen by the queries ``j ≥ arrival[r]`` (−1: a carried entry, every query; past ``Q``: none).
+    The counts stay in registers, where the PyTorch form writes and reads a ``(Q, P)`` matrix several times."""
+    i_q, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    j = i_q * BQ + tl.arange(0, BQ)  # (BQ,) queries of the block
+    count = tl.zeros((BQ,), tl.int32)
+    first = tl.full((BQ,), P, tl.int32)  # the position where the count reaches size (P: nowhere)
+    for n0 in range(0, P, BN):
+        r = n0 + tl.arange(0, BN)
+        a = tl.load(arrival + i_bh * P + r, mask=r < P, other=Q)
+        seen = (a[None, :] <= j[:, None]).to(tl.int32)  # (BQ, BN)
+        run = count[:, None] + tl.cumsum(seen, axis=1)
+        at = tl.min(tl.where(run >= size, r[None, :], P), axis=1)
+        first = tl.minimum(first, at)
+        count += tl.sum(seen, axis=1)
+    k = tl.load(ordered + i_bh * P + first, mask=(first < P) & (j < Q), other=float("-inf"))
+    tl.store(thr + i_bh * Q + j, k, mask=j < Q)
+
+
+def block_thresholds(ordered: torch.Tensor, arrival: torch.Tensor, queries: int, size: int) -> torch.Tensor:
+    """``(B, H, Q)`` float64: each of a block's ``queries`` queries' threshold from its pool sorted by key,
+    ``ordered`` ``(B, H, P)`` float64 (descending), and each entry's ``arrival`` ``(B, H, P)`` int32 (the first
+    query that sees it: −1 for a carried entry, ``Q`` or more for none) — what ``_pooled_blocks`` computes in
+    PyTorch through a ``(B, H, Q, P)`` count, here in one kernel (CUDA, or the CPU under TRITON_INTERPRET=1)."""
+    B, H, P = ordered.shape
+    thr = torch.empty(B, H, queries, dtype=torch.float64, device=ordered.device)
+    if B * H * queries:
+        BQ = 32
+        _threshold_kernel[(cdiv(queries, BQ), B * H)](ordered.contiguous(), arrival.contiguous(), thr, P, queries,
+                                                      size, BQ=BQ, BN=64, num_warps=4)
+    return thr
+
+
 def tiles(G: int, D: int, dtype: torch.dtype) -> dict[str, int]:
     """``BR`` rows (G query heads × ``QB = BR // G`` queries) by ``BN`` pool entries by ``BD`` (D padded to a
     power of two), as :func:`linearize.ops.triton.window_fwd.blocks` tiles the window's keys."""
@@ -108,7 +145,8 @@ def cache_softmax_triton(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Te
     qc, kc, vc = (x.to(dt).contiguous() for x in (q, cand_k, cand_v))
     keyc = cand_key.double().contiguous()
     cfg = tiles(G, D, dt)
-    for t0, t1, idx, thr, _ in _pooled_blocks(cand_key, prior, size, None, None, block, kept=False):
+    for t0, t1, idx, thr, _ in _pooled_blocks(cand_key, prior, size, None, None, block, kept=False,
+                                              thresholds=block_thresholds):
         Q, P = t1 - t0, idx.shape[-1]
         _cache_fwd_kernel[(cdiv(Q, cfg["QB"]), B * H)](
             qc, kc, vc, keyc, idx.to(torch.int32).contiguous(), thr.contiguous(), o, lse, T, t0, Q, N, P, P - Q,

@@ -71,7 +71,9 @@ def compiled_steps(model, enabled: bool = True):
     sparse cache's softmax and their in-place updates, the mix) through ``torch.compile`` as one region; afterwards
     the model is as it was. For eager decoding (a CPU); a CUDA graph has no per-operation cost to remove there.
     The step's stacked projections (one product, :func:`linearize.layers.step_projection.step_projections`) run
-    eagerly before it: their weights' bookkeeping is host-side, and inside it would split the region in two."""
+    eagerly before it: their weights' bookkeeping is host-side, and inside it would split the region in two (as it
+    does for a block whose projections cannot be stacked, a LoRA-wrapped one). Shapes are static: each batch size
+    compiles once, and past torch's recompile limit (8 by default) the step runs eagerly."""
     from .layers.step_projection import step_projections
 
     def compiled(attn):

@@ -192,7 +192,7 @@ class Decoder:
         pos_buf.copy_(pos[:, -1:] + 1)
         out = [input_ids]
         done = torch.zeros(B, dtype=torch.bool, device=dev)
-        with compiled_steps(model, self.compile and not self.graph):  # (a recorded graph holds compiled kernels itself)
+        with compiled_steps(model, self.compile and not self.graph and dev.type == "cpu"):  # (a graph: compiled_blocks)
             for i in range(max_new_tokens):
                 nxt = next_tokens(logits, sampling, generator)
                 nxt = torch.where(done, torch.full_like(nxt, pad), nxt)

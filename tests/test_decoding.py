@@ -354,7 +354,6 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     assert "forward" not in block.mlp.__dict__ and "project" not in block.self_attn.__dict__
 
 
-
 @pytest.mark.parametrize("case", [dict(family="llama"), dict(family="llama", window=4, sinks=2, sparse_cache=3)],
                          ids=["taylor", "window-cache"])
 def test_compiled_steps_decode_the_same_and_put_the_model_back(case, monkeypatch):
@@ -379,7 +378,6 @@ def test_compiled_steps_decode_the_same_and_put_the_model_back(case, monkeypatch
     assert used == [True]
 
 
-
 def test_prefilled_states_have_the_standard_strides_whatever_the_prompt_length():
     """A prefill's states are slices of its whole-prompt tensors; the cache keeps them with row-major strides (size-1
     dimensions' too), so that a compiled decode step — whose guards read every stride — compiles once per batch
@@ -390,10 +388,10 @@ def test_prefilled_states_have_the_standard_strides_whatever_the_prompt_length()
     from linearize.layers.cache import GDNStateLayer
 
     model = converted(family="llama", window=4, sinks=2, sparse_cache=3).eval()
-    for T in (5, 9, 30):
+    for B, T in ((1, 5), (2, 9), (3, 30)):
         cache = DynamicCache(config=model.config)
         with torch.no_grad():
-            model(torch.randint(1, model.config.vocab_size, (1, T)), **cache_kwargs(cache), use_cache=True)
+            model(torch.randint(1, model.config.vocab_size, (B, T)), **cache_kwargs(cache), use_cache=True)
         layers = [layer for layer in cache.layers if isinstance(layer, GDNStateLayer)]
         assert layers
         for layer in layers:

@@ -349,7 +349,6 @@ def test_decode_step_equals_the_selection_and_updates_in_place():
     assert torch.isfinite(b.key).all() and [x.data_ptr() for x in b.tensors()[:3]] == tensors
 
 
-
 def test_a_compiled_offer_writes_what_the_eager_one_does():
     """The offer of a token to the cache traced by torch.compile (an indexed write in place) against the eager
     scatter, step after step from a partly empty cache: the same slots, keys and values, in the same tensors."""

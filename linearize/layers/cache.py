@@ -89,8 +89,10 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         if sums.kk is not None:
             slots.append((_SUM_KK, sums.kk))
         for i, x in slots:
-            if not (self.is_recurrent_states_initialized[i] and self.recurrent_states[i] is x):  # updated in place
+            if not self.is_recurrent_states_initialized[i]:  # the first store sets the slot's strides
                 self.update_recurrent_state(_standard(x), state_idx=i)
+            elif self.recurrent_states[i] is not x:  # (else updated in place)
+                self.update_recurrent_state(x, state_idx=i)
             self.has_previous_state[i] = True
         self.seen += new_tokens
         self.is_initialized = True

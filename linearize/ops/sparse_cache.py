@@ -149,8 +149,8 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
 
 
 def cpu_fused(q: torch.Tensor, *kv: torch.Tensor) -> bool:
-    """Whether a block's softmax runs as torch's fused CPU attention (which returns the log-sum-exp too): on the CPU
-    in float32 without gradients (a prefill or scoring; its log-sum-exp carries none)."""
+    """Whether a softmax runs as torch's fused CPU attention (which returns the log-sum-exp too): on the CPU in float32
+    without gradients (a prefill, scoring or a decode step; its log-sum-exp carries none)."""
     needs_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, *kv))
     return (q.device.type == "cpu" and q.dtype == torch.float32 and not needs_grad
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))

@@ -80,7 +80,6 @@ def _cache_fwd_kernel(
     tl.store(lse + row, b_lse, mask=m_r)
 
 
-
 @triton.jit
 def _threshold_kernel(ordered, arrival, thr, P, Q, size, BQ: tl.constexpr, BN: tl.constexpr):
     """Per (query tile, sequence × KV head): each query's threshold, the key at the first position of the pool

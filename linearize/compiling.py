@@ -25,12 +25,13 @@ import torch
 from .layers.gdn_attention import GDNAttention
 
 
-def _patched(targets):
-    """Compile ``(module, method)`` pairs on the instances; returns what puts each back."""
+def _patched(targets, compiled=lambda module, fn: torch.compile(fn, dynamic=False)):
+    """Replace ``(module, method)`` pairs on the instances by ``compiled(module, method)``; returns what puts
+    each back."""
     patched = []
     for child, method in targets:
         patched.append((child, method, child.__dict__.get(method)))
-        setattr(child, method, torch.compile(getattr(child, method), dynamic=False))
+        setattr(child, method, compiled(child, getattr(child, method)))
     return patched
 
 
@@ -76,18 +77,16 @@ def compiled_steps(model, enabled: bool = True):
     compiles once, and past torch's recompile limit (8 by default) the step runs eagerly."""
     from .layers.step_projection import step_projections
 
-    def compiled(attn):
-        step = torch.compile(attn._step, dynamic=False)
+    def compiled(attn, fn):
+        step = torch.compile(fn, dynamic=False)
 
         def run(hidden_states, *args, **kwargs):
             proj = step_projections(attn, hidden_states) if attn.stacked_step else None
             return step(hidden_states, *args, proj=proj, **kwargs)
         return run
 
-    patched = []
-    for attn in (m for m in model.modules() if isinstance(m, GDNAttention)) if enabled else ():
-        patched.append((attn, "_step", attn.__dict__.get("_step")))
-        attn._step = compiled(attn)
+    targets = [(m, "_step") for m in model.modules() if isinstance(m, GDNAttention)] if enabled else []
+    patched = _patched(targets, compiled)
     try:
         yield
     finally:

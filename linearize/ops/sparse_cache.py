@@ -128,21 +128,14 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
     G = Hq // H
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     ck, cv = (x.to(acc).permute(0, 2, 1, 3) for x in (cand_k, cand_v))  # (B, H, N, D)
-    fused = cpu_fused(q, ck, cv)
     outs, lses = [], []
     for t0, t1, idx, _, kept in _pooled_blocks(cand_key, prior, size, cand_doc, query_doc, block):
         at = idx[..., None].expand(-1, -1, -1, D)
         kb, vb = torch.gather(ck, 2, at), torch.gather(cv, 2, at)  # (B, H, P, D)
-        qb = q[:, t0:t1].to(acc).view(B, t1 - t0, H, G, D)
-        if fused:
-            o, lse = _block_softmax_cpu(qb, kb, vb, kept)
-        else:
-            logits = torch.einsum("bthgd,bhpd->bhgtp", qb, kb).masked_fill(~kept[:, :, None], float("-inf"))
-            lse = logits.logsumexp(-1)  # (B, H, G, Q)
-            p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
-            o = torch.einsum("bhgtp,bhpd->bthgd", p, vb)
-        outs.append(o.reshape(B, t1 - t0, Hq, D))
-        lses.append(lse.permute(0, 3, 1, 2).reshape(B, t1 - t0, Hq))
+        qb = q[:, t0:t1].to(acc).view(B, t1 - t0, H, G, D).permute(0, 2, 3, 1, 4)  # (B, H, G, Q, D)
+        heads = [masked_softmax(qb[:, :, g], kb, vb, kept) for g in range(G)]  # one query head at a time
+        outs.append(torch.stack([o for o, _ in heads], 3).transpose(1, 2).reshape(B, t1 - t0, Hq, D))  # (B, Q, H, G, D)
+        lses.append(torch.stack([lse for _, lse in heads], 3).transpose(1, 2).reshape(B, t1 - t0, Hq))
     if not outs:
         return q.new_zeros(B, 0, Hq, D, dtype=acc), q.new_zeros(B, 0, Hq, dtype=acc)
     return torch.cat(outs, 1), torch.cat(lses, 1)
@@ -156,21 +149,23 @@ def cpu_fused(q: torch.Tensor, *kv: torch.Tensor) -> bool:
             and hasattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu"))
 
 
-def _block_softmax_cpu(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor,
-                       kept: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of :func:`cache_softmax` in torch's fused CPU attention, one call for each of the G query heads of
-    a KV head, ``kept`` ``(B, H, Q, P)`` as an additive mask that every call reads as it is (a 2K prefill of SmolLM2
-    with a cache of 1,024 on a 2-core CPU: 10.2 s against 16.6 s composed, results/prefill_cpu_sparse_cache_fused_softmax.json;
-    G calls beat one over all G·Q queries, whose mask had to be copied G times). ``qb`` ``(B, Q, H, G, D)`` scaled;
-    returns ``o (B, Q, H, G, D)`` and ``lse (B, H, G, Q)``, −inf and 0 for a query that keeps nothing."""
-    G = qb.shape[3]
-    mask = torch.zeros(kept.shape, dtype=qb.dtype).masked_fill_(~kept, float("-inf"))
-    heads = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qb[:, :, :, g].transpose(1, 2), kb, vb, 0.0,
-                                                                        False, attn_mask=mask, scale=1.0)[:2]
-             for g in range(G)]
-    o = torch.stack([x for x, _ in heads], 2)  # (B, H, G, Q, D)
-    lse = torch.stack([x for _, x in heads], 2).masked_fill(~kept.any(-1)[:, :, None], float("-inf"))
-    return o.permute(0, 3, 1, 2, 4), lse
+def masked_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention of ``q`` ``(B, H, M, D)`` (scaled) over ``k``/``v`` ``(B, H, P, D)`` where ``ok``
+    ``(B, H, M or 1, P)`` admits a key: ``o (B, H, M, D)`` and ``lse (B, H, M)`` in q's dtype, 0 and −inf where
+    none is admitted. Where :func:`cpu_fused` says so, torch's fused CPU attention under an additive mask, reading
+    ``k``/``v`` as they lie (a decode step's strided view of its cache, no copy); else composed. A block of a
+    prefill's :func:`cache_softmax` calls it once per query head, so that the ``(B, H, Q, P)`` mask is shared,
+    not copied G times (a 2K prefill of SmolLM2 with a cache of 1,024 on a 2-core CPU: 10.2 s against 16.6 s
+    composed, results/prefill_cpu_sparse_cache_fused_softmax.json)."""
+    if cpu_fused(q, k, v):
+        mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill_(~ok, float("-inf"))
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask.expand(*q.shape[:-1], k.shape[-2]), scale=1.0)[:2]
+        return o, lse.masked_fill(~ok.any(-1), float("-inf"))
+    logits = (q @ k.transpose(-1, -2)).masked_fill(~ok, float("-inf"))  # (B, H, M, P)
+    lse = logits.logsumexp(-1)
+    return (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp() @ v, lse
 
 
 def merge_softmax(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

@@ -44,7 +44,7 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
-from .sparse_cache import CacheBuffers, cache_enter_, cpu_fused, merge_softmax, score_keys
+from .sparse_cache import CacheBuffers, cache_enter_, masked_softmax, merge_softmax, score_keys
 from .window_inputs import WindowBuffers
 
 
@@ -69,10 +69,12 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     sink_ok = (b.sink_index >= 0) & (b.sink_index <= (r - W)[:, None])
     ok = torch.cat([b.win_pos[:, 1:] > 0, torch.ones_like(m)[:, None], sink_ok], 1)[:, None].expand(-1, H, -1)
     qh = q.view(N, H, Hq // H, D)
-    o_exact, lse = keyed_softmax(qh, keys, values, ok)  # lse finite: the new token is always a key
+    heads = lambda x: x.to(dt).transpose(1, 2)  # noqa: E731  (N, H, keys, D): the buffers as they lie
+    o_exact, lse = masked_softmax(qh, heads(keys), heads(values), ok[:, :, None])  # finite: the new token is a key
     if cache is not None:  # and the sparse cache's slots holding a token (cache_enter_ has taken the old one in)
-        o_c, lse_c = keyed_softmax(qh, cache.k, cache.v, torch.isfinite(cache.key).transpose(1, 2))
-        o_exact, lse = merge_softmax(o_exact, lse, o_c, lse_c)
+        filled = torch.isfinite(cache.key).transpose(1, 2)[:, :, None]  # (N, H, 1, C)
+        o_c, lse_c = masked_softmax(qh, heads(cache.k), heads(cache.v), filled)
+        o_exact, lse = merge_softmax(o_exact, lse, o_c, lse_c)  # (the window's and the cache's softmax, joined)
     lse = lse[..., None]
     # the mix by mass, with the old stream's count and mean key after this step
     t = count.to(dt)[:, None, None, None].clamp_min(1)
@@ -92,24 +94,6 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     c.add_(1)
     r.add_(1)
     return o
-
-
-def keyed_softmax(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                  ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax of ``q`` ``(N, H, G, D)`` (scaled) over the ``keys``/``values`` ``(N, P, H, D)`` that ``ok`` ``(N, H, P)``
-    admits: ``o (N, H, G, D)`` and ``lse (N, H, G)`` in q's dtype, −inf and 0 where none is admitted. On the CPU in
-    float32 without gradients, torch's fused CPU attention on the buffers as they lie (a strided view, no copy:
-    a decode step over a cache of 1,024 reads it in place), else composed."""
-    kt, vt = (x.to(q.dtype).transpose(1, 2) for x in (keys, values))  # (N, H, P, D)
-    if cpu_fused(q, kt, vt):
-        mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill_(~ok, float("-inf"))[:, :, None]
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, kt, vt, 0.0, False, attn_mask=mask.expand(-1, -1, q.shape[2], -1), scale=1.0)
-        return o, lse.masked_fill(~ok.any(-1)[..., None], float("-inf"))
-    logits = (q @ kt.transpose(-1, -2)).masked_fill(~ok[:, :, None], float("-inf"))  # (N, H, G, P)
-    lse = torch.logsumexp(logits, -1)
-    p = (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp()
-    return p @ vt, lse
 
 
 def sink_window_gdn_step_(

@@ -45,10 +45,10 @@ def _restore(patched) -> None:
 
 @contextlib.contextmanager
 def compiled_blocks(model, enabled: bool = True):
-    """Within: every decoder block's norms and MLP, and a GDN block's projections (q/k/v, their norms,
-    RoPE), run through ``torch.compile``, their element-wise work fused into a few kernels; afterwards the
-    model is as it was. The GDN step and the cache updates stay as they are. A graph recorded within keeps
-    the compiled kernels."""
+    """Within: every decoder block's norms and MLP, and what a GDN block's decode step computes before its kernel
+    (``GDNAttention.step_inputs``: q/k/v, their norms and RoPE, q's scale, the β and decay factors), run through
+    ``torch.compile``, their element-wise work fused into a few kernels; afterwards the model is as it was. The
+    step kernel and the cache updates stay as they are. A graph recorded within keeps the compiled kernels."""
     from .models.adapters import decoder_layers
 
     targets = []
@@ -56,7 +56,7 @@ def compiled_blocks(model, enabled: bool = True):
         for block in decoder_layers(model):
             for name, child in block.named_children():
                 method = "forward" if name == "mlp" or name.endswith("norm") else \
-                    "project" if isinstance(child, GDNAttention) else None
+                    "step_inputs" if isinstance(child, GDNAttention) else None
                 if method:
                     targets.append((child, method))
     patched = _patched(targets)

@@ -332,12 +332,13 @@ def test_sliding_softmax_layers_are_not_recorded():
         Decoder(model, static=True)
 
 
-def test_compiled_blocks_compute_the_same_and_put_the_model_back():
-    """The norms and MLPs compiled for a captured step give the eager model's tokens and logits (to float32
-    rounding: the compiler reorders sums), and leave the model's own modules afterwards."""
+@pytest.mark.parametrize("cache", [0, 3])
+def test_compiled_blocks_compute_the_same_and_put_the_model_back(cache):
+    """The norms, MLPs and GDN step inputs compiled for a captured step give the eager model's tokens and logits (to
+    float32 rounding: the compiler reorders sums), and leave the model's own modules afterwards."""
     from linearize.compiling import compiled_blocks
 
-    model = converted(family="llama", window=4, sinks=2).eval()
+    model = converted(family="llama", window=4, sinks=2, sparse_cache=cache).eval()
     x, mask = left_padded(model)
     block = model.model.layers[0]
     forwards = (block.mlp.forward.__func__, block.input_layernorm.forward.__func__)
@@ -345,13 +346,13 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back():
     with torch.no_grad():
         logits = model(x, attention_mask=mask).logits
         with compiled_blocks(model):
-            assert "forward" in block.mlp.__dict__ and "project" in block.self_attn.__dict__  # compiled, on the instance
+            assert "forward" in block.mlp.__dict__ and "step_inputs" in block.self_attn.__dict__  # compiled, on the instance
             got = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
             compiled_logits = model(x, attention_mask=mask).logits
     assert torch.equal(got, want)
     assert (compiled_logits - logits).abs().max() < 1e-5 * logits.abs().max()
     assert (block.mlp.forward.__func__, block.input_layernorm.forward.__func__) == forwards
-    assert "forward" not in block.mlp.__dict__ and "project" not in block.self_attn.__dict__
+    assert "forward" not in block.mlp.__dict__ and "step_inputs" not in block.self_attn.__dict__
 
 
 @pytest.mark.parametrize("case", [dict(family="llama"), dict(family="llama", window=4, sinks=2, sparse_cache=3)],

@@ -423,6 +423,41 @@ def test_fused_step_with_a_cache_kernel_equals_torch_body(case, dtype):
     assert torch.isfinite(cache.key).sum() > 0
 
 
+@pytest.mark.parametrize("case,features", [(STEP_CASES[0], 40), (STEP_CASES[2], 1100)])  # 1,100: two blocks of 1,024
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fused_step_scores_the_new_token_with_the_probe(case, features, dtype):
+    """``probe=(x, probe)`` in place of ``token_score``: the kernel (TRITON_INTERPRET=1) computes the new token's score
+    from the block's input itself; against the float64 body given the float64 score ``x·w + b``, step after step: the
+    output, the window's keys (the new token's key last) and the cache's. The torch route takes the same argument."""
+    from test_window_step import ARGS, BETA_MAX, cast, random_step, rel
+
+    from linearize.ops.sparse_cache import CacheBuffers
+    from linearize.ops.window_step import sink_window_gdn_step_
+
+    N, H, G, D, W, S, counts, pads, C, *_ = case
+    x = cast(random_step(N, H, G, D, W, S, counts, pads, seed=D + C), dtype)
+    cache, _ = random_cache(N, H, D, W, C, x["buffers"].win_pos, S, dtype, seed=C)
+    g = torch.Generator().manual_seed(features)
+    weights = (torch.randn(H, features + 1, generator=g) / features ** 0.5).to(dtype)
+    for step in range(min(W + 3, 8)):
+        inp = torch.randn(N, features, generator=g).to(dtype)
+        score = inp.double() @ weights[:, :-1].double().T + weights[:, -1].double()
+        y, ycache = cast(x, f64, f64), CacheBuffers(*(t.double().clone() for t in cache.tensors()))
+        want = sink_window_gdn_step_(*(y[n] for n in ARGS), BETA_MAX, W, S, backend="torch", cache=ycache,
+                                     token_score=score)
+        backend = "torch" if step == 0 and dtype == torch.float32 else "triton"
+        got = sink_window_gdn_step_(*(x[n] for n in ARGS), BETA_MAX, W, S, backend=backend, cache=cache,
+                                    probe=(inp, weights))
+        assert torch.isfinite(got).all() and rel(got, want) < 1e-6
+        for a, b in ((cache.key, ycache.key), (cache.win_key, ycache.win_key)):  # the score summed in float32
+            assert torch.equal(torch.isfinite(a), torch.isfinite(b))
+            assert torch.allclose(a[torch.isfinite(a)], b[torch.isfinite(b)], rtol=1e-5, atol=1e-6)
+        assert not torch.equal(cache.win_key[:, -1], cache.win_key[:, -2])  # the new key arrived
+        cache = CacheBuffers(cache.k, cache.v, ycache.key.clone(), ycache.win_key.clone())  # the same keys on
+    with pytest.raises(ValueError, match="probe must be"):
+        sink_window_gdn_step_(*(x[n] for n in ARGS), BETA_MAX, W, S, cache=cache, probe=(inp, weights[:, 1:]))
+
+
 @pytest.mark.parametrize("case", STEP_CASES + [(1, 2, 2, 16, 4, 2, [1], [0], 6, 1.0)])  # every slot empty
 def test_cpu_step_with_a_cache_in_float32_equals_the_float64_body(case, monkeypatch):
     """The PyTorch body of the decode step in float32 on the CPU — the window's and the cache's softmax each through

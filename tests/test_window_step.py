@@ -27,10 +27,9 @@ from transformers import DynamicCache
 import linearize
 from linearize.compat import cache_kwargs
 from linearize.layers import GDNAttention, GDNOptions
-from linearize.layers.gdn_attention import correction_factors
 from linearize.ops.kda import scale_log_decay
 from linearize.ops.reference import gated_delta_rule_step
-from linearize.ops.taylor import RunningSums, fold_decay, taylor_back, taylor_front
+from linearize.ops.taylor import RunningSums, correction_factors, fold_decay, taylor_back, taylor_front
 from linearize.ops.window import mix_by_mass, sink_window_softmax
 from linearize.ops.window_inputs import WindowBuffers, cached_inputs
 from linearize.ops.window_step import sink_window_gdn_step_

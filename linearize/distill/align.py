@@ -11,10 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..layers.gdn_attention import GDNAttention, correction_factors, fused_path
+from ..layers.gdn_attention import GDNAttention, fused_path
 from ..layers.packing import flatten_rows, packed_cu_seqlens
 from ..models.adapters import apply_rope, project_qkv
 from ..ops import gated_delta_rule
+from ..ops.taylor import correction_factors
 
 
 def batched_attention_outputs(blocks: list[GDNAttention], hidden: list[torch.Tensor], position_embeddings,

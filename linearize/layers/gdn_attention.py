@@ -38,7 +38,7 @@ from ..ops import gated_delta_rule, gated_delta_rule_step
 from ..ops import sparse_cache as sc
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
-from ..ops.taylor import calibrate_rho, fold_decay, taylor_back, taylor_front
+from ..ops.taylor import calibrate_rho, correction_factors, fold_decay, taylor_back, taylor_front
 from ..ops.window import (
     flex_usable,
     mix_by_mass,
@@ -59,14 +59,6 @@ from .paths import fused_path
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
 from .write_gate import WriteGate
-
-
-def correction_factors(beta_logit: torch.Tensor, gate_logit: torch.Tensor,
-                       dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(β factor, decay exponent)`` from the ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)`` (the gate's
-    ``(B, T, H, K)`` per key channel in the kda target): ``β ← β·2σ(b)`` ∈ (0, 2·β) and ``g ← g·exp(a)``
-    (``α ← α^{exp(a)}``), both 1 at the zero init."""
-    return 2 * torch.sigmoid(beta_logit.to(dtype)), torch.exp(gate_logit.to(dtype))
 
 
 class GDNAttention(nn.Module):
@@ -375,6 +367,14 @@ class GDNAttention(nn.Module):
             )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails
 
+    def step_inputs(self, hidden_states, position_embeddings, mask, conv_past, proj, dt, scaled):
+        """A decode step's ``(q, k, v, conv_tails, beta_factor, gate_factor)``, ``q`` scaled in ``dt`` where ``scaled``
+        (the window's step takes it so): all its element-wise work before the step kernel, one region to compile."""
+        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past,
+                                      projections=proj and proj[:3])
+        q = q.to(dt) * self.scaling if scaled else q
+        return q, k, v, tails, *correction_factors(*self._logits(hidden_states, proj), dt)
+
     def _step(self, hidden_states, position_embeddings, mask, sums, h0, conv_past=None, buffers=None, cache=None,
               proj=None):
         """One decode step updating the cache's state, sums (and window ``buffers``) in place, in one kernel on
@@ -382,17 +382,17 @@ class GDNAttention(nn.Module):
         ``proj``: the :func:`~linearize.layers.step_projection.step_projections` of ``hidden_states``, if made already."""
         B = hidden_states.shape[0]
         proj = proj or (step_projections(self, hidden_states) if self.stacked_step else None)  # one product for five
-        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, conv_past=conv_past, projections=proj and proj[:3])
         dt, backend = h0.dtype, {"reference": "torch"}.get(self.options.backend, self.options.backend)
         if self.per_channel:  # the decode-step kernels take one decay per head: kda's step is the torch body
             backend = "torch"
-        beta_factor, gate_factor = correction_factors(*self._logits(hidden_states, proj), dt)
+        q, k, v, tails, beta_factor, gate_factor = self.step_inputs(hidden_states, position_embeddings, mask, conv_past,
+                                                                    proj, dt, buffers is not None)
         common = (h0, sums.k, sums.v, sums.count, self.rho.to(dt), beta_factor[:, 0], gate_factor[:, 0])
-        if buffers is not None:  # (with a sparse cache, the new token's probe score: the step keys it)
-            score = None if cache is None else sc.probe_scores(hidden_states, self.cache_probe)[:, 0]
-            o = sink_window_gdn_step_(q[:, 0].to(dt) * self.scaling, k[:, 0], v[:, 0], buffers, *common, self.mix_bias,
+        if buffers is not None:  # (with a sparse cache, the probe that scores the new token: the step keys it)
+            probe = None if cache is None else (hidden_states[:, 0], self.cache_probe)
+            o = sink_window_gdn_step_(q[:, 0], k[:, 0], v[:, 0], buffers, *common, self.mix_bias,
                                       self.options.beta_max, self.options.window, self.options.sinks,
-                                      decays=self.decays, backend=backend, cache=cache, token_score=score)
+                                      decays=self.decays, backend=backend, cache=cache, probe=probe)
             return o.reshape(B, 1, -1).to(hidden_states.dtype), h0, sums, tails, buffers, cache
         o = taylor_gdn_step_(q[:, 0], k[:, 0], v[:, 0], *common, self.options.beta_max, self.scaling,
                              mask=None if mask is None else mask[:, 0], backend=backend)

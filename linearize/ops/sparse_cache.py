@@ -133,9 +133,9 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
         at = idx[..., None].expand(-1, -1, -1, D)
         kb, vb = torch.gather(ck, 2, at), torch.gather(cv, 2, at)  # (B, H, P, D)
         qb = q[:, t0:t1].to(acc).view(B, t1 - t0, H, G, D).permute(0, 2, 3, 1, 4)  # (B, H, G, Q, D)
-        heads = [masked_softmax(qb[:, :, g], kb, vb, kept) for g in range(G)]  # one query head at a time
-        outs.append(torch.stack([o for o, _ in heads], 3).transpose(1, 2).reshape(B, t1 - t0, Hq, D))  # (B, Q, H, G, D)
-        lses.append(torch.stack([lse for _, lse in heads], 3).transpose(1, 2).reshape(B, t1 - t0, Hq))
+        o, lse = masked_softmax(qb, kb, vb, kept)  # (B, H, G, Q, D), (B, H, G, Q)
+        outs.append(o.permute(0, 3, 1, 2, 4).reshape(B, t1 - t0, Hq, D))
+        lses.append(lse.permute(0, 3, 1, 2).reshape(B, t1 - t0, Hq))
     if not outs:
         return q.new_zeros(B, 0, Hq, D, dtype=acc), q.new_zeros(B, 0, Hq, dtype=acc)
     return torch.cat(outs, 1), torch.cat(lses, 1)
@@ -153,19 +153,28 @@ def masked_softmax(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    ok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention of ``q`` ``(B, H, M, D)`` (scaled) over ``k``/``v`` ``(B, H, P, D)`` where ``ok``
     ``(B, H, M or 1, P)`` admits a key: ``o (B, H, M, D)`` and ``lse (B, H, M)`` in q's dtype, 0 and −inf where
-    none is admitted. Where :func:`cpu_fused` says so, torch's fused CPU attention under an additive mask, reading
-    ``k``/``v`` as they lie (a decode step's strided view of its cache, no copy); else composed. A block of a
-    prefill's :func:`cache_softmax` calls it once per query head, so that the ``(B, H, Q, P)`` mask is shared,
-    not copied G times (a 2K prefill of SmolLM2 with a cache of 1,024 on a 2-core CPU: 10.2 s against 16.6 s
-    composed, results/prefill_cpu_sparse_cache_fused_softmax.json)."""
+    none is admitted. ``q`` may also be ``(B, H, G, M, D)``, the G query heads of each KV head under one ``ok``:
+    then ``o (B, H, G, M, D)``, ``lse (B, H, G, M)``. Where :func:`cpu_fused` says so, torch's fused CPU attention
+    under an additive mask built once, a query head a call, reading ``k``/``v`` as they lie (a decode step's strided
+    view of its cache, no copy); else composed. A prefill's :func:`cache_softmax` passes a block's G heads so: the
+    ``(B, H, Q, P)`` mask is neither copied G times nor rebuilt for each head (a 2K prefill of SmolLM2 with a cache of
+    1,024 on a 2-core CPU: 10.2 s against 16.6 s composed, results/prefill_cpu_sparse_cache_fused_softmax.json)."""
+    grouped = q.dim() == 5
+    heads = q.unbind(2) if grouped else (q,)  # one query head at a time: the (B, H, M, P) work is shared, not copied
+    bad = ~ok
     if cpu_fused(q, k, v):
-        mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill_(~ok, float("-inf"))
-        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, k, v, 0.0, False, attn_mask=mask.expand(*q.shape[:-1], k.shape[-2]), scale=1.0)[:2]
-        return o, lse.masked_fill(~ok.any(-1), float("-inf"))
-    logits = (q @ k.transpose(-1, -2)).masked_fill(~ok, float("-inf"))  # (B, H, M, P)
-    lse = logits.logsumexp(-1)
-    return (logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp() @ v, lse
+        mask = torch.zeros(ok.shape, dtype=q.dtype).masked_fill_(bad, float("-inf"))
+        none = ~ok.any(-1)
+        outs = [torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qg, k, v, 0.0, False, attn_mask=mask.expand(*qg.shape[:-1], k.shape[-2]), scale=1.0)[:2] for qg in heads]
+        outs = [(o, lse.masked_fill(none, float("-inf"))) for o, lse in outs]
+    else:
+        outs = []
+        for qg in heads:
+            logits = (qg @ k.transpose(-1, -2)).masked_fill(bad, float("-inf"))  # (B, H, M, P)
+            lse = logits.logsumexp(-1)
+            outs.append(((logits - torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))[..., None]).exp() @ v, lse))
+    return tuple(torch.stack(x, 2) for x in zip(*outs)) if grouped else outs[0]
 
 
 def merge_softmax(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor,

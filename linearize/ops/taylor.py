@@ -126,6 +126,14 @@ def calibrate_rho(q: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
     return norms.mean(dim=(0, 1, 3))
 
 
+def correction_factors(beta_logit: torch.Tensor, gate_logit: torch.Tensor,
+                       dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(β factor, decay exponent)`` from the ``beta_proj`` and ``gate_proj`` outputs ``(B, T, H)`` (the gate's
+    ``(B, T, H, K)`` per key channel in the kda target): ``β ← β·2σ(b)`` ∈ (0, 2·β) and ``g ← g·exp(a)``
+    (``α ← α^{exp(a)}``), both 1 at the zero init."""
+    return 2 * torch.sigmoid(beta_logit.to(dtype)), torch.exp(gate_logit.to(dtype))
+
+
 def taylor_front(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -44,7 +44,7 @@ import torch
 
 from .common import TRITON_MAX_K
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
-from .sparse_cache import CacheBuffers, cache_enter_, masked_softmax, merge_softmax, score_keys
+from .sparse_cache import CacheBuffers, cache_enter_, masked_softmax, merge_softmax, probe_scores, score_keys
 from .window_inputs import WindowBuffers
 
 
@@ -118,6 +118,7 @@ def sink_window_gdn_step_(
     backend: str = "auto",
     cache: CacheBuffers | None = None,
     token_score: torch.Tensor | None = None,
+    probe: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One decode step of N sequences through a sink + sliding-window block; every buffer changes in place.
 
@@ -138,6 +139,8 @@ def sink_window_gdn_step_(
             leaving the window is offered to the cache (:func:`~linearize.ops.sparse_cache.cache_enter_`) and the
             new token's selection key (its score at position ``count + 1``, −inf for a sink) joins the window's
             keys, then the slots holding a token join the exact part's keys — in the kernel, or before the body.
+        probe: in place of ``token_score``, ``(x [N, F], probe [H, F + 1])``, the block's input and its cache probe:
+            the score :func:`~linearize.ops.sparse_cache.probe_scores` gives, computed in the Triton kernel itself.
         backend: ``"triton"`` (the fused kernel; CUDA, or the CPU under TRITON_INTERPRET=1), ``"torch"``, or
             ``"auto"``: Triton on CUDA for a float32 state, D ≤ 256 and contiguous buffers, else torch.
     Returns:
@@ -178,6 +181,15 @@ def sink_window_gdn_step_(
     else:
         step = sink_window_gdn_step_torch
     if cache is not None:
+        if probe is not None:
+            if token_score is not None or probe[1].shape != (cache.key.shape[2], probe[0].shape[-1] + 1) or \
+                    probe[0].shape[0] != cache.key.shape[0]:
+                raise ValueError(f"probe must be (x [N, F], probe [H, F + 1]) for N, H = {list(cache.key.shape[::2])}, "
+                                 "in place of token_score")
+            if backend == "triton":  # the kernel computes the score, offers the old token and keys the new one
+                return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
+                            beta_max, window, sinks, decays=decays, eps=eps, cache=cache, probe=probe)
+            token_score = probe_scores(*probe)
         if token_score is None or token_score.shape != cache.key.shape[::2]:
             raise ValueError(f"a sparse cache needs the new token's probe score [N, H] = {list(cache.key.shape[::2])}")
         if backend == "triton":  # the kernel offers the old token and keys the new one itself

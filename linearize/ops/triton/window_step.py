@@ -6,7 +6,8 @@ row position ``r`` (padding counted), for the G query heads ``q_g`` of the head 
     exact keys  the new token; window slots j = 1 … W−1 with win_pos_j > 0; sinks j with 0 ≤ sink_index_j ≤ r − W;
                 with a sparse cache, its slots with a finite key after the old token's offer (C > 0: the slot of
                 the lowest key, first of equals, takes slot 0 when its key is at least that; the new token's
-                key, tie-broken by position as ``selection_keys`` does, joins the window's keys)
+                key, tie-broken by position as ``selection_keys`` does, joins the window's keys; its score, given
+                the block's input and the probe, is computed here too: ``probe_scores``' float32 dot product)
     o_E, lse    their softmax, online over blocks of keys: m ← max(m, max s), l ← l·e^{m_old − m} + Σ e^{s − m},
                 acc ← acc·e^{m_old − m} + Σ e^{s − m} v;  o_E = acc/l,  lse = m + log l
     old token   window slot 0, written when win_pos_0 > S (m = 1): the Taylor step of ``ops/decode.py``
@@ -74,10 +75,11 @@ def _softmax_block(b_q, b_kb, b_vb, ok, m_run, l_run, acc):
 def _sink_window_gdn_step_kernel(
     q, k, v, sink_k, sink_v, sink_index, win_k, win_v, win_pos, tokens, rows,
     state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, o, tickets, beta_max, eps,
-    cache_k, cache_v, cache_key, win_key, token_score, part_m, part_l, part_acc, part_z, NP,
+    cache_k, cache_v, cache_key, win_key, token_score, probe_in, probe, F, part_m, part_l, part_acc, part_z, NP,
     H: tl.constexpr, G: tl.constexpr, D: tl.constexpr, W: tl.constexpr, S: tl.constexpr, BG: tl.constexpr,
     BD: tl.constexpr, BW: tl.constexpr, BS: tl.constexpr, BV: tl.constexpr, BP: tl.constexpr,
-    DECAYS: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, TIE: tl.constexpr,
+    DECAYS: tl.constexpr, C: tl.constexpr, BM: tl.constexpr, TIE: tl.constexpr, PROBE: tl.constexpr,
+    BF: tl.constexpr,
 ):
     i_nh = tl.program_id(0)
     i_n, i_h = i_nh // H, i_nh % H
@@ -164,7 +166,16 @@ def _sink_window_gdn_step_kernel(
         tl.store(cache_v + p_at, tl.load(win_v + p_win + o_d, mask=m_d, other=0.0).to(cache_v.dtype.element_ty),
                  mask=m_take)
         tl.store(cache_key + (i_n64 * C + at) * H + i_h, new, mask=take)
-        score = tl.load(token_score + i_nh64).to(tl.float64)
+        if PROBE:  # the new token's score, the probe (H, F + 1) on the block's input (N, F): probe_scores' float32
+            o_f = tl.arange(0, BF)
+            acc_f = tl.zeros((BF,), tl.float32)
+            for f0 in range(0, F, BF):
+                m_f = f0 + o_f < F
+                acc_f += (tl.load(probe_in + i_n64 * F + f0 + o_f, mask=m_f, other=0.0).to(tl.float32)
+                          * tl.load(probe + i_h * (F + 1) + f0 + o_f, mask=m_f, other=0.0).to(tl.float32))
+            score = (tl.sum(acc_f, axis=0) + tl.load(probe + i_h * (F + 1) + F).to(tl.float32)).to(tl.float64)
+        else:
+            score = tl.load(token_score + i_nh64).to(tl.float64)
         key = score + TIE * (c + 1).to(tl.float64) * (tl.abs(score) + 1.0)  # selection_keys at position c + 1
         key = tl.where(c + 1 > S, key, float("-inf"))  # a sink is never a candidate
         o_k = tl.arange(0, BP)
@@ -363,9 +374,12 @@ def _blocks(G: int, D: int, W: int, S: int, C: int) -> dict[str, int]:
 
 
 def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
-                                beta_max, window, sinks, decays=True, eps=1e-12, cache=None, token_score=None):
+                                beta_max, window, sinks, decays=True, eps=1e-12, cache=None, token_score=None,
+                                probe=None):
     """The kernel's launcher; arguments as :func:`linearize.ops.window_step.sink_window_gdn_step_`. Returns
-    ``o [N, G·H, D]`` float32; the buffers, ``state``, ``sum_k``, ``sum_v`` and ``count`` change in place."""
+    ``o [N, G·H, D]`` float32; the buffers, ``state``, ``sum_k``, ``sum_v`` and ``count`` change in place.
+    ``probe``: ``(block input [N, F], probe [H, F + 1])`` in place of ``token_score``, the score computed in the
+    kernel (four small launches fewer a layer and step than :func:`~linearize.ops.sparse_cache.probe_scores`)."""
     _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias, window, sinks, cache)
     N, H, D = k.shape
     Hq = q.shape[1]
@@ -377,6 +391,8 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
     C = 0 if cache is None else cache.key.shape[1]
     ck, cv, ckey, wkey = (b.sink_k, b.sink_v, b.sink_index, b.sink_index) if cache is None else cache.tensors()
     score = mix_bias if token_score is None else token_score.float().contiguous()
+    probe_in, weights = (mix_bias, mix_bias) if probe is None else (x.contiguous() for x in probe)
+    F = probe_in.shape[-1] if probe is not None else 1
     tickets = _tickets(q.device, N * H)  # per sequence here, per (sequence, KV head) in the cache's kernel
     blocks = _blocks(Hq // H, D, window, sinks, C)
     BC = blocks.pop("BC")
@@ -390,9 +406,10 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
     _sink_window_gdn_step_kernel[(N * H,)](
         q, k, v, b.sink_k, b.sink_v, b.sink_index, b.win_k, b.win_v, b.win_pos, b.count, b.rows,
         state, sum_k, sum_v, count, rho.contiguous(), beta_factor.contiguous(), gate_factor.contiguous(),
-        mix_bias.contiguous(), o, tickets, float(beta_max), float(eps), ck, cv, ckey, wkey, score,
+        mix_bias.contiguous(), o, tickets, float(beta_max), float(eps), ck, cv, ckey, wkey, score, probe_in, weights, F,
         part_m, part_l, part_acc, part_z, NP,
-        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, TIE=_TIE, num_warps=4, **blocks,
+        H=H, G=Hq // H, D=D, W=window, S=sinks, DECAYS=bool(decays), C=C, TIE=_TIE, PROBE=probe is not None,
+        BF=min(1024, next_pow2(F)), num_warps=4, **blocks,
     )
     if C:
         _cache_softmax_mix_kernel[(N * H, splits)](

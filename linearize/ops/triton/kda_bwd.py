@@ -25,10 +25,10 @@ terms are added already summed, grouped so that none cancels another:
 ``dg_t += γ_C⊙Σ_v(dh₁⊙h₀) + Σ_{j<t} k_j⊙dK̃_j⊙exp(G_C − G_j)``.
 
 Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: W and U from the forward's T, the
-states and Δ):
+states and Δ; the prepare kernel also writes ``γ⊙q̃`` of every query head, and K̃ and G_C are kept):
 ``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do`` (P the forward's, kept with T);
 ``_state_bwd_kernel`` per (V block, sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and
-``dh₀``; then the dense parts, with no pairwise decay, per (chunk, KV head): ``_dqk_kernel`` dP and the
+``dh₀``, from those (no log-decay on its sequential path); then the dense parts, with no pairwise decay, per (chunk, KV head): ``_dqk_kernel`` dP and the
 initial state's and diagonal's terms of dq, dk and G's gradient, ``_wy_bwd_kernel`` dv, dA and the terms
 through W, K̃ and ``γ_C``; last ``_intra_bwd_kernel`` per (slice of 32 channels, chunk, KV head), every
 pairwise decay ``D`` of the backward (each taken once, for dP's and dA's left and right products), which
@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, wants_grad
-from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_states
+from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_state_bv, kda_states
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
@@ -88,12 +88,13 @@ def _dv_local_kernel(
 
 @triton.jit
 def _state_bwd_kernel(
-    q, k, g, w, do, dd, dhs, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    qg, kd, gc, w, do, dd, dhs, dht, dh0, cu_seqlens, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
 ):
     """In reverse over the chunks: store ``dh₁``, ``dΔ = dd + K̃ dh₁`` over ``dd``, and
-    ``dh ← Diag(γ_C) dh₁ + Σ_g (γ⊙q̃_g)ᵀ do_g − Wᵀ dΔ``."""
+    ``dh ← Diag(γ_C) dh₁ + Σ_g (scale·γ⊙q_g)ᵀ do_g − Wᵀ dΔ``, on :func:`kda_prepare`'s K̃, G_C and scale·γ⊙q
+    (``qg``): the loop takes no log-decay (computing them here, it took 4x the instructions and spilled)."""
     HQ: tl.constexpr = H * G
     i_v, i_nh = tl.program_id(0), tl.program_id(1)
     i_n, i_h = i_nh // H, i_nh % H
@@ -101,12 +102,12 @@ def _state_bwd_kernel(
     o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
-    q += (bos * HQ + i_h * G) * K
+    qg += (bos * HQ + i_h * G) * K
     do += (bos * HQ + i_h * G) * V
-    k += (bos * H + i_h) * K
-    g += (bos * H + i_h) * K
+    kd += (bos * H + i_h) * K
     w += (bos * H + i_h) * K
     dd += (bos * H + i_h) * V
+    gc += (boh * H + i_h) * K
     dhs += (boh * H + i_h) * K * V
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -119,19 +120,16 @@ def _state_bwd_kernel(
         m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
         p_tk, p_tv = (t0 + o_r)[:, None] * (H * K) + o_k[None, :], (t0 + o_r)[:, None] * (H * V) + o_v[None, :]
         tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)  # dh₁ of chunk i_t
-        b_G = chunk_log_decay(g, p_tk, m_tk)
-        g_last = row_of(b_G, BT - 1)
-        b_k = tl.load(k + p_tk, mask=m_tk, other=0.0)
-        b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))  # K̃
-        b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0) + mm(b_kd, b_dh, b_k, IEEE)
+        b_kd = tl.load(kd + p_tk, mask=m_tk, other=0.0)
+        b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0) + mm(b_kd, b_dh, b_kd, IEEE)
         tl.store(dd + p_tv, b_dd, mask=m_tv)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
+        g_last = tl.load(gc + i_t * (H * K) + o_k, mask=m_k, other=0.0)
         b_dh = b_dh * tl.exp(g_last)[:, None] - mm(tl.trans(b_w), b_dd, b_w, IEEE)
-        b_gs = tl.exp(b_G) * scale
         for i_g in range(G):
-            b_q = tl.load(q + (t0 + o_r)[:, None] * (HQ * K) + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
+            b_q = tl.load(qg + (t0 + o_r)[:, None] * (HQ * K) + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
             b_do = tl.load(do + (t0 + o_r)[:, None] * (HQ * V) + i_g * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_dh += mm(tl.trans(b_q.to(tl.float32) * b_gs), b_do, b_do, IEEE)  # (γ⊙q̃)ᵀ do
+            b_dh += mm(tl.trans(b_q), b_do, b_do, IEEE)  # (scale·γ⊙q)ᵀ do
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_h, b_dh.to(dh0.dtype.element_ty), mask=m_h)
 
@@ -348,9 +346,9 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
-    tm, w, u, kd, gc = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+    tm, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale)
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0)
-    del u, kd, gc
+    del u
     dhs = torch.empty_like(hs)
     f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
     dd, dk_p, dG_p, dqh, dpm, dam = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K), f32(HQ, BT), f32(H, BT)
@@ -363,10 +361,12 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     _dv_local_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, pm if pm is not None else dd, dof, dd, L.cu_seqlens, L.chunk_indices, L.chunk_offsets,
         float(scale), G=G, SUB=SUB, HAS_P=pm is not None, **c, num_warps=chunk_warps(K))
-    _state_bwd_kernel[(cdiv(V, BV), L.N * H)](
-        qf, kf, gf, w, dof, dd, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs,
-        L.cu_seqlens, L.chunk_offsets, float(scale), G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **c,
+    BVS = kda_state_bv(L)  # (as the forward's: narrower while the (sequence, head) pairs are few)
+    _state_bwd_kernel[(cdiv(V, BVS), L.N * H)](
+        qg, kd, gc, w, dof, dd, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs,
+        L.cu_seqlens, L.chunk_offsets, G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BV": BVS},
         num_warps=4, num_stages=kda_stages(K, ieee, "state_bwd", G))
+    del qg, kd, gc
     _dqk_kernel[(L.NC, H)](
         qf, kf, gf, v_new, dof, hs, dpm, dqh, dk_p, dG_p, L.cu_seqlens, L.chunk_indices, L.chunk_offsets,
         float(scale), G=G, **c, num_warps=chunk_warps(K))

@@ -128,9 +128,9 @@ def _solve_kernel(
 
 @triton.jit
 def _prepare_kernel(
-    k, v, g, beta, tm, w, u, kd, gc, chunk_indices, cu_seqlens, chunk_offsets,
+    k, v, g, beta, tm, w, u, kd, gc, q, qg, scale, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, G: tl.constexpr = 1, QG: tl.constexpr = False,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -149,6 +149,12 @@ def _prepare_kernel(
     b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
     tl.store(kd + p_k, b_kd.to(kd.dtype.element_ty), mask=m_tk)
     tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
+    if QG:  # for the backward's state kernel, off its sequential path too: scale·γ⊙q of each query head, in q's dtype
+        b_gs = tl.exp(b_G) * scale
+        for i_g in range(G):
+            p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
+            b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
+            tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # βγ⊙k
     tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
@@ -287,21 +293,24 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
     return tm, pm
 
 
-def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None) -> tuple[torch.Tensor, ...]:
+def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
     """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32)``: T from :func:`kda_solve` unless
     given (the backward: the forward's T), ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C`` (each chunk's total log-decay
     per channel) for the state kernel. Inputs flat (``Layout.flat``), g float32; W and U are the same values as
-    in the forward."""
+    in the forward. Given ``q`` (the backward), also ``scale·γ⊙q`` like q, appended: what the backward's state
+    kernel multiplies ``do`` by, so that its sequential loop takes no log-decay."""
     L = layout
     if tm is None:
         tm, _ = kda_solve(layout=L, k=k, g=g, beta=beta)
     w, u, kd = torch.empty_like(k), torch.empty_like(v), torch.empty_like(k)
     gc = torch.empty(max(L.NC, 1), L.H, L.K, dtype=torch.float32, device=L.device)
+    qg = torch.empty_like(q) if q is not None else None
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
-            k, v, g, beta, tm, w, u, kd, gc, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V,
-            BT=BT, BK=block_k(L.K), BV=kda_bv(L.K, L.V), IEEE=L.ieee, num_warps=chunk_warps(L.K))
-    return tm, w, u, kd, gc
+            k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k, float(scale),
+            L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
+            BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G, QG=q is not None, num_warps=chunk_warps(L.K))
+    return (tm, w, u, kd, gc) if q is None else (tm, w, u, kd, gc, qg)
 
 
 def kda_state_bv(layout: Layout) -> int:

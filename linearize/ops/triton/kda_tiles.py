@@ -174,15 +174,6 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
     if not IEEE:  # the dots' operands: held in their dtype
         P = P.to(k.dtype)
         A = A.to(k.dtype)
-    for s in tl.static_range(1, BT // SUB):
-        if s * SUB < n:
-            ea, fb = _factors(G, s, SUB)
-            kb = kf * fb
-            Lp += ea * mm(P, kb, k, IEEE)
-            R += fb * mm(tl.trans(P), qf * ea, q, IEEE)
-            if WITH_A:
-                La += ea * mm(A, kb, k, IEEE)
-                R += fb * mm(tl.trans(A), bk * ea, k, IEEE)
     p = o % SUB
     S = tl.zeros(k.shape, dtype=tl.float32)
     for d in range(1, SUB):
@@ -208,4 +199,16 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
             wa = tl.where(left, wa, wa * tl.load(pbeta + top * stride_beta, mask=m_r, other=0.0).to(tl.float32))
             La = tl.where(left[:, None], La + wa[:, None] * xk, La)
             R = tl.where(left[:, None], R, R + wa[:, None] * xk)
+    # the products between sub-chunks after the steps: the steps then carry their sums in a plain layout, where
+    # before the dots they carried them in the dots' and converted three tiles through shared memory every step
+    # (compiled for sm_90: 259 → 200 instructions and 12 → 0 barriers a step)
+    for s in tl.static_range(1, BT // SUB):
+        if s * SUB < n:
+            ea, fb = _factors(G, s, SUB)
+            kb = kf * fb
+            Lp += ea * mm(P, kb, k, IEEE)
+            R += fb * mm(tl.trans(P), qf * ea, q, IEEE)
+            if WITH_A:
+                La += ea * mm(A, kb, k, IEEE)
+                R += fb * mm(tl.trans(A), bk * ea, k, IEEE)
     return Lp, La, R

@@ -339,6 +339,25 @@ def test_passkey_prompt_length_and_depth(world, length, depth):
     assert abs((p.key_at - intro) / filler - depth) <= 0.5 * n[FILLER] / filler + 1e-9  # the nearest sentence
 
 
+def test_default_depths_keep_the_key_out_of_the_last_quarter(world):
+    """The default depths stop a quarter of the filler before the question: a key there would sit in a converted
+    block's exact window. The recount of stored runs drops exactly the depth-1.0 trials."""
+    import importlib.util
+
+    from linearize.quality.passkey import DEPTHS, depths, make_prompt
+
+    assert DEPTHS == (0.0, 0.25, 0.5, 0.75) and depths(2) == [0.0, 0.5]
+    p = make_prompt(world["tok"], 1000, DEPTHS[-1], "48213")
+    assert len(p.ids) - p.key_at > len(p.ids) // 4  # the key sentence, the last quarter of the filler and the question
+    spec = importlib.util.spec_from_file_location("recount", Path(__file__).parents[1] / "scripts" / "passkey_recount.py")
+    recount = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(recount)
+    records = [{"length": 8, "depth": d, "correct": ok} for d, ok in ((0.0, True), (0.5, False), (1.0, True), (1.0, True))]
+    assert recount.recount(records) == {"8": {"reported": 75.0, "before_the_end": 50.0, "trials": 2, "depth_1": "2/2"}}
+    doc = {"results": {"model": {"passkey": {"records": records}}}, "other": [{"records": []}]}
+    assert [path for path, _ in recount.passkey_runs(doc)] == [("results", "model", "passkey")]
+
+
 def test_passkey_scoring_and_determinism(world):
     from linearize.quality.passkey import answer_key, run_passkey
 
@@ -382,7 +401,7 @@ def test_cli_eval_student_beside_teacher(world, tmp_path):
         r = res["results"][side]
         assert r["harness"]["piqa"]["n"] == 3 and r["harness"]["lambada"]["n"] == 3
         assert list(r["passkey"]["lengths"]) == ["240", "480", "960"]
-        assert list(r["passkey"]["lengths"]["960"]["depths"]) == ["0.0", "0.5", "1.0"]  # --passkey-depths 3
+        assert list(r["passkey"]["lengths"]["960"]["depths"]) == ["0.0", "0.333333", "0.666667"]  # --passkey-depths 3
         assert len(r["passkey"]["records"]) == 3 * 3
         assert r["perplexity"]["builtin"]["tokens"] == 2 * 31
     assert res["results"]["teacher"]["harness"]["piqa"] == pytest.approx(_limited(world, "piqa", 3))

@@ -6,6 +6,12 @@ the question last; greedy decoding; right if the first number in the answer is t
 built in token space, so a prompt's length is the asked length to within one filler sentence.
 Deterministic: the keys come from ``random.Random(seed)``, in the same order for every model.
 
+The depths run from the start of the filler to a quarter before its end, never to the end: a key sentence right
+before the question ends 35 tokens before the prompt does (SmolLM2's tokenizer), inside a converted block's exact
+window, so it tests no long-range retrieval; and there SmolLM2-135M-Instruct answers " the pass key." at every
+length, so the cell scored the teacher 0 and students at random (``scripts/passkey_recount.py``,
+``results/passkey_far_depths_recount.md``).
+
     prompt = make_prompt(tokenizer, length=1024, depth=0.5, key="48213")
     run_passkey(model, tokenizer, lengths=(512, 1024, 2048), trials=5)["acc"]
 """
@@ -23,12 +29,15 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
-DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
 def depths(n: int) -> list[float]:
-    """``n`` depths evenly from 0 (the key right after the intro) to 1 (right before the question)."""
-    return [round(i / (n - 1), 6) for i in range(n)]
+    """``n`` depths evenly from 0 (the key right after the intro) to ``1 − 1/n`` (a ``1/n`` of the filler still
+    after it): 4 gives 0, 0.25, 0.5 and 0.75."""
+    return [round(i / n, 6) for i in range(n)]
+
+
+DEPTHS = tuple(depths(4))
 
 
 @dataclass

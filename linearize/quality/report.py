@@ -30,7 +30,7 @@ class Plan:
     ppl_tokens: int = 16384  # 0: no perplexity
     passkey_lengths: list[int] = field(default_factory=list)  # empty: no passkey
     passkey_trials: int = 5
-    passkey_depths: int = 5  # evenly from 0 (the key first) to 1 (the key last)
+    passkey_depths: int = 4  # evenly from 0 (the key first) to 0.75 (a quarter of the filler after it)
     rope_scaling: str | None = None  # KIND:FACTOR[:ORIGINAL], set on both sides (linearize.models.rope)
     rope_scaling_layers: str = "all"  # or "softmax": only the layers a hybrid kept softmax
     sparse_cache: int | None = None  # the model's sparse cache resized to this many slots (layers.options)
@@ -200,7 +200,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 eval_data=None if opts["eval_data"] is None else str(opts["eval_data"]), batch_size=opts["batch_size"],
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
-                passkey_depths=opts.get("passkey_depths", 5), rope_scaling=opts.get("rope_scaling"),
+                passkey_depths=opts.get("passkey_depths", 4), rope_scaling=opts.get("rope_scaling"),
                 rope_scaling_layers=opts.get("rope_scaling_layers", "all"), sparse_cache=opts.get("sparse_cache"),
                 passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
                 device=opts["device"], dtype=opts["dtype"])

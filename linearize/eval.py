@@ -15,6 +15,9 @@ INITS = ("uniform", "vala", "seed", "stable")
 COLORS = {"uniform": "tab:blue", "vala": "tab:orange", "seed": "tab:green", "stable": "tab:red"}
 
 
+BUILTIN_TRAIN_SHARE = 0.9  # of the built-in topics; distill holds out at least the rest (linearize.distill.data)
+
+
 def builtin_text(split: str = "heldout") -> str:
     """Offline English prose from the standard library (``pydoc_data.topics``, ~465 kB).
 
@@ -23,7 +26,7 @@ def builtin_text(split: str = "heldout") -> str:
     from pydoc_data.topics import topics
 
     keys = sorted(topics)
-    cut = int(len(keys) * 0.9)
+    cut = int(len(keys) * BUILTIN_TRAIN_SHARE)
     if split not in ("train", "heldout"):
         raise ValueError(f"split must be 'train' or 'heldout'; got {split!r}")
     chosen = keys[:cut] if split == "train" else keys[cut:]

@@ -1056,3 +1056,28 @@ def test_trainable_new_takes_every_added_parameter_and_nothing_of_the_teacher():
     assert any(".mlp.gate_proj" in n for n in trainable_names(model, StageConfig(trainable="gate_proj")))
     assert trainable_names(model, StageConfig(trainable="self_attn,-new,-softmax_attn")) == [
         n for n, _ in model.named_parameters() if ".self_attn." in n and n not in got and not n.startswith("model.layers.1.")]
+
+
+def test_builtin_text_trains_on_none_of_what_eval_measures(monkeypatch):
+    """On the built-in text the held-out documents are at least the topics `linearize eval` and `convert` score
+    (``builtin_text("heldout")``), whatever ``heldout_fraction`` says: with the default 0.05 five of those eight
+    topics were training rows."""
+    from conftest import tiny_tokenizer
+    from pydoc_data.topics import topics
+
+    import linearize.distill.data as data
+    from linearize.config import DataConfig
+    from linearize.eval import BUILTIN_TRAIN_SHARE, builtin_text
+
+    tok = tiny_tokenizer(300, 5)
+    keys = sorted(topics)
+    measured = {topics[k] for k in keys[int(len(keys) * BUILTIN_TRAIN_SHARE):]}
+    assert builtin_text("heldout") == "\n\n".join(topics[k] for k in keys if topics[k] in measured)
+    packed = []
+    monkeypatch.setattr(data, "pack_arrays", lambda docs, *a: packed.append(docs) or pack_arrays(docs, *a))
+    for fraction, held in ((0.05, 8), (0.2, 15)):
+        packed.clear()
+        data.build_data(DataConfig(source="builtin", seq_len=64, heldout_fraction=fraction), tok)
+        train, heldout = ({tok.decode(d) for d in docs} for docs in packed)
+        assert len(packed[1]) == held and len(packed[0]) + len(packed[1]) == len(topics)
+        assert not train & measured and measured <= heldout

@@ -240,6 +240,10 @@ def hub_data(cfg: DataConfig, tokenizer) -> PackedData:
     bos = document_start(tokenizer)  # rows open with it again where a row boundary cuts a document
     docs = [d[1:] if bos is not None and d[:1] == [bos] else d for d in tok["ids"]]
     n_held = max(1, int(len(docs) * cfg.heldout_fraction)) if len(docs) > 1 else 0
+    if cfg.source == "builtin":  # at least the topics `linearize eval` and `convert` measure on: none is trained on
+        from ..eval import BUILTIN_TRAIN_SHARE
+
+        n_held = max(n_held, len(docs) - int(len(docs) * BUILTIN_TRAIN_SHARE))
     train_docs, held_docs = docs[: len(docs) - n_held], docs[len(docs) - n_held:]
     eos = tokenizer.eos_token_id  # ends each document
     train_ids, train_pos = pack_arrays(train_docs, cfg.seq_len, eos, bos)

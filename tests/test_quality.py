@@ -308,6 +308,16 @@ def test_a_window_block_is_the_teacher_over_its_window_and_not_beyond(world):
     assert abs(a["1-64"]["nll"] - t["1-64"]["nll"]) < 1e-7
     assert abs(a["65-119"]["nll"] - t["65-119"]["nll"]) > 1e-6
     assert abs(b["1-64"]["nll"] - t["1-64"]["nll"]) > 1e-6
+    # cut where the exact part ends (window 16 + 4 sinks: 20), the window-16 block is the teacher up to there
+    from linearize.quality.perplexity import exact_reach
+
+    assert exact_reach(teacher) == () and exact_reach(w16) == (20,)
+    t, b = (domain_perplexity(m, rows, edges=exact_reach(w16))["by_context"] for m in (teacher, w16))
+    assert list(t) == list(b) == ["1-20", "21-64", "65-119"]
+    assert abs(b["1-20"]["nll"] - t["1-20"]["nll"]) < 1e-7 and abs(b["21-64"]["nll"] - t["21-64"]["nll"]) > 1e-6
+    cached = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib,
+                               options=GDNOptions(window=16, sinks=4, sparse_cache=8))
+    assert exact_reach(cached) == (20, 28)
 
 
 def test_builtin_rows_are_the_heldout_text(world):

@@ -94,17 +94,31 @@ MAX_LOGITS_PER_FORWARD = 16384 * 49152
 CONTEXT_EDGES = (64, 512, 2048, 8192, 32768)  # the spans of ``by_context`` end at these context lengths
 
 
-def context_spans(seq_len: int) -> list[tuple[int, int]]:
+def context_spans(seq_len: int, extra: tuple[int, ...] = ()) -> list[tuple[int, int]]:
     """``[(first, last)]`` context lengths (tokens of the row before the predicted one, 1 … seq_len − 1) per
-    span, cut after each of :data:`CONTEXT_EDGES` below ``seq_len − 1``."""
-    ends = [e for e in CONTEXT_EDGES if e < seq_len - 1] + [seq_len - 1]
+    span, cut after each of :data:`CONTEXT_EDGES` and ``extra`` below ``seq_len − 1``."""
+    ends = sorted({e for e in (*CONTEXT_EDGES, *extra) if 0 < e < seq_len - 1}) + [seq_len - 1]
     return [(1 if i == 0 else ends[i - 1] + 1, e) for i, e in enumerate(ends)]
 
 
-def domain_perplexity(model, rows, batch_size: int = 8) -> dict:
+def exact_reach(model) -> tuple[int, ...]:
+    """The context lengths up to which a converted model's blocks read every earlier token exactly: window +
+    sinks, and window + sinks + sparse cache where the blocks keep one (nothing for a softmax model). Past the
+    last, only the GDN state carries the older tokens: the span where a converted model differs from its teacher."""
+    from ..layers.gdn_attention import GDNAttention
+
+    reach = set()
+    for m in model.modules():
+        if isinstance(m, GDNAttention) and m.options.window:
+            o = m.options
+            reach |= {o.window + o.sinks, o.window + o.sinks + (o.sparse_cache or 0)}
+    return tuple(sorted(reach))
+
+
+def domain_perplexity(model, rows, batch_size: int = 8, edges: tuple[int, ...] = ()) -> dict:
     """exp(mean next-token NLL) of ``model`` over ``(R, T)`` rows, in float64 sums, overall and per span of
-    context length (``by_context``, keyed ``"first-last"``); at most ``batch_size`` rows and
-    :data:`MAX_LOGITS_PER_FORWARD` logits per forward."""
+    context length (``by_context``, keyed ``"first-last"``, cut at :data:`CONTEXT_EDGES` and ``edges``); at most
+    ``batch_size`` rows and :data:`MAX_LOGITS_PER_FORWARD` logits per forward."""
     import torch
 
     device = next(model.parameters()).device
@@ -120,7 +134,7 @@ def domain_perplexity(model, rows, batch_size: int = 8) -> dict:
     count = rows.shape[0] * per_position.numel()
     mean = float(per_position.sum()) / count
     spans = {}
-    for first, last in context_spans(rows.shape[1]):
+    for first, last in context_spans(rows.shape[1], edges):
         n = rows.shape[0] * (last - first + 1)
         span_mean = float(per_position[first - 1: last].sum()) / n
         spans[f"{first}-{last}"] = {"ppl": math.exp(span_mean), "nll": span_mean, "tokens": n}

@@ -84,8 +84,8 @@ def _fingerprint(rows) -> str:
     return hashlib.sha1(rows.contiguous().numpy().tobytes()).hexdigest()[:16]
 
 
-def measure(plan: Plan, lm, tok) -> dict:
-    """Everything the plan asks, for one loaded model."""
+def measure(plan: Plan, lm, tok, edges: tuple[int, ...] = ()) -> dict:
+    """Everything the plan asks, for one loaded model (``edges``: extra cuts of perplexity by context length)."""
     from . import harness, passkey, perplexity
 
     got = {}
@@ -100,7 +100,7 @@ def measure(plan: Plan, lm, tok) -> dict:
             perplexity.check_vocab(rows, lm.get_input_embeddings().num_embeddings, "the model")
         else:
             rows = perplexity.builtin_rows(tok, plan.seq_len, plan.ppl_tokens)
-        got["perplexity"] = {d: {**perplexity.domain_perplexity(lm, r, plan.batch_size), "rows": int(r.shape[0]),
+        got["perplexity"] = {d: {**perplexity.domain_perplexity(lm, r, plan.batch_size, edges), "rows": int(r.shape[0]),
                                  "rows_sha1": _fingerprint(r)} for d, r in rows.items()}
     if plan.passkey_lengths:
         got["passkey"] = passkey.run_passkey(lm, tok, plan.passkey_lengths, depths=passkey.depths(plan.passkey_depths),
@@ -135,8 +135,12 @@ def evaluate(plan: Plan, progress=print) -> dict:
             from ..checks import resize_sparse_cache
 
             resize_sparse_cache(lm, plan.sparse_cache, spec)
+        if side == "model":  # the teacher's perplexity split at the same context lengths: where the exact part ends
+            from .perplexity import exact_reach
+
+            result["context_edges"] = list(exact_reach(lm))
         progress(f"{side}: measuring")
-        result["results"][side] = measure(plan, lm, tok)
+        result["results"][side] = measure(plan, lm, tok, tuple(result["context_edges"]))
         result["seconds"][side] = round(time.perf_counter() - t0, 1)
         del lm
         gc.collect()

@@ -429,6 +429,31 @@ def test_rows_without_text_are_counted(tmp_path):
     assert ds["text"] == ["one", "two"]
 
 
+def test_held_out_text_that_was_trained_on_is_said(tmp_path):
+    """One document (held out: all of it, trained on too), or held-out documents shorter than a row (the last
+    training row stands in): the held-out evaluation would read training text, and a warning says so; two long
+    documents split cleanly, without one."""
+    import warnings
+
+    from conftest import tiny_tokenizer
+
+    from linearize.config import DataConfig
+    from linearize.distill.data import DataWarning, build_data
+
+    tok = tiny_tokenizer(300, 5)
+    long = "the quick brown fox jumps over the lazy dog " * 40
+    cases = {"one": [long], "short": [long, long, "tiny"], "clean": [long, long]}
+    for name, texts in cases.items():
+        f = tmp_path / f"{name}.jsonl"
+        f.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+        cfg = DataConfig(source=str(f), seq_len=32, heldout_fraction=0.34)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            build_data(cfg, tok)
+        said = [w for w in seen if issubclass(w.category, DataWarning) and "reads training text" in str(w.message)]
+        assert bool(said) == (name != "clean"), name
+
+
 # --- Ctrl-C, the ETA ----------------------------------------------------------------------------------
 
 def test_distill_ctrl_c_says_how_to_resume(inputs, tmp_path):

@@ -1062,8 +1062,9 @@ def test_builtin_text_trains_on_none_of_what_eval_measures(monkeypatch):
     """On the built-in text the held-out documents are at least the topics `linearize eval` and `convert` score
     (``builtin_text("heldout")``), whatever ``heldout_fraction`` says: with the default 0.05 five of those eight
     topics were training rows."""
-    from conftest import tiny_tokenizer
     from pydoc_data.topics import topics
+
+    from conftest import tiny_tokenizer
 
     import linearize.distill.data as data
     from linearize.config import DataConfig

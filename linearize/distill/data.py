@@ -250,6 +250,12 @@ def hub_data(cfg: DataConfig, tokenizer) -> PackedData:
     held_ids, held_pos = pack_arrays(held_docs or docs, cfg.seq_len, eos, bos)
     if train_ids.shape[0] == 0:
         raise RecipeError(f"the dataset has fewer than data.seq_len={cfg.seq_len} tokens; add text or lower seq_len")
+    trained_on = not held_docs or held_ids.shape[0] == 0  # one document, or held-out ones too short for a row
     if held_ids.shape[0] == 0:
         held_ids, held_pos = train_ids[-1:], train_pos[-1:]
+    if trained_on:
+        warnings.warn(DataWarning(
+            f"data: the held-out documents make no row of {cfg.seq_len} tokens ({len(docs)} document(s) in all), so the "
+            "held-out evaluation reads training text: it measures fit, not generalization; add documents or lower "
+            "data.seq_len"), stacklevel=2)
     return PackedData(train_ids, train_pos, held_ids, held_pos, len(docs), bos)

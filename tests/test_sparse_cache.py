@@ -565,3 +565,29 @@ def test_refit_probes_on_the_converted_model():
     assert max((b.cache_probe - f).abs().max().item() for b, f in zip(blocks[1:], fitted[1:])) > 1e-4
     assert refit_cache_probes(linearize.convert(tiny_model("llama"), calibration_ids=c, options=GDNOptions(window=4)),
                               calibration_ids=c) == 0
+
+
+def test_a_repeated_token_is_kept_alike_whatever_the_call():
+    """Two copies of a token have the same input at layer 0, so their probe scores tie and the selection keys' tie-break
+    keeps the newer: a float64 model gives the same logits prefilled in one call, in chunks and token by token. With
+    float32 scores (rounded differently with a call's number of rows, 2.4e-7 for one row against the 1e-14 tie-break)
+    the chunked and stepped calls kept the other copy: logits 1e-3 apart."""
+    from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig
+
+    from linearize.compat import cache_kwargs
+
+    torch.manual_seed(975)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+    teacher = AutoModelForCausalLM.from_config(cfg).eval()
+    ids0 = torch.randint(1, 97, (1, 48), generator=torch.Generator().manual_seed(976))
+    m = linearize.convert(teacher, calibration_ids=ids0, options=GDNOptions(window=2, sinks=0, sparse_cache=1)).double().eval()
+    for row, cuts in (([96, 33, 96, 11, 21, 24, 68, 95, 76, 19, 56], [2]), ([8, 15, 3, 8, 16, 13, 13, 17, 19, 13, 10, 12], "steps")):
+        x = torch.tensor([row])
+        cuts = list(range(1, x.shape[1])) if cuts == "steps" else cuts
+        with torch.no_grad():
+            whole = m(x, use_cache=False).logits
+            cache = DynamicCache(config=m.config)
+            parts = [m(x[:, a:b], **cache_kwargs(cache), use_cache=True).logits
+                     for a, b in zip([0, *cuts], [*cuts, x.shape[1]])]
+        assert (torch.cat(parts, 1) - whole).abs().max() < 1e-10 * whole.abs().max()

@@ -12,7 +12,9 @@ regression on the log of the largest attention the teacher pays the token from `
 later (:func:`far_attention`, :func:`fit_probe`) — causal and query-independent, so the cache at query
 ``t`` is simply the ``C`` best-scored tokens older than its window: what a decoder keeping a top-``C``
 buffer holds. Ties (a token repeated at layer 0, whose input is its embedding alone) go to the newer token
-through :func:`selection_keys`, the same numbers in training and decoding.
+through :func:`selection_keys`, the same numbers in training and decoding: scores are float64, whose rounding
+(~1e-16) the tie-break outweighs. Inputs equal only up to the model's own rounding (a run of one token opening a
+document has the same hidden states at every layer in exact arithmetic) still tie by chance in float32 models.
 
 Candidates come as ``P`` carried entries (a decoder's cache, seen by every query) followed by one per query
 (the *old stream* of :mod:`linearize.ops.window_inputs`: the token leaving the window at that step, seen by
@@ -48,9 +50,17 @@ def selection_keys(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     return s + _TIE * pos.double()[..., None] * (s.abs() + 1)
 
 
-def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor) -> torch.Tensor:
-    """``(B, T, H)`` float32: the probe ``(H, F + 1)`` (weights, then a bias) on the block's input ``(B, T, F)``."""
-    return F.linear(hidden_states.float(), probe[:, :-1].float(), probe[:, -1].float())
+def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor, rows: int = 65536) -> torch.Tensor:
+    """``(B, T, H)`` float64: the probe ``(H, F + 1)`` (weights, then a bias) on the block's input ``(B, T, F)``,
+    ``rows`` tokens at a time (the float64 copy of the input stays small). In float64, so that a token's score does
+    not depend on the call that makes it: float32 products rounded differently with the number of rows (2.4e-7 apart
+    for one input row, 2 rows against 11), far above the tie-break of :func:`selection_keys`, so a prefill in chunks
+    or a decode step kept another copy of a repeated token than one call did."""
+    w, b = probe[:, :-1].double(), probe[:, -1].double()
+    flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+    out = torch.cat([F.linear(flat[i:i + rows].double(), w, b) for i in range(0, flat.shape[0], rows)]) if flat.shape[0] \
+        else flat.new_zeros(0, w.shape[0], dtype=torch.float64)
+    return out.view(*hidden_states.shape[:-1], w.shape[0])
 
 
 def _pooled_blocks(cand_key: torch.Tensor, prior: int, size: int, cand_doc: torch.Tensor | None,

@@ -135,7 +135,7 @@ def sink_window_gdn_step_(
         decays: False for the ``deltanet`` target (no decay; the state is ``t×`` the GDN one).
         cache, token_score: a sparse cache beside the window (``GDNOptions.sparse_cache``; ``CacheBuffers``, slots
             ``[N, C, H, D]``, keys ``[N, C, H]`` and the window's keys ``[N, W, H]`` float64) and the new token's
-            probe score ``[N, H]`` float32 (:func:`~linearize.ops.sparse_cache.probe_scores`): first the token
+            probe score ``[N, H]`` (float64, or float32) (:func:`~linearize.ops.sparse_cache.probe_scores`): first the token
             leaving the window is offered to the cache (:func:`~linearize.ops.sparse_cache.cache_enter_`) and the
             new token's selection key (its score at position ``count + 1``, −inf for a sink) joins the window's
             keys, then the slots holding a token join the exact part's keys — in the kernel, or before the body.

@@ -7,7 +7,7 @@ row position ``r`` (padding counted), for the G query heads ``q_g`` of the head 
                 with a sparse cache, its slots with a finite key after the old token's offer (C > 0: the slot of
                 the lowest key, first of equals, takes slot 0 when its key is at least that; the new token's
                 key, tie-broken by position as ``selection_keys`` does, joins the window's keys; its score, given
-                the block's input and the probe, is computed here too: ``probe_scores``' float32 dot product)
+                the block's input and the probe, is computed here too: ``probe_scores``' float64 dot product)
     o_E, lse    their softmax, online over blocks of keys: m ← max(m, max s), l ← l·e^{m_old − m} + Σ e^{s − m},
                 acc ← acc·e^{m_old − m} + Σ e^{s − m} v;  o_E = acc/l,  lse = m + log l
     old token   window slot 0, written when win_pos_0 > S (m = 1): the Taylor step of ``ops/decode.py``
@@ -166,14 +166,14 @@ def _sink_window_gdn_step_kernel(
         tl.store(cache_v + p_at, tl.load(win_v + p_win + o_d, mask=m_d, other=0.0).to(cache_v.dtype.element_ty),
                  mask=m_take)
         tl.store(cache_key + (i_n64 * C + at) * H + i_h, new, mask=take)
-        if PROBE:  # the new token's score, the probe (H, F + 1) on the block's input (N, F): probe_scores' float32
+        if PROBE:  # the new token's score, the probe (H, F + 1) on the block's input (N, F), as probe_scores: float64
             o_f = tl.arange(0, BF)
-            acc_f = tl.zeros((BF,), tl.float32)
+            acc_f = tl.zeros((BF,), tl.float64)
             for f0 in range(0, F, BF):
                 m_f = f0 + o_f < F
-                acc_f += (tl.load(probe_in + i_n64 * F + f0 + o_f, mask=m_f, other=0.0).to(tl.float32)
-                          * tl.load(probe + i_h * (F + 1) + f0 + o_f, mask=m_f, other=0.0).to(tl.float32))
-            score = (tl.sum(acc_f, axis=0) + tl.load(probe + i_h * (F + 1) + F).to(tl.float32)).to(tl.float64)
+                acc_f += (tl.load(probe_in + i_n64 * F + f0 + o_f, mask=m_f, other=0.0).to(tl.float64)
+                          * tl.load(probe + i_h * (F + 1) + f0 + o_f, mask=m_f, other=0.0).to(tl.float64))
+            score = tl.sum(acc_f, axis=0) + tl.load(probe + i_h * (F + 1) + F).to(tl.float64)
         else:
             score = tl.load(token_score + i_nh64).to(tl.float64)
         key = score + TIE * (c + 1).to(tl.float64) * (tl.abs(score) + 1.0)  # selection_keys at position c + 1
@@ -390,7 +390,7 @@ def sink_window_gdn_step_triton(q, k, v, buffers, state, sum_k, sum_v, count, rh
     b = buffers
     C = 0 if cache is None else cache.key.shape[1]
     ck, cv, ckey, wkey = (b.sink_k, b.sink_v, b.sink_index, b.sink_index) if cache is None else cache.tensors()
-    score = mix_bias if token_score is None else token_score.float().contiguous()
+    score = mix_bias if token_score is None else token_score.double().contiguous()
     probe_in, weights = (mix_bias, mix_bias) if probe is None else (x.contiguous() for x in probe)
     F = probe_in.shape[-1] if probe is not None else 1
     tickets = _tickets(q.device, N * H)  # per sequence here, per (sequence, KV head) in the cache's kernel

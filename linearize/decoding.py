@@ -107,7 +107,7 @@ class Decoder:
     model's weights must stay where they were captured: a decoder that finds them moved (``.to()``, a
     reload) captures again. ``static`` (default: as ``graph``) decodes on those fixed-size buffers without
     a graph: the recorded step, run eagerly. ``compile``: the graph is recorded with the blocks' norms,
-    MLPs and GDN projections compiled (:func:`~linearize.compiling.compiled_blocks`); without a graph (a CPU),
+    MLPs and GDN step inputs compiled (:func:`~linearize.compiling.compiled_blocks`); without a graph (a CPU),
     every GDN block's decode step is compiled instead (:func:`~linearize.compiling.compiled_steps`).
 
     The softmax layers of a hybrid model decode from fixed-size key/value buffers of the prompt's length

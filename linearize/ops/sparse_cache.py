@@ -52,15 +52,14 @@ def selection_keys(score: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
 
 def probe_scores(hidden_states: torch.Tensor, probe: torch.Tensor, chunk_bytes: int = 2**28) -> torch.Tensor:
     """``(B, T, H)`` float64: the probe ``(H, F + 1)`` (weights, then a bias) on the block's input ``(B, T, F)``,
-    so many tokens at a time that their float64 copy takes at most ``chunk_bytes`` (256 MB). In float64, so that a token's score does
-    not depend on the call that makes it: float32 products rounded differently with the number of rows (2.4e-7 apart
+    so many tokens at a time that their float64 copy takes at most ``chunk_bytes`` (256 MB). In float64, so that a
+    token's score does not depend on the call that makes it: float32 products rounded differently with the number of rows (2.4e-7 apart
     for one input row, 2 rows against 11), far above the tie-break of :func:`selection_keys`, so a prefill in chunks
     or a decode step kept another copy of a repeated token than one call did."""
     w, b = probe[:, :-1].double(), probe[:, -1].double()
     flat = hidden_states.reshape(-1, hidden_states.shape[-1])
     rows = max(1, chunk_bytes // (8 * flat.shape[-1]))
-    out = torch.cat([F.linear(flat[i:i + rows].double(), w, b) for i in range(0, flat.shape[0], rows)]) if flat.shape[0] \
-        else flat.new_zeros(0, w.shape[0], dtype=torch.float64)
+    out = torch.cat([F.linear(flat[i:i + rows].double(), w, b) for i in range(0, max(flat.shape[0], 1), rows)])
     return out.view(*hidden_states.shape[:-1], w.shape[0])
 
 

@@ -181,20 +181,17 @@ def sink_window_gdn_step_(
     else:
         step = sink_window_gdn_step_torch
     if cache is not None:
-        if probe is not None:
-            if token_score is not None or probe[1].shape != (cache.key.shape[2], probe[0].shape[-1] + 1) or \
-                    probe[0].shape[0] != cache.key.shape[0]:
-                raise ValueError(f"probe must be (x [N, F], probe [H, F + 1]) for N, H = {list(cache.key.shape[::2])}, "
-                                 "in place of token_score")
-            if backend == "triton":  # the kernel computes the score, offers the old token and keys the new one
-                return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
-                            beta_max, window, sinks, decays=decays, eps=eps, cache=cache, probe=probe)
-            token_score = probe_scores(*probe)
-        if token_score is None or token_score.shape != cache.key.shape[::2]:
+        if probe is not None and (token_score is not None or probe[0].shape[0] != cache.key.shape[0]
+                                  or probe[1].shape != (cache.key.shape[2], probe[0].shape[-1] + 1)):
+            raise ValueError(f"probe must be (x [N, F], probe [H, F + 1]) for N, H = {list(cache.key.shape[::2])}, "
+                             "in place of token_score")
+        if probe is None and (token_score is None or token_score.shape != cache.key.shape[::2]):
             raise ValueError(f"a sparse cache needs the new token's probe score [N, H] = {list(cache.key.shape[::2])}")
-        if backend == "triton":  # the kernel offers the old token and keys the new one itself
+        if backend == "triton":  # the kernel scores the new token (given the probe), offers the old one and keys the new
             return step(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_factor, mix_bias,
-                        beta_max, window, sinks, decays=decays, eps=eps, cache=cache, token_score=token_score)
+                        beta_max, window, sinks, decays=decays, eps=eps, cache=cache, token_score=token_score, probe=probe)
+        if probe is not None:
+            token_score = probe_scores(*probe)
         pos = buffers.count[:, None] + 1
         key = score_keys(token_score[:, None], pos, sinks)[:, 0]
         cache_enter_(cache, buffers.win_k, buffers.win_v, buffers.win_pos, key, sinks)

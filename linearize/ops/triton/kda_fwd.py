@@ -294,11 +294,11 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
 
 
 def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32)``: T from :func:`kda_solve` unless
-    given (the backward: the forward's T), ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C`` (each chunk's total log-decay
-    per channel) for the state kernel. Inputs flat (``Layout.flat``), g float32; W and U are the same values as
-    in the forward. Given ``q`` (the backward), also ``scale·γ⊙q`` like q, appended: what the backward's state
-    kernel multiplies ``do`` by, so that its sequential loop takes no log-decay."""
+    """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32, scale·γ⊙q)``: T from
+    :func:`kda_solve` unless given (the backward: the forward's T), ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C`` (each
+    chunk's total log-decay per channel) for the state kernel. Inputs flat (``Layout.flat``), g float32; W and U
+    are the same values as in the forward; last ``scale·γ⊙q`` like q where ``q`` is given (the backward; else None): what the backward's
+    state kernel multiplies ``do`` by, so that its sequential loop takes no log-decay."""
     L = layout
     if tm is None:
         tm, _ = kda_solve(layout=L, k=k, g=g, beta=beta)
@@ -311,7 +311,7 @@ def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float 
             L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
             BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None,
             num_warps=chunk_warps(L.K))
-    return (tm, w, u, kd, gc) if q is None else (tm, w, u, kd, gc, qg)
+    return tm, w, u, kd, gc, qg
 
 
 def kda_state_bv(layout: Layout) -> int:
@@ -362,7 +362,7 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ())
     tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
-    _, w, u, kd, gc = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+    _, w, u, kd, gc, _ = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
     del w, u, kd, gc
     BV = kda_bv(K, L.V)

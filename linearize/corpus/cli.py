@@ -66,7 +66,10 @@ def build_cmd(
     tokens: str = typer.Option("150M", "--tokens", help="Target size; the sources' caps scale with it."),
     tokenizer: str = typer.Option("smollm2-135m", "--tokenizer", help="Model alias, tokenizer.json or its folder."),
     sources: str = typer.Option("", "--sources", help="Comma-separated source names (default: all; see 'data sources')."),
-    heldout: float = typer.Option(0.01, "--heldout", help="Fraction of each domain's documents held out."),
+    heldout: float = typer.Option(0.01, "--heldout", help="Fraction of each domain's documents held out for "
+                                  "measuring while developing (the in-training evaluation, choosing a recipe)."),
+    test: float = typer.Option(0.01, "--test", help="Fraction kept out of training and development for the figures "
+                               "reported at the end ('linearize eval --corpus-split test'); 0: no test split."),
     cache: Path = typer.Option(None, "--cache", help="Download/token cache (default ~/.cache/linearize)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
 ):
@@ -77,9 +80,9 @@ def build_cmd(
 
         n = parse_count(tokens, "--tokens")
         names = [s.strip() for s in sources.split(",") if s.strip()] or None
-        m = build(out, n, tokenizer, names, cache or DEFAULT_CACHE, force, heldout, command=_command())
+        m = build(out, n, tokenizer, names, cache or DEFAULT_CACHE, force, heldout, command=_command(), test=test)
         for d, splits in m["domains"].items():
-            typer.echo(f"{d:6s} train {splits['train']['tokens'] / 1e6:8.2f}M  heldout {splits['heldout']['tokens'] / 1e6:6.2f}M")
+            typer.echo(f"{d:6s} " + "  ".join(f"{s} {e['tokens'] / 1e6:.2f}M" for s, e in splits.items()))
         typer.echo(f"wrote {out}: {m['total_tokens'] / 1e6:.1f}M tokens")
         if m["total_tokens"] < n:
             typer.secho(f"note: {m['total_tokens']:,} tokens is short of --tokens {n:,}; the sources hold no more",

@@ -60,6 +60,13 @@ def doc_hash(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(" ".join(text.split()).encode(), digest_size=8).digest(), "little")
 
 
-def is_heldout(h: int, fraction: float) -> bool:
-    """The held-out split by hash: deterministic, independent of order and of the other documents."""
-    return (h >> 11) % 100_000 < round(fraction * 100_000)
+def split_of(h: int, heldout: float, test: float = 0.0) -> str:
+    """A document's split by its hash: deterministic, independent of order and of the other documents.
+    ``heldout`` (for measuring while developing: the in-training evaluation, choosing a recipe) takes the
+    first ``heldout`` of the hash range, ``test`` (for the figures reported once the choices are made) the
+    next ``test``, and ``train`` the rest: a corpus built with a test split holds out the same documents as
+    one without, and trains on all others but the test ones."""
+    bucket = (h >> 11) % 100_000
+    if bucket < round(heldout * 100_000):
+        return "heldout"
+    return "test" if bucket < round((heldout + test) * 100_000) else "train"

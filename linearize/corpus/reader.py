@@ -5,11 +5,16 @@
     >>> c.domains                                         # doctest: +SKIP
     ('prose', 'docs', 'code')
     >>> doc = next(c.documents("prose", "heldout"))       # a 1-D int64 numpy array of token ids
+    >>> c.splits                                          # doctest: +SKIP
+    ('train', 'heldout', 'test')
     >>> for domain, doc in c.mixture("train", {"prose": 1, "docs": 1, "code": 1}, tokens=10_000_000):
     ...     ...
     >>> text = c.texts("prose", "heldout")[0]             # that document's text, as extracted
     >>> import datasets                                   # the text through datasets, one config per domain:
-    >>> ds = datasets.load_dataset("/work/corpus/smollm2", "prose")  # splits train, heldout; columns text, source
+    >>> ds = datasets.load_dataset("/work/corpus/smollm2", "prose")  # its splits; columns text, source
+
+``heldout`` is for measuring while developing (the in-training evaluation, choosing a recipe), ``test``
+for the figures reported once the choices are made; corpora built before the test split have none.
 
 Documents carry no special tokens; put the tokenizer's end-of-text id
 (``c.manifest["tokenizer"]["special_tokens"]["<|endoftext|>"]``) between them when packing.
@@ -26,7 +31,7 @@ import numpy as np
 from .shards import read_shard
 from .texts import read_texts
 
-SPLITS = ("train", "heldout")
+SPLITS = ("train", "heldout", "test")
 
 
 class Corpus:
@@ -34,6 +39,7 @@ class Corpus:
         self.folder = folder
         self.manifest = manifest
         self.domains: tuple[str, ...] = tuple(manifest["domains"])
+        self.splits: tuple[str, ...] = tuple(s for s in SPLITS if all(s in d for d in manifest["domains"].values()))
         self.vocab_size: int = manifest["tokenizer"]["vocab_size"]
         self._arrays: dict = {}
         # corpora built before the text was kept have token shards only
@@ -44,6 +50,9 @@ class Corpus:
             raise ValueError(f"no domain {domain!r} in {self.folder}; it has {', '.join(self.domains)}")
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+        if split not in self.splits:
+            raise ValueError(f"{self.folder} has no {split!r} split (built before it existed); rebuild it with "
+                             "'linearize data build'")
 
     def tokens(self, domain: str, split: str = "train") -> int:
         self._check(domain, split)

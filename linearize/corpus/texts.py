@@ -63,13 +63,14 @@ def write_split(folder: Path, texts: list[str], sources: list[str], token_shards
 
 def write_card(folder: Path, domains: dict) -> None:
     """A dataset card whose YAML header names one ``datasets`` config per domain with its splits, so
-    ``datasets.load_dataset(str(folder), DOMAIN)`` gives ``train`` and ``heldout`` (split names
+    ``datasets.load_dataset(str(folder), DOMAIN)`` gives ``train``, ``heldout`` and ``test`` (split names
     ``datasets`` would not infer from the file names)."""
     lines = ["---", "configs:"]
     for domain, splits in domains.items():
         lines += [f"- config_name: {domain}", "  data_files:"]
-        for split in splits:
-            lines += [f"  - split: {split}", f"    path: {domain}/{split}-*.parquet"]
+        for split, entry in splits.items():  # an empty split (a small corpus's test) is no split to datasets
+            if entry["documents"]:
+                lines += [f"  - split: {split}", f"    path: {domain}/{split}-*.parquet"]
     lines += ["---", "", "A corpus written by `linearize data build`: per domain, token shards (`*.safetensors`) and "
               "the same documents' text (`*.parquet`, row i = document i of the shard with the same stem); "
               "`manifest.json` lists the sources. Read the text with "

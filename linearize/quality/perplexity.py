@@ -39,8 +39,8 @@ def pack(documents, seq_len: int, tokens: int, sep: int | None = None, bos: int 
     return torch.from_numpy(ids)
 
 
-def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None) -> dict:
-    """``{domain: (rows, seq_len)}`` from the held-out split of a corpus made by :mod:`linearize.corpus`
+def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None, split: str = "heldout") -> dict:
+    """``{domain: (rows, seq_len)}`` from the held-out (or test) split of a corpus made by :mod:`linearize.corpus`
     (its documents carry no special tokens: the corpus tokenizer's end-of-text id goes between them); with a
     ``tokenizer``, the corpus must have been cut with the same vocabulary, and each document opens with the
     id that tokenizer puts first of its own accord (Gemma's ``<bos>``, as in training: without it Gemma 3's
@@ -58,11 +58,11 @@ def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None) -> dict:
     sep = special.get("<|endoftext|>", getattr(tokenizer, "eos_token_id", None) if tokenizer is not None
                       else special.get("</s>"))
     bos = None if tokenizer is None else document_start(tokenizer)
-    rows = {d: pack(corpus.documents(d, split="heldout"), seq_len, tokens, sep, bos) for d in corpus.domains}
+    rows = {d: pack(corpus.documents(d, split=split), seq_len, tokens, sep, bos) for d in corpus.domains}
     short = [d for d, r in rows.items() if r.shape[0] == 0]
     if short:
         raise UserError(f"--corpus {corpus_dir}: domain(s) {', '.join(short)} hold fewer than --seq-len {seq_len} "
-                        "held-out tokens; lower --seq-len")
+                        f"{split} tokens; lower --seq-len")
     return rows
 
 

@@ -26,6 +26,7 @@ class Plan:
     eval_data: str | None = None
     batch_size: int = 8
     corpus: str | None = None  # None: the built-in held-out text
+    corpus_split: str = "heldout"  # or "test": the documents kept out of development too (linearize.corpus.reader)
     seq_len: int = 512
     ppl_tokens: int = 16384  # 0: no perplexity
     passkey_lengths: list[int] = field(default_factory=list)  # empty: no passkey
@@ -96,7 +97,8 @@ def measure(plan: Plan, lm, tok, edges: tuple[int, ...] = ()) -> dict:
         got["harness"] = {**scores, "average": harness.average(scores)}
     if plan.ppl_tokens:
         if plan.corpus is not None:
-            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens, tokenizer=tok)
+            rows = perplexity.corpus_rows(plan.corpus, plan.seq_len, plan.ppl_tokens, tokenizer=tok,
+                                          split=plan.corpus_split)
             perplexity.check_vocab(rows, lm.get_input_embeddings().num_embeddings, "the model")
         else:
             rows = perplexity.builtin_rows(tok, plan.seq_len, plan.ppl_tokens)
@@ -175,12 +177,18 @@ def check_plan(plan: Plan) -> None:
         from .data import check
 
         check(plan.eval_data, plan.tasks)
+    if plan.corpus_split not in ("heldout", "test"):
+        raise UserError(f"--corpus-split must be heldout or test; got {plan.corpus_split!r}")
+    if plan.corpus_split == "test" and plan.corpus is None:
+        raise UserError("--corpus-split test needs --corpus: the built-in text has no test split")
     if plan.corpus is not None and plan.ppl_tokens:
         if not Path(plan.corpus).is_dir():
             raise UserError(f"--corpus {plan.corpus} is not a folder; build one with linearize's corpus tools")
         from ..corpus.reader import open_corpus
 
-        open_corpus(plan.corpus)  # a bad corpus fails here, before any model loads
+        if plan.corpus_split not in open_corpus(plan.corpus).splits:  # a bad corpus fails here, before any model loads
+            raise UserError(f"--corpus-split {plan.corpus_split}: {plan.corpus} has no test split (built before it "
+                            "existed); rebuild it with 'linearize data build'")
 
 
 def command(opts: dict, command_line: str, echo=print) -> None:
@@ -203,6 +211,7 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 tasks=[] if opts["tasks"].strip() == "none" else parse_tasks(opts["tasks"]), limit=opts["limit"],
                 eval_data=None if opts["eval_data"] is None else str(opts["eval_data"]), batch_size=opts["batch_size"],
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
+                corpus_split=opts.get("corpus_split", "heldout"),
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
                 passkey_depths=opts.get("passkey_depths", 4), rope_scaling=opts.get("rope_scaling"),
                 rope_scaling_layers=opts.get("rope_scaling_layers", "all"), sparse_cache=opts.get("sparse_cache"),
@@ -254,12 +263,13 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
     if any("perplexity" in res[s] for s in sides):
         rows = [[d, str(row["tokens"]), *[_fmt(res[s]["perplexity"][d]["ppl"], False) for s in sides]]
                 for d, row in res[sides[0]]["perplexity"].items()]
-        out.append((f"held-out perplexity (rows of {result['plan']['seq_len']} tokens)", ["domain", "tokens", *names], rows))
+        split = "test" if result["plan"].get("corpus_split") == "test" else "held-out"
+        out.append((f"{split} perplexity (rows of {result['plan']['seq_len']} tokens)", ["domain", "tokens", *names], rows))
         first = res[sides[0]]["perplexity"]
         if all("by_context" in first[d] for d in first):  # files written before the spans existed have none
             rows = [[d, span, *[_fmt(res[s]["perplexity"][d]["by_context"][span]["ppl"], False) for s in sides]]
                     for d in first for span in first[d]["by_context"]]
-            out.append(("held-out perplexity by context length (tokens of the row before the predicted one)",
+            out.append((f"{split} perplexity by context length (tokens of the row before the predicted one)",
                         ["domain", "context", *names], rows))
     if any("passkey" in res[s] for s in sides):
         rows = [[n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides]] for n in res[sides[0]]["passkey"]["lengths"]]

@@ -45,9 +45,7 @@ class OneLineErrors(TyperGroup):
 app = typer.Typer(
     cls=OneLineErrors,
     help="Turn pretrained softmax-attention LMs into Gated DeltaNet (GDN) models.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
+    no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False,
     rich_markup_mode=None,  # plain help: flags read '--force', not '--force <bool>'; no rich import
 )
 

@@ -37,9 +37,11 @@ records() {  # W OUT
     # shellcheck disable=SC2086  # the file names are words
     tar czf "$2/records.tgz.$BASHPID" -C "$1" $files && mv "$2/records.tgz.$BASHPID" "$2/records.tgz"  # one writer each
 }
-eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default)
-    echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --seq-len 2048 \
---ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
+eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default);
+    local split=heldout  # perplexity on the corpus's test split where it has one: the runs chose nothing on it
+    ! grep -q '"test": {' "$1/corpus/manifest.json" 2>/dev/null || split=test
+    echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --corpus-split $split \
+--seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
 }
 if [ "${1:-}" = "--eval-options" ]; then  # for other runs measured on the same rows (scripts/device_calls.sh ablate)
     [ $# -eq 2 ] || { echo "usage: scripts/recover_smollm2.sh --eval-options W" >&2; exit 2; }

@@ -155,7 +155,7 @@ def quality(path: Path) -> dict:
                                       for span, c in v.get("by_context", {}).items()},
                        "passkey": {n: v["acc"] for n, v in r.get("passkey", {}).get("lengths", {}).items()}}
     return {"file": str(path), "command": d.get("command"), "models": d.get("models"), "primary": primary,
-            "limit": d.get("plan", {}).get("limit"), **sides}
+            "limit": d.get("plan", {}).get("limit"), "split": d.get("plan", {}).get("corpus_split", "heldout"), **sides}
 
 
 # --- markdown ------------------------------------------------------------------------------------
@@ -220,6 +220,10 @@ def markdown(variants: dict, command: str) -> str:
             rows.append([f"{t} ({metric}), %", *rows_of("tasks", t, "pct")])
         if tasks:
             rows.append([f"{len(tasks)}-task average, %", *rows_of("average", None, "pct")])
+        splits = {q[n].get("split", "heldout") for n in qn}  # older files name none: they read heldout
+        if len(splits) > 1:
+            sys.exit("error: the eval files measured perplexity on different corpus splits "
+                     f"({', '.join(sorted(splits))}); measure them all on one (linearize eval --corpus-split)")
         for dom in dict.fromkeys(d for n in qn for d in q[n]["model"]["perplexity"]):
             rows.append([f"perplexity: {dom}", *rows_of("perplexity", dom, "ppl")])
         for span in dict.fromkeys(x for n in qn for x in q[n]["model"].get("by_context", {})):
@@ -227,7 +231,8 @@ def markdown(variants: dict, command: str) -> str:
         for ln in dict.fromkeys(x for n in qn for x in q[n]["model"]["passkey"]):
             rows.append([f"passkey {ln}, %", *rows_of("passkey", ln, "pct")])
         limits = sorted({str(q[n]["limit"]) for n in qn})
-        lines += table(f"quality (linearize eval; limit {', '.join(limits)} rows per task)", ["metric", *cols], rows)
+        lines += table(f"quality (linearize eval; limit {', '.join(limits)} rows per task; perplexity on the "
+                       f"{splits.pop()} split)", ["metric", *cols], rows)
     return "\n".join(lines)
 
 

@@ -362,6 +362,22 @@ def test_a_cap_counts_the_tokens_the_corpus_keeps(offline, tmp_path, monkeypatch
     assert src["documents"] == dropped + 1 and src["bytes"] < full["sources"][0]["bytes"]
 
 
+def test_an_empty_test_split_is_no_split_to_datasets(offline, tmp_path):
+    """A corpus too small for its test fraction has an empty test split: the reader reads it as empty and the
+    card leaves it out, so datasets still loads the folder (an empty parquet file would fail it)."""
+    import datasets
+
+    root, cache, _ = offline
+    out = tmp_path / "corpus"
+    m = build(out, tokens=10_000, tokenizer=str(root / "tokenizer.json"), names=["shakespeare"], cache=cache,
+              heldout=0.2, test=1e-5)
+    c = open_corpus(out)
+    assert m["domains"]["prose"]["test"]["documents"] == 0 and c.tokens("prose", "test") == 0
+    assert list(c.documents("prose", "test")) == [] and "test" in c.splits
+    ds = datasets.load_dataset(str(out), "prose", cache_dir=str(tmp_path / "hf"))
+    assert sorted(ds) == ["heldout", "train"]
+
+
 def _text_beside_tokens(folder: Path, tok) -> list[str]:
     """Every parquet shard of a corpus holds, row for row, the text of the documents of the token shard
     with the same stem: each text re-tokenizes to exactly that document. Returns all the texts."""

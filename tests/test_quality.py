@@ -609,6 +609,9 @@ def test_cli_eval_scores_the_test_split_when_asked(world, tmp_path):
         assert code == 2 and why in text and sum(line.startswith("error:") for line in text.splitlines()) == 1, text
     code, text = _run("--model", d / "teacher", "--tasks", "none", "--corpus-split", "test", "--device", "cpu")
     assert code == 2 and "needs --corpus" in text, text
+    empty = _corpus(tmp_path / "empty", tok, {"prose": held}, test={"prose": []})  # refused before any model loads
+    code, text = _run("--model", tmp_path / "no-such-model", *args[2:], "--corpus", empty, "--corpus-split", "test")
+    assert code == 2 and "hold fewer than --seq-len 16 test tokens" in text, text
 
 
 def test_markdown_tables_carry_the_json_values():

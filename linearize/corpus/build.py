@@ -266,6 +266,9 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
                       "near_duplicates_dropped": neardup,
                       "complete": bool(st["exhausted"]) and whole})
         _log(f"  {src.name}: {kept['documents']} documents, {kept['tokens'] / 1e6:.2f}M tokens")
+        if cap is not None and kept["tokens"] < cap and not st["exhausted"]:  # copies ate the margin read past the cap
+            _log(f"  note: {src.name} kept {kept['tokens']:,} tokens of its cap {cap:,}: copies took more than "
+                 f"CAP_HEADROOM ({CAP_HEADROOM}) left room for; raise it in linearize/corpus/build.py")
     domain_docs = {d: {} for d in keyed}
     for d, splits in keyed.items():  # hash order: a prefix of a domain is a uniform sample of it
         for split, rows in splits.items():
@@ -282,7 +285,7 @@ def build(out: Path, tokens: int = DEFAULT_TOKENS, tokenizer: str = "smollm2-135
 def subset(src_dir: Path, out: Path, train_tokens: int, weights: dict | None = None, force: bool = False,
            shard_tokens: int = SHARD_TOKENS, command: str = "") -> dict:
     """A smaller corpus from a built one: a mixture of about ``train_tokens`` training tokens
-    (``weights`` per domain, default equal) and all of the held-out documents, with their text when
+    (``weights`` per domain, default equal) and all of the heldout and test documents, with their text when
     the corpus has it."""
     from .reader import open_corpus
 

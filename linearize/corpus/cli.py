@@ -99,7 +99,7 @@ def subset_cmd(
     weights: str = typer.Option("", "--weights", help="Domain weights, e.g. prose=1,docs=1,code=1 (default equal)."),
     force: bool = typer.Option(False, "--force", help="Replace --out if it exists."),
 ):
-    """A smaller corpus (a weighted training mixture plus every held-out document), e.g. for a GPU machine."""
+    """A smaller corpus (a weighted training mixture plus every heldout and test document), e.g. for a GPU machine."""
 
     def go():
         from .build import subset

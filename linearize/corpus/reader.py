@@ -51,8 +51,8 @@ class Corpus:
         if split not in SPLITS:
             raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
         if split not in self.splits:
-            raise ValueError(f"{self.folder} has no {split!r} split (built before it existed); rebuild it with "
-                             "'linearize data build'")
+            raise ValueError(f"{self.folder} has no {split!r} split (built before it existed, or with --test 0); "
+                             "rebuild it with 'linearize data build'")
 
     def tokens(self, domain: str, split: str = "train") -> int:
         self._check(domain, split)

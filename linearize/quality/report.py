@@ -179,16 +179,21 @@ def check_plan(plan: Plan) -> None:
         check(plan.eval_data, plan.tasks)
     if plan.corpus_split not in ("heldout", "test"):
         raise UserError(f"--corpus-split must be heldout or test; got {plan.corpus_split!r}")
-    if plan.corpus_split == "test" and plan.corpus is None:
+    if plan.corpus_split == "test" and plan.corpus is None and plan.ppl_tokens:
         raise UserError("--corpus-split test needs --corpus: the built-in text has no test split")
     if plan.corpus is not None and plan.ppl_tokens:
         if not Path(plan.corpus).is_dir():
             raise UserError(f"--corpus {plan.corpus} is not a folder; build one with linearize's corpus tools")
         from ..corpus.reader import open_corpus
 
-        if plan.corpus_split not in open_corpus(plan.corpus).splits:  # a bad corpus fails here, before any model loads
+        corpus = open_corpus(plan.corpus)  # a bad corpus fails here, before any model loads
+        if plan.corpus_split not in corpus.splits:
             raise UserError(f"--corpus-split {plan.corpus_split}: {plan.corpus} has no test split (built before it "
-                            "existed); rebuild it with 'linearize data build'")
+                            "existed, or with --test 0); rebuild it with 'linearize data build'")
+        short = [d for d in corpus.domains if corpus.tokens(d, plan.corpus_split) < plan.seq_len]
+        if short:
+            raise UserError(f"--corpus {plan.corpus}: domain(s) {', '.join(short)} hold fewer than --seq-len "
+                            f"{plan.seq_len} {plan.corpus_split} tokens; lower --seq-len")
 
 
 def command(opts: dict, command_line: str, echo=print) -> None:

@@ -114,7 +114,7 @@ def _solve_kernel(
     am, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, KV head): ``T = (I + A)⁻¹`` of the ``A`` that :func:`_scores_kernel` stored, read as the GDN
+    """Per (chunk, KV head): ``T = (I + A)⁻¹`` of the ``A`` that stage 0 stored, read as the GDN
     solve holds it, ten (BT/4)² blocks, and inverted by its :func:`solve.store_inverse`."""
     BC: tl.constexpr = BT // 4
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -217,7 +217,7 @@ def _output_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, query head), over the V blocks, with the scores ``P`` :func:`_scores_kernel` stored."""
+    """Per (chunk, query head), over the V blocks, with the scores ``P`` stage 0 stored."""
     HQ: tl.constexpr = H * G
     i_t, i_hq = tl.program_id(0), tl.program_id(1)
     i_h = i_hq // G  # query heads h·G … h·G + G − 1 read KV head h

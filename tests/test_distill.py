@@ -121,6 +121,39 @@ def test_chunked_kl_equals_full_kl():
     torch.testing.assert_close(got, kl * T * T + 0.5 * ce)
 
 
+def test_held_out_metrics_score_the_same_positions_as_perplexity():
+    """evaluate(): KL, top-1 agreement and both perplexities over the positions that have a next token in
+    their document (packed rows: two documents a row), against full logits taken in one go in float64."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from linearize.distill.evaluation import evaluate
+
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    teacher, student = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(5), torch.arange(7)]).expand(3, 12)  # documents of 5 and 7 tokens
+    run = SimpleNamespace(student=student, teacher=teacher, device=torch.device("cpu"),
+                          data=SimpleNamespace(heldout_ids=ids, heldout_pos=pos),
+                          cfg=SimpleNamespace(data=SimpleNamespace(eval_tokens=10_000)))
+    got = evaluate(run, chunk=7)
+    with torch.no_grad():
+        # use_cache=False: transformers isolates packed documents (from position_ids) only without a cache
+        lt, ls = (m.double()(input_ids=ids, position_ids=pos, use_cache=False).logits.log_softmax(-1).flatten(0, 1)
+                  for m in (teacher, student))
+    labels = next_token_labels(ids, pos).flatten()
+    keep = labels != -100
+    assert int(keep.sum()) == 3 * 10  # each row: 4 + 6 scored positions
+    kl = (lt.exp() * (lt - ls)).sum(-1)[keep].mean()
+    agree = (lt.argmax(-1) == ls.argmax(-1))[keep].double().mean()
+    ppl = [math.exp(-lp[keep].gather(1, labels[keep, None]).mean()) for lp in (lt, ls)]
+    assert got["kl"] == pytest.approx(float(kl), rel=1e-4) and got["top1_agreement"] == pytest.approx(float(agree))
+    assert (got["ppl_teacher"], got["ppl_student"]) == pytest.approx(ppl, rel=1e-4)
+
+
 # training, checkpoints, resume ------------------------------------------------------------------
 
 

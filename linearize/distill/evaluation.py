@@ -13,7 +13,9 @@ from .losses import last_hidden, next_token_labels
 @torch.no_grad()
 def evaluate(run, chunk: int = 1024) -> dict:
     """Held-out perplexity of teacher and student, KL(teacher ‖ student), top-1 agreement — logits
-    made ``chunk`` tokens at a time through each LM head, never for the whole batch."""
+    made ``chunk`` tokens at a time through each LM head, never for the whole batch. All four over the same
+    positions: those with a next token in their document (a row's last position and a document's last
+    token, which perplexity cannot score, count in none)."""
     was_training = run.student.training
     run.student.eval()
     ids, pos = run.data.heldout_ids, run.data.heldout_pos
@@ -30,8 +32,10 @@ def evaluate(run, chunk: int = 1024) -> dict:
         y = labels[a:a + chunk]
         for name, lp in (("teacher", lt), ("student", ls)):
             ce[name] += torch.nn.functional.nll_loss(lp, y, ignore_index=-100, reduction="sum").item()
-        kl += (lt.exp() * (lt - ls)).sum().item()
-        agree += (lt.argmax(-1) == ls.argmax(-1)).sum().item()
+        scored = y != -100
+        kl += (lt.exp() * (lt - ls)).sum(-1)[scored].sum().item()
+        agree += (lt.argmax(-1) == ls.argmax(-1))[scored].sum().item()
     run.student.train(was_training)
-    return {"ppl_teacher": math.exp(ce["teacher"] / max(valid, 1)), "ppl_student": math.exp(ce["student"] / max(valid, 1)),
-            "kl": kl / n, "top1_agreement": agree / n}
+    valid = max(valid, 1)
+    return {"ppl_teacher": math.exp(ce["teacher"] / valid), "ppl_student": math.exp(ce["student"] / valid),
+            "kl": kl / valid, "top1_agreement": agree / valid}

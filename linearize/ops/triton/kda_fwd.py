@@ -1,12 +1,11 @@
 """Triton forward of KDA, the gated delta rule with one decay per key channel (:mod:`linearize.ops.kda`: read
-its docstring first), chunk 64, GQA-native and varlen. Six kernels in four stages:
+its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stages:
 
 0. ``_scores_kernel``   per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel, the in-chunk
    scores with their pairwise decays per channel, ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``
    (float32 scratch) and every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r), in the same
-   pass as A (they share the pairwise decays: :func:`kda_tiles.cross_scores_pair`), but for the pairs
-   inside a sub-chunk of 16 rows, which ``_sub_chunk_kernel`` computes per (sub-chunk, KV head)
-   (:func:`kda_tiles.sub_chunk_pairs`);
+   pass as A (they share the pairwise decays: :func:`kda_tiles.cross_scores_pair`,
+   :func:`kda_tiles.sub_chunk_pairs`);
    ``_solve_kernel`` per (chunk, KV head), one warp: ``T = (I + A)⁻¹`` as the GDN solve inverts it
    (:func:`solve.store_inverse`). T and P are kept for the backward.
 1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, and for the state kernel
@@ -45,9 +44,9 @@ def _scores_kernel(
 ):
     """Per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (float32, to ``am``) and,
     with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
-    dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays between
-    sub-chunks (:func:`kda_tiles.cross_scores_pair`); with ``STORE_P`` the entries inside a sub-chunk are
-    :func:`_sub_chunk_kernel`'s, which takes those decays once for the whole GQA group."""
+    dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays: those
+    between sub-chunks per head (:func:`kda_tiles.cross_scores_pair`), those inside a sub-chunk once for the
+    whole GQA group (:func:`kda_tiles.sub_chunk_pairs`)."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -67,7 +66,7 @@ def _scores_kernel(
         p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
         b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
         # the products between sub-chunks as (BT, BT) tiles, A with the first query head, stored but for the
-        # sub-chunks' strictly lower triangles, which _sub_chunk_kernel stores
+        # sub-chunks' strictly lower triangles, which sub_chunk_pairs then stores, rows by half sub-chunks
         b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
         m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
         tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
@@ -76,29 +75,22 @@ def _scores_kernel(
             b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
             b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
             tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
+        HS: tl.constexpr = SUB // 2
+        o_h = tl.arange(0, BT // 2)
+        c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
+        c_hi = c_lo + HS  # the second half: keys up to SUB − 1 back
+        r0 = bos + i_c * BT
+        pa = q + (r0 * HQ + i_h * G) * K
+        pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
+        w_lo = tl.load(beta + (r0 + c_lo) * H + i_h, mask=c_lo < n, other=0.0).to(tl.float32)
+        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_lo, n, w_lo, pma, HQ * BT, pmb, H * BT, K, BK, SUB, HS,
+                        G, BT)
+        w_hi = tl.load(beta + (r0 + c_hi) * H + i_h, mask=c_hi < n, other=0.0).to(tl.float32)
+        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
+                        SUB, G, BT)
     else:
         b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE)
         tl.store(am + p_a, b_A * b_beta[:, None], mask=m_tt)
-
-
-@triton.jit
-def _sub_chunk_kernel(
-    q, k, g, beta, am, pm, chunk_indices, cu_seqlens, chunk_offsets,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-):
-    """Per (sub-chunk, KV head): the entries of A and of every query head's P inside one sub-chunk of ``SUB``
-    rows (:func:`kda_tiles.sub_chunk_pairs`), which :func:`_scores_kernel` leaves out. Its own launch, a
-    program a sub-chunk: these steps run one sub-diagonal after the other, each waiting on the last, and
-    many small programs to an SM hide that wait where one program per chunk inside the scores kernel could not."""
-    HQ: tl.constexpr = H * G
-    i_ts, i_h = tl.program_id(0), tl.program_id(1)
-    bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_ts // (BT // SUB))
-    n = tl.minimum(T - i_c * BT, BT)
-    c = (i_ts % (BT // SUB)) * SUB + tl.arange(0, SUB)  # the sub-chunk's rows in the chunk
-    r0 = bos + i_c * BT
-    w = tl.load(beta + (r0 + c) * H + i_h, mask=c < n, other=0.0).to(tl.float32)
-    sub_chunk_pairs(q + (r0 * HQ + i_h * G) * K, k + (r0 * H + i_h) * K, g + (r0 * H + i_h) * K, HQ * K, H * K, c, n,
-                    w, pm + (r0 * HQ + i_h * G) * BT, HQ * BT, am + (r0 * H + i_h) * BT, H * BT, K, BK, SUB, SUB, G, BT)
 
 
 @triton.jit
@@ -296,10 +288,6 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
             q if q is not None else k, k, g, beta, am, pm if pm is not None else am, L.chunk_indices, L.cu_seqlens,
             L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BK=block_k(L.K), SUB=SUB, STORE_P=q is not None,
             IEEE=L.ieee, num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
-        if q is not None:
-            _sub_chunk_kernel[(L.NC * (BT // SUB), L.H)](
-                q, k, g, beta, am, pm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT,
-                BK=block_k(L.K), SUB=SUB, num_warps=4)
         _solve_kernel[(L.NC, L.H)](am, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, BT=BT, IEEE=L.ieee,
                                    num_warps=1, num_stages=1)
     return tm, pm

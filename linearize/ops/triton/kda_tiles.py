@@ -124,7 +124,8 @@ def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb,
     the document). ``pa``, ``pb``, ``pg``: the chunk's first row of a_0, b and the log-decays (row strides
     ``stride_a``, ``stride``, ``stride``). Each entry as :func:`decayed_scores` computes it (the same sums of
     log-decays, products and order); every pairwise decay is taken once for all NA + 1 products, and only the
-    rows given are worked on (``kda_fwd._sub_chunk_kernel``: one sub-chunk's, ``D = SUB``)."""
+    rows given are worked on: the caller passes the rows that have keys up to ``D − 1`` back, rather than a
+    whole (BT, BK) tile of which half the rows have no key ``d ≥ SUB / 2`` back."""
     o_k = tl.arange(0, BK)
     p = c % SUB  # position in the sub-chunk
     m_r = c < n

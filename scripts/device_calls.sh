@@ -78,9 +78,8 @@ ablating() {  # a variant of 'ablate' is still training or being measured
     pgrep -f "scripts/ablate.sh .*/aruns" > /dev/null
 }
 gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the teacher (the test split where there is one)
-    local split=heldout
-    ! grep -q '"test": {' "$w/corpus_gemma/manifest.json" 2>/dev/null || split=test
-    echo "--eval-data $w/ev --corpus $w/corpus_gemma --corpus-split $split ${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
+    echo "--eval-data $w/ev --corpus $w/corpus_gemma --corpus-split $(bash scripts/recover_smollm2.sh --corpus-split \
+"$w/corpus_gemma") ${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
 }
 gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/gruns, in the background
     local g=$w/gemma

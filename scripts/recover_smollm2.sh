@@ -12,6 +12,7 @@
 # usage: scripts/recover_smollm2.sh W OUT [DEADLINE seconds, default 560]
 #        scripts/recover_smollm2.sh --records W OUT     # OUT/records.tgz of what exists now, then stop
 #        scripts/recover_smollm2.sh --eval-options W    # the `linearize eval` options the runs take
+#        scripts/recover_smollm2.sh --corpus-split DIR  # the corpus split they measure perplexity on
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
 # INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
@@ -37,15 +38,22 @@ records() {  # W OUT
     # shellcheck disable=SC2086  # the file names are words
     tar czf "$2/records.tgz.$BASHPID" -C "$1" $files && mv "$2/records.tgz.$BASHPID" "$2/records.tgz"  # one writer each
 }
-eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default);
-    local split=heldout  # perplexity on the corpus's test split where it has one: the runs chose nothing on it
-    ! grep -q '"test": {' "$1/corpus/manifest.json" 2>/dev/null || split=test
-    echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --corpus-split $split \
+corpus_split() {  # DIR: test where the corpus has that split (the runs chose nothing on it), else heldout
+    python3 -c "import sys; from linearize.corpus.reader import open_corpus
+print('test' if 'test' in open_corpus(sys.argv[1]).splits else 'heldout')" "$1" 2>/dev/null || echo heldout
+}
+eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default)
+    echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --corpus-split $(corpus_split "$1/corpus") \
 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
 }
 if [ "${1:-}" = "--eval-options" ]; then  # for other runs measured on the same rows (scripts/device_calls.sh ablate)
     [ $# -eq 2 ] || { echo "usage: scripts/recover_smollm2.sh --eval-options W" >&2; exit 2; }
     eval_options "$2"
+    exit 0
+fi
+if [ "${1:-}" = "--corpus-split" ]; then  # for other runs on a corpus of their own (scripts/device_calls.sh: Gemma)
+    [ $# -eq 2 ] || { echo "usage: scripts/recover_smollm2.sh --corpus-split DIR" >&2; exit 2; }
+    corpus_split "$2"
     exit 0
 fi
 if [ "${1:-}" = "--records" ]; then

@@ -23,7 +23,8 @@
 # RoPE scaling (`linearize eval --rope-scaling`; ROPE_LAYERS=softmax: on a hybrid's kept softmax layers only),
 # into quality_rope.json and teacher_rope.json;
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
-# precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU.
+# precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU,
+# ALIGN_EVAL=0 the evaluation of the model after align (MMLU comes after it).
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:
 #   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
@@ -94,6 +95,7 @@ rope() {  # MODEL OUTPUT LAYERS: with ROPE=KIND:FACTOR[:ORIGINAL], passkey and p
         eval -m "$1" --teacher none $eval_options --tasks none --rope-scaling "$ROPE" --rope-scaling-layers "$3" -o "$2"
 }
 after_align() {  # RUN_DIR: the model the align stage ended with (output.save_stages), measured the same way
+    [ "${ALIGN_EVAL:-1}" = 1 ] || return 0
     # shellcheck disable=SC2086  # the options are words
     [ ! -f "$1/model-align/config.json" ] || [ -f "$1/quality_align.json" ] || [ "$(left)" -lt 120 ] || timeout \
         --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$1/model-align" --teacher none \

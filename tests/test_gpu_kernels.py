@@ -147,7 +147,7 @@ FRONT_CASES = [  # SmolLM2 training rows, packed documents, Llama-3-8B and Gemma
 def test_taylor_front_triton_equals_pytorch_front(B, T, H, K, V, cu, dtype):
     """The fused Taylor front against the PyTorch front in float64: outputs and gradients. ``dtype``: of k and
     v (bf16 is what a bf16 model feeds it: k̂ and u come back in bf16, the rest in float32); the reference
-    gets the same rounded k and v."""
+    gets the same rounded k and v. Packed documents also return k̄ (the window block's old stream reads it)."""
     from linearize.ops.taylor import taylor_front
     from linearize.ops.triton.front import taylor_front_triton
 
@@ -164,14 +164,14 @@ def test_taylor_front_triton_equals_pytorch_front(B, T, H, K, V, cu, dtype):
         if name == "ref":
             fr = taylor_front(torch.zeros_like(leaves[0]), *leaves[:2], rho=leaves[2], beta_factor=leaves[3],
                               cu_seqlens=cu_t)
-            outs = (fr.k, fr.v, fr.g, fr.beta, fr.v_mean)
+            outs = (fr.k, fr.v, fr.g, fr.beta, fr.v_mean) + ((fr.k_mean,) if cu is not None else ())
         else:
-            outs = taylor_front_triton(*leaves[:3], 1.0, beta_factor=leaves[3], cu_seqlens=cu_t)
+            outs = taylor_front_triton(*leaves[:3], 1.0, beta_factor=leaves[3], cu_seqlens=cu_t, k_mean=cu is not None)
         g2 = _gen(1)
         sum((o.double() * torch.randn(o.shape, device="cuda", generator=g2, dtype=torch.float64)).sum()
             for o in outs).backward()
-        got[name] = [o.detach() for o in outs] + [x.grad for x in leaves]
-    names = ("khat", "u", "g", "beta", "vbar", "dk", "dv", "drho", "dbeta_factor")
+        got[name] = [x.grad for x in leaves] + [o.detach() for o in outs]
+    names = ("dk", "dv", "drho", "dbeta_factor", "khat", "u", "g", "beta", "vbar", "kbar")
     assert_within({n: rel_err(a, b) for n, a, b in zip(names, got["ours"], got["ref"])}, TOL[dtype])
 
 

@@ -196,10 +196,11 @@ FRONT_CASES = [  # (B, T, H, K, V, cu_seqlens, beta_factor, rho scale)
 ]
 
 
+@pytest.mark.parametrize("k_mean", [False, True])
 @pytest.mark.parametrize("case", FRONT_CASES)
-def test_fused_taylor_front_equals_pytorch_front(poisoned, case):
-    """The fused front kernels (fp32) against the PyTorch front in float64: k̂, u, g, β, v̄ and the
-    gradients of k, v, ρ and the β factor."""
+def test_fused_taylor_front_equals_pytorch_front(poisoned, case, k_mean):
+    """The fused front kernels (fp32) against the PyTorch front in float64: k̂, u, g, β, v̄ (and k̄, which
+    the window block's mix reads) and the gradients of k, v, ρ and the β factor."""
     from linearize.ops.taylor import taylor_front
     from linearize.ops.triton.front import taylor_front_triton
 
@@ -216,13 +217,14 @@ def test_fused_taylor_front_equals_pytorch_front(poisoned, case):
         fk = leaves[3] if with_f else None
         if name == "torch":
             fr = taylor_front(k.new_zeros(B, T, H, K), *leaves[:2], rho=leaves[2], beta_factor=fk, cu_seqlens=cu)
-            outs = (fr.k, fr.v, fr.g, fr.beta, fr.v_mean)
+            outs = (fr.k, fr.v, fr.g, fr.beta, fr.v_mean) + ((fr.k_mean,) if k_mean else ())
         else:
-            outs = taylor_front_triton(*leaves[:2], leaves[2], 1.0, beta_factor=fk, cu_seqlens=cu)
+            outs = taylor_front_triton(*leaves[:2], leaves[2], 1.0, beta_factor=fk, cu_seqlens=cu, k_mean=k_mean)
+            assert len(outs) == 5 + k_mean
         g2 = torch.Generator().manual_seed(9)
         sum((o.double() * torch.randn(o.shape, generator=g2, dtype=torch.float64)).sum() for o in outs).backward()
         got[name] = ([o.detach().double() for o in outs], [x.grad.double() for x in leaves])
-    for what, mine, ref in zip("k̂ u g β v̄".split(), *(got[n][0] for n in ("triton", "torch"))):
+    for what, mine, ref in zip("k̂ u g β v̄ k̄".split(), *(got[n][0] for n in ("triton", "torch"))):
         assert torch.isfinite(mine).all() and rel(mine, ref) < 1e-5, what
     for what, mine, ref in zip("dk dv dρ df".split(), *(got[n][1] for n in ("triton", "torch"))):
         assert torch.isfinite(mine).all() and rel(mine, ref) < 1e-5, what

@@ -43,7 +43,6 @@ from ..ops.window import (
     flex_usable,
     mix_by_mass,
     normalizer_gap,
-    old_square_sums,
     sink_window_flex,
     sink_window_softmax,
     window_triton_usable,
@@ -55,9 +54,10 @@ from .channel_decay import ChannelDecay
 from .options import GDNOptions
 from .output_gate import OutputGate
 from .packing import by_rows, flatten_rows, packed_cu_seqlens, token_mask
-from .paths import fused_path
+from .paths import fused_path, fused_window_path
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
+from .window_front import composed_old_stream, fused_old_stream
 from .write_gate import WriteGate
 
 
@@ -260,8 +260,9 @@ class GDNAttention(nn.Module):
 
     def _attend_window(self, hidden_states, position_embeddings, mask, layer=None, cu_seqlens=None, rows=1):
         """The sink + sliding-window block (``GDNOptions.window``): exact softmax over each query's window and
-        sinks, the Taylor-GDN over the older tokens — fed the token leaving the window at every step —
-        mixed by :func:`mix_by_mass`. ``layer``: the cache layer to continue from (None: a fresh sequence).
+        sinks, the Taylor-GDN over the older tokens — fed the token leaving the window at every step
+        (:mod:`~linearize.layers.window_front`) — mixed by :func:`mix_by_mass`. ``layer``: the cache layer to
+        continue from (None: a fresh sequence).
         Returns ``(o, state, sums, conv_tails, window buffers, sparse-cache buffers)``. The β and decay
         corrections are read off the current token, as in GDN. With ``sparse_cache`` the exact part also
         covers each query's cache (:mod:`linearize.ops.sparse_cache`). ``rows``: a flattened batch's rows."""
@@ -314,33 +315,11 @@ class GDNAttention(nn.Module):
             m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
             beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * m
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
-        old_v = inp.old_v.to(dt)
-        front = taylor_front(q, inp.old_k.to(dt), old_v, form=self.options.form, rho=self.rho.to(dt),
-                             beta_max=self.options.beta_max, beta_factor=beta_factor, mask=inp.old_ok,
-                             initial=layer.sums if h0 is not None else None, cu_seqlens=cu_seqlens,
-                             write_factor=self.write_gate(old_v) if self.options.write_gate else None)
-        front.g = scale_log_decay(front.g, gate_factor)
-        q_old, front = (q, front) if self.decays else fold_decay(q, front)  # the mix below reads q itself
-        g = front.g
-        if T == 1 and h0 is not None:
-            o_old, state = gated_delta_rule_step(q_old[:, 0], front.k[:, 0], front.v[:, 0], g[:, 0], front.beta[:, 0], h0)
-            o_old = taylor_back(o_old[:, None], front.v_mean)
-        else:
-            cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else dt
-            o_old, state = gated_delta_rule(
-                q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=g, beta=front.beta, initial_state=h0,
-                output_final_state=layer is not None, cu_seqlens=cu_seqlens, backend=self.options.backend,
-                v_offset=front.v_mean)
-        square_sum = None
-        if self.options.mix_order == 2:  # Σ (q·k)² over the old tokens, from Σkkᵀ carried in the running sums
-            square_sum, moment = old_square_sums(q, inp.old_k.to(dt), inp.old_ok,
-                                                 initial=layer.sums.kk if h0 is not None else None,
-                                                 output_final_state=layer is not None, cu_seqlens=cu_seqlens,
-                                                 backend=self.options.backend)
-            if layer is not None:
-                front.sums.kk = moment
-        o = mix_by_mass(o_exact, lse, o_old, q, front.k_mean, front.count, self.mix_bias, square_sum)
-        return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails, buffers, sparse
+        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None)
+        old = (fused_old_stream if fused else composed_old_stream)(self, q, inp, beta_factor, gate_factor, cu_seqlens,
+                                                                   layer, hidden_states.dtype)
+        o = mix_by_mass(o_exact, lse, old.o, q, old.k_mean, old.count, self.mix_bias, old.square_sum)
+        return o.reshape(B, T, -1).to(hidden_states.dtype), old.state, old.sums, tails, buffers, sparse
 
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
                 cu_seqlens=None, conv_past=None):

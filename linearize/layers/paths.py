@@ -21,3 +21,14 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
              and options.target == "gdn")
     return (options.form == "stable" and plain and mask is None and initial is None and not output_final_state
             and _triton_usable(hidden_states) and (want is True or (want is None and hidden_states.is_cuda)))
+
+
+def fused_window_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, fresh: bool = True) -> bool:
+    """Whether the window block's old stream takes the fused Triton front (:mod:`linearize.layers.window_front`):
+    the stable form, Triton usable, no padding mask, on a fresh sequence (training, scoring), without a write
+    gate (the kernels know no write strength) and with the first-order mix (the second order stays on the
+    PyTorch path it is tested on). Only where asked (``fused_front=True``), not by default on CUDA as the pure
+    block's front: its speed and its compiled kernels are not measured on a GPU yet
+    (``scripts/bench_distill.py --variants --window 64 --sinks 4`` times both)."""
+    return (bool(options.window) and options.form == "stable" and not options.write_gate and options.mix_order == 1
+            and mask is None and fresh and _triton_usable(hidden_states) and options.fused_front is True)

@@ -8,7 +8,8 @@ Per token ``t`` (counted from 1 in its document), from the running sums Σk and 
 
 Forward, three launches: the Σk, Σv of each sub-block of every 64-token chunk (one program per chunk and
 KV head); an exclusive scan of those per (document, KV head), one row per sub-block — the running sums
-entering every sub-block, kept for the backward; then every chunk at once, writing k̂, u, g, β and v̄.
+entering every sub-block, kept for the backward; then every chunk at once, writing k̂, u, g, β and v̄ (and k̄,
+for the window block's mix, where asked).
 One program per document walking its whole length left the GPU idle at training shapes (16 rows × 3 KV
 heads = 48 programs). The backward recomputes k̄ and v̄ from the kept running sums, bit for bit (the same
 float32 operations on the same values), instead of reading float32 copies of them.
@@ -121,11 +122,12 @@ def _front_scan_kernel(sums, chunk_offsets, H: tl.constexpr, W: tl.constexpr, BW
 
 @triton.jit
 def _front_fwd_kernel(
-    k, v, bf, khat, u, g, beta_out, vbar, rho, sums, chunk_indices, cu_seqlens, chunk_offsets, beta_max, eps,
+    k, v, bf, khat, u, g, beta_out, vbar, kbar, rho, sums, chunk_indices, cu_seqlens, chunk_offsets, beta_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_BF: tl.constexpr,
+    BV: tl.constexpr, USE_BF: tl.constexpr, KBAR: tl.constexpr,
 ):
-    """Per (chunk, KV head), from the running sums entering each sub-block (``_front_scan_kernel``'s output)."""
+    """Per (chunk, KV head), from the running sums entering each sub-block (``_front_scan_kernel``'s output).
+    ``KBAR``: also write k̄ (float32)."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
@@ -140,6 +142,8 @@ def _front_fwd_kernel(
         tl.store(g + row * H + i_h, tl.log(tl.where(live, 1.0 - 1.0 / t, 1.0)), mask=m_t)
         tl.store(beta_out + row * H + i_h, beta, mask=m_t)
         tl.store(vbar + p_v, b_vbar, mask=m_tv)
+        if KBAR:
+            tl.store(kbar + p_k, b_kbar, mask=m_tk)
 
 
 @triton.jit
@@ -154,14 +158,15 @@ def _means(b_k, b_v, t, sums, i_s, i_h, H: tl.constexpr, K: tl.constexpr, V: tl.
 
 @triton.jit
 def _front_bwd_kernel(
-    k, v, bf, carry, dkhat, du, dbeta, dvbar, dk, dv, dbf, drho, rho, sums, chunk_indices, cu_seqlens,
+    k, v, bf, carry, dkhat, du, dbeta, dvbar, dkbar, dk, dv, dbf, drho, rho, sums, chunk_indices, cu_seqlens,
     chunk_offsets, beta_max, eps,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, CH: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_BF: tl.constexpr, SUMS: tl.constexpr,
+    BV: tl.constexpr, USE_BF: tl.constexpr, SUMS: tl.constexpr, KBAR: tl.constexpr,
 ):
     """Per (chunk, KV head). ``SUMS``: only the chunk's totals of ∂L/∂Σk_t and ∂L/∂Σv_t (→ ``sums``, then
     reverse-scanned); otherwise, from the suffix sums over later chunks, every gradient, sub-blocks in reverse.
-    ``carry``: the forward's running sums entering every sub-block (k̄ and v̄ are recomputed from them)."""
+    ``carry``: the forward's running sums entering every sub-block (k̄ and v̄ are recomputed from them).
+    ``KBAR``: k̄ was an output too, with gradient ``dkbar``."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, L, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     r = tl.load(rho + i_h).to(tl.float32)
@@ -198,6 +203,8 @@ def _front_bwd_kernel(
         # k̃ = k − Σk/t (0 at t = 1);  ṽ = v − (Σv − v)/max(t−1, 1);  v̄ = Σv/t;  Σ = prefix sums in the document
         b_dkc = tl.where(live[:, None], b_dkc, 0.0)
         d_sk = tl.where(m_tk, -b_dkc / t[:, None], 0.0)
+        if KBAR:  # k̄ = Σk/t
+            d_sk += tl.where(m_tk, tl.load(dkbar + p_k, mask=m_tk, other=0.0) / t[:, None], 0.0)
         d_sv = tl.where(m_tv, -b_dvc / tm1[:, None] + b_dvbar / t[:, None], 0.0)
         if not SUMS:
             tl.store(drho + row * H + i_h, draw * n * b_f / tm1, mask=m_t)
@@ -236,7 +243,7 @@ class FusedTaylorFront(torch.autograd.Function):
     runs per (document, KV head) over one row of sums per sub-block (forward) or per chunk (backward)."""
 
     @staticmethod
-    def forward(ctx, k, v, rho, beta_factor, cu_seqlens, beta_max, eps):
+    def forward(ctx, k, v, rho, beta_factor, cu_seqlens, beta_max, eps, with_k_mean=False):
         B, T, H, K = k.shape
         V = v.shape[-1]
         L = Layout(k, v, cu_seqlens)
@@ -247,6 +254,7 @@ class FusedTaylorFront(torch.autograd.Function):
         khat = torch.empty(B * T, H, K, dtype=k.dtype, device=k.device)
         u, vbar = torch.empty(B * T, H, V, dtype=v.dtype, device=k.device), torch.empty(B * T, H, V, **f32)
         g, beta = torch.empty(B * T, H, **f32), torch.empty(B * T, H, **f32)
+        kbar = torch.empty(B * T, H, K, **f32) if with_k_mean else vbar
         sub, BK, BV = _blocks(K, V)
         # the running sums entering every sub-block, kept for the backward (K + V floats per sub-block and head)
         carry = torch.empty(max(L.NC, 1) * (BT // sub), H, K + V, **f32)
@@ -255,21 +263,24 @@ class FusedTaylorFront(torch.autograd.Function):
             _front_sums_kernel[(L.NC, H)](kf, vf, carry, *tables, H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
                                           num_warps=FRONT_WARPS)
             _scan(L, carry, reverse=False, rows_per_chunk=BT // sub)
-            _front_fwd_kernel[(L.NC, H)](kf, vf, bff, khat, u, g, beta, vbar, rho.contiguous(), carry, *tables,
+            _front_fwd_kernel[(L.NC, H)](kf, vf, bff, khat, u, g, beta, vbar, kbar, rho.contiguous(), carry, *tables,
                                         float(beta_max), float(eps), H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV,
-                                        USE_BF=beta_factor is not None, num_warps=FRONT_WARPS)
+                                        USE_BF=beta_factor is not None, KBAR=with_k_mean, num_warps=FRONT_WARPS)
         ctx.save_for_backward(kf, vf, beta_factor, carry, rho, cu_seqlens)
-        ctx.meta = (B, T, H, K, V, float(beta_max), float(eps))
-        return tuple(x.view(B, T, *x.shape[1:]) for x in (khat, u, g, beta, vbar))
+        ctx.meta = (B, T, H, K, V, float(beta_max), float(eps), with_k_mean)
+        return tuple(x.view(B, T, *x.shape[1:]) for x in (khat, u, g, beta, vbar) + ((kbar,) if with_k_mean else ()))
 
     @staticmethod
-    def backward(ctx, dkhat, du, dg, dbeta, dvbar):
+    def backward(ctx, dkhat, du, dg, dbeta, dvbar, dkbar=None):
         kf, vf, beta_factor, carry, rho, cu_seqlens = ctx.saved_tensors
-        B, T, H, K, V, beta_max, eps = ctx.meta
+        B, T, H, K, V, beta_max, eps, with_k_mean = ctx.meta
         L = Layout(kf.view(B, T, H, K), vf.view(B, T, H, V), cu_seqlens)
         f32 = dict(dtype=torch.float32, device=kf.device)
         grads = [x.contiguous().view(B * T, *x.shape[2:]) if x is not None else torch.zeros((B * T, H, *s), **f32)
-                 for x, s in ((dkhat, (K,)), (du, (V,)), (dbeta, ()), (dvbar, (V,)))]
+                 for x, s in ((dkhat, (K,)), (du, (V,)), (dbeta, ()), (dvbar, (V,)),
+                              *([(dkbar, (K,))] if with_k_mean else []))]
+        if not with_k_mean:  # the kernel reads no dkbar: any pointer will do
+            grads.append(grads[0])
         # dk, dv in k's and v's dtypes: the kernel rounds its float32 values once, as it stores them
         dk, dv = torch.empty(B * T, H, K, dtype=kf.dtype, device=kf.device), torch.empty(B * T, H, V, dtype=vf.dtype, device=kf.device)
         drho = torch.empty(B * T, H, **f32)
@@ -280,18 +291,20 @@ class FusedTaylorFront(torch.autograd.Function):
         if L.NC:
             args = (kf, vf, bff, carry, *grads, dk, dv, dbf, drho, rho.contiguous(), sums, L.chunk_indices,
                     L.cu_seqlens, L.chunk_offsets, beta_max, eps)
-            meta = dict(H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV, USE_BF=beta_factor is not None, num_warps=FRONT_WARPS)
+            meta = dict(H=H, K=K, V=V, CH=BT, BT=sub, BK=BK, BV=BV, USE_BF=beta_factor is not None, KBAR=with_k_mean,
+                        num_warps=FRONT_WARPS)
             _front_bwd_kernel[(L.NC, H)](*args, SUMS=True, **meta)
             _scan(L, sums, reverse=True)
             _front_bwd_kernel[(L.NC, H)](*args, SUMS=False, **meta)
         dbf_out = dbf.view(B, T, H).to(beta_factor.dtype) if beta_factor is not None else None
         return (dk.view(B, T, H, K), dv.view(B, T, H, V), drho.sum(0).to(rho.dtype),
-                dbf_out, None, None, None)
+                dbf_out, None, None, None, None)
 
 
-def taylor_front_triton(k, v, rho, beta_max, beta_factor=None, cu_seqlens=None, eps=1e-12):
+def taylor_front_triton(k, v, rho, beta_max, beta_factor=None, cu_seqlens=None, eps=1e-12, k_mean=False):
     """``(k̂, u, g, β, v̄)`` of the stable Taylor form, as :func:`linearize.ops.taylor.taylor_front` computes
     them without a mask or carried sums. ``rho``: ``(H,)`` tensor. k and v may be bf16/fp16: the kernels
     compute in float32 and return k̂ and u in k's and v's dtype (g, β, v̄ in float32); the gradients of k
-    and v come back in their dtypes."""
-    return FusedTaylorFront.apply(k, v, rho, beta_factor, cu_seqlens, beta_max, eps)
+    and v come back in their dtypes. ``k_mean``: also return k̄ ``(B, T, H, K)`` float32, last (the window
+    block's mix reads it; its gradient flows back through the same prefix sums)."""
+    return FusedTaylorFront.apply(k, v, rho, beta_factor, cu_seqlens, beta_max, eps, k_mean)

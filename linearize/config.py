@@ -41,6 +41,9 @@ class ConvertConfig:
     sparse_cache: int = 0  # with a window: an exact cache of this many older tokens per KV head (probe-chosen)
     calibration_tokens: int = 512
     calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
+    # the Taylor front as Triton kernels (GDNOptions.fused_front): null = on CUDA (the window block's old stream:
+    # only with true), false = the PyTorch front. Changes no result beyond float rounding, only the speed.
+    fused_front: bool | None = None
 
 
 @dataclass
@@ -309,6 +312,8 @@ def validate(cfg: RecipeConfig) -> None:
     _need(isinstance(c.sparse_cache, int) and not isinstance(c.sparse_cache, bool) and 0 <= c.sparse_cache <= 65536
           and (c.window or not c.sparse_cache), "convert.sparse_cache", "0, or a number of tokens with a convert.window",
           c.sparse_cache)
+    _need(c.fused_front is None or isinstance(c.fused_front, bool), "convert.fused_front", "true, false or null",
+          c.fused_front)
     _need(c.calibration_tokens >= 1, "convert.calibration_tokens", "at least 1", c.calibration_tokens)
     _need(c.calibration_steps >= 0, "convert.calibration_steps", ">= 0", c.calibration_steps)
     check_conversion(c.layers, c.keep_softmax, where=("convert.layers", "convert.keep_softmax"))

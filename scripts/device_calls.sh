@@ -33,7 +33,8 @@
 #                                        then in the background the recipe (distill STEPS, default 600) with
 #                                        `linearize eval` of the model once trained (GEMMA_EVAL replaces its
 #                                        options, GEMMA_EXTRA adds overrides, GEMMA_TAG to its name G<STEPS>) and
-#                                        the teacher's evaluation (GEMMA_TEACHER=0: not); GEMMA_RECIPE names
+#                                        the teacher's evaluation (GEMMA_TEACHER=0: not), each then MMLU where
+#                                        GEMMA_MMLU=1 (as time allows: quality_mmlu.json, gemma_teacher_mmlu.json); GEMMA_RECIPE names
 #                                        another Gemma recipe (recipes/gemma3-270m-gdn-global.yaml), which the
 #                                        later 'gemma-more' calls keep unless they name one
 #   scripts/device_calls.sh gemma-more NAME "OVERRIDES" [DEADLINE]   once the run before has ended: another
@@ -59,7 +60,8 @@ records() {
     fi
     if [ -e "$w/gemma.log" ]; then  # the Gemma run's records and logs
         pack records_gemma.tgz 'gruns/*/metrics.jsonl gruns/*/recipe.yaml gruns/*/initial_eval.json gruns/*/quality.*
-            gruns/*/model/distill_summary.json gemma_teacher.json gemma_teacher.md gemma.log gemma_teacher.log'
+            gruns/*/model/distill_summary.json gruns/*/quality_mmlu.* gemma_teacher.json gemma_teacher.md gemma_teacher_mmlu.*
+            gemma.log gemma_teacher.log'
         tail -n 2 "$w"/gemma.log "$w"/gemma_teacher.log 2>/dev/null | cut -c1-300
     fi
     return 0
@@ -81,15 +83,25 @@ gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the tea
     echo "--eval-data $w/ev --corpus $w/corpus_gemma --corpus-split $(bash scripts/recover_smollm2.sh --corpus-split \
 "$w/corpus_gemma") ${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
 }
-gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/gruns, in the background
+gemma_mmlu() {  # MODEL OUTPUT: MMLU (GEMMA_MMLU=1) as the SmolLM2 runs measure it, in what is left before DEADLINE
+    local left='$(( DEADLINE - ($(date +%s) - START) ))'  # one line: the caller runs it with bash -c
+    echo "[ \"\${GEMMA_MMLU:-0}\" = 1 ] || exit 0; [ -f $2 ] || [ $left -lt 120 ] || timeout --signal=INT --kill-after=20 \
+\$(( $left - 20 )) python3 -m linearize eval -m $1 --teacher none --tasks mmlu --limit 1000 --batch-size 64 \
+--eval-data $w/ev --ppl-tokens 0 --dtype bfloat16 -o $2"
+}
+gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/gruns, in the background (then MMLU)
     local g=$w/gemma
-    (cd "$repo" && START=$(date +%s) DEADLINE=$3 EVAL_SECONDS=240 EVAL="$(gemma_eval)" PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
-        COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf data.source=corpus:$w/corpus_gemma" setsid nohup bash \
-        scripts/ablate.sh "$(cat "$w/gemma_recipe")" "$w/gruns" "$1=$2" \
+    (cd "$repo" && export START=$(date +%s) DEADLINE=$3 GEMMA_MMLU=${GEMMA_MMLU:-0} && EVAL_SECONDS=240 EVAL="$(gemma_eval)" \
+        PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True COMMON="teacher.model=$g/gemma-3-270m-q4_k_m.gguf \
+data.source=corpus:$w/corpus_gemma" setsid nohup bash -c "bash scripts/ablate.sh \"\$@\"; $(gemma_mmlu \
+        "$w/gruns/$1/model" "$w/gruns/$1/quality_mmlu.json")" _ "$(cat "$w/gemma_recipe")" "$w/gruns" "$1=$2" \
         >> "$w/gemma.log" 2>&1 < /dev/null &)
 }
-gemma_running() {  # a Gemma run's ablate.sh is alive (its launching shell is gone by then)
+gemma_training() {  # a Gemma run's ablate.sh (or its MMLU after it) is alive (its launching shell is gone by then)
     pgrep -f "scripts/ablate.sh .*gemma3.*/gruns" > /dev/null
+}
+gemma_running() {  # that, or the teacher's evaluation
+    gemma_training || pgrep -f "gemma_teacher" > /dev/null
 }
 case ${1:-} in
     wheels)
@@ -195,14 +207,16 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         echo "${GEMMA_RECIPE:-recipes/gemma3-270m-gdn-25m.yaml}" > "$w/gemma_recipe"
         gemma_run "G$steps${GEMMA_TAG:-}" "stages.1.steps=$steps ${GEMMA_EXTRA:-}" "$deadline"
         # shellcheck disable=SC2086  # the options are words
-        [ "${GEMMA_TEACHER:-1}" = 0 ] || (cd "$repo" && setsid nohup python3 -m linearize eval -m "$g/gemma-3-270m-q4_k_m.gguf" \
-            --teacher none $(gemma_eval) -o "$w/gemma_teacher.json" > "$w/gemma_teacher.log" 2>&1 < /dev/null &)
+        [ "${GEMMA_TEACHER:-1}" = 0 ] || (cd "$repo" && export START=$(date +%s) DEADLINE=$deadline \
+            GEMMA_MMLU=${GEMMA_MMLU:-0} && setsid nohup bash -c "python3 -m linearize eval -m $g/gemma-3-270m-q4_k_m.gguf \
+            --teacher none $(gemma_eval) -o $w/gemma_teacher.json; $(gemma_mmlu "$g/gemma-3-270m-q4_k_m.gguf" \
+            "$w/gemma_teacher_mmlu.json")" > "$w/gemma_teacher.log" 2>&1 < /dev/null &)
         sleep 5
         records ;;
     gemma-more)
         name=${2:?gemma-more needs NAME} deadline=${4:-1200}
         [ -f "$w/gemma/gemma-3-270m-q4_k_m.gguf" ] || die "no joined Gemma teacher: run 'gemma-start' first"
-        ! gemma_running || die "a Gemma run is still going: 'wait' for it (one at a time fits in memory)"
+        ! gemma_training || die "a Gemma run is still going: 'wait' for it (one at a time fits in memory)"
         [ -z "${GEMMA_RECIPE:-}" ] || echo "$GEMMA_RECIPE" > "$w/gemma_recipe"
         gemma_run "$name" "${3:-}" "$deadline"
         sleep 5

@@ -147,3 +147,23 @@ def test_window_block_fused_old_stream_on_gpu(dtype, compiled):
         err, err_torch = ((runs[k][n] - ref[n]).norm() / ref[n].norm() for k in ("fused", "torch"))
         bound = max(1e-4, 2 * err_torch) if dtype == torch.float32 else 2 * err_torch + 1e-3
         assert torch.isfinite(runs["fused"][n]).all() and err <= bound, (n, err, err_torch)
+
+
+def test_recipe_key_fused_front_reaches_every_block(tiny_dir, tmp_path):
+    """``convert.fused_front`` of a recipe is the converted blocks' ``GDNOptions.fused_front`` (null by default);
+    anything but true, false or null is refused."""
+    from linearize.config import load_recipe
+    from linearize.distill.losses import gdn_layers
+    from linearize.distill.setup import cleanup, setup
+
+    base = [f"teacher.model={tiny_dir}", "convert.window=4", "convert.sinks=1", "device=cpu", "precision=fp32",
+            f"output.dir={tmp_path / 'run'}"]
+    assert load_recipe(None, base).convert.fused_front is None
+    with pytest.raises(Exception, match="fused_front"):
+        load_recipe(None, [*base, "convert.fused_front=maybe"])
+    run = setup(load_recipe(None, [*base, "convert.fused_front=true"]), resume=False)
+    try:
+        blocks = list(gdn_layers(run.student).values())
+        assert blocks and all(b.options.fused_front is True for b in blocks)
+    finally:
+        cleanup(run)

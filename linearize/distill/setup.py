@@ -96,7 +96,7 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
                                window=cfg.convert.window, sinks=cfg.convert.sinks, output_gate=cfg.convert.output_gate,
                                calibrate_mix=cfg.convert.calibrate_mix, decay_rank=cfg.convert.decay_rank,
                                write_gate=cfg.convert.write_gate, mix_order=cfg.convert.mix_order,
-                               sparse_cache=cfg.convert.sparse_cache))
+                               sparse_cache=cfg.convert.sparse_cache, fused_front=cfg.convert.fused_front))
     for i, st in enumerate(cfg.stages):
         if st.name == "align":
             try:

@@ -153,9 +153,26 @@ def quality(path: Path) -> dict:
                        "perplexity": {dom: v["ppl"] for dom, v in r.get("perplexity", {}).items()},
                        "by_context": {f"{dom}, context {span}": c["ppl"] for dom, v in r.get("perplexity", {}).items()
                                       for span, c in v.get("by_context", {}).items()},
+                       "nll_by_length": {dom: v["nll_by_context_length"] for dom, v in r.get("perplexity", {}).items()
+                                         if "nll_by_context_length" in v},
                        "passkey": {n: v["acc"] for n, v in r.get("passkey", {}).get("lengths", {}).items()}}
     return {"file": str(path), "command": d.get("command"), "models": d.get("models"), "primary": primary,
             "limit": d.get("plan", {}).get("limit"), "split": d.get("plan", {}).get("corpus_split", "heldout"), **sides}
+
+
+def span_of(side: dict, span: str) -> float | None:
+    """A side's perplexity over ``span`` ("prose, context 1093-2047"): as measured, or, for a file measured
+    alone at other spans (a teacher), from its perplexity at every context length where the file has it."""
+    if span in side.get("by_context", {}):
+        return side["by_context"][span]
+    dom, _, lengths = span.partition(", context ")
+    by_length = side.get("nll_by_length", {}).get(dom)
+    first, _, last = lengths.partition("-")
+    if by_length is None or not (first.isdigit() and last.isdigit()) or int(last) > len(by_length):
+        return None
+    from linearize.quality.perplexity import span_perplexity
+
+    return span_perplexity(by_length, int(first), int(last))
 
 
 # --- markdown ------------------------------------------------------------------------------------
@@ -227,7 +244,7 @@ def markdown(variants: dict, command: str) -> str:
         for dom in dict.fromkeys(d for n in qn for d in q[n]["model"]["perplexity"]):
             rows.append([f"perplexity: {dom}", *rows_of("perplexity", dom, "ppl")])
         for span in dict.fromkeys(x for n in qn for x in q[n]["model"].get("by_context", {})):
-            rows.append([f"perplexity: {span}", *[f(s.get("by_context", {}).get(span), "ppl") for s in sides]])
+            rows.append([f"perplexity: {span}", *[f(span_of(s, span), "ppl") for s in sides]])
         for ln in dict.fromkeys(x for n in qn for x in q[n]["model"]["passkey"]):
             rows.append([f"passkey {ln}, %", *rows_of("passkey", ln, "pct")])
         limits = sorted({str(q[n]["limit"]) for n in qn})

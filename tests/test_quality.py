@@ -263,7 +263,7 @@ def test_domain_perplexity_is_exp_mean_nll(world):
 def test_perplexity_by_context_length_splits_the_same_nll(world):
     """``by_context``: the mean NLL of the tokens predicted from 1-64 earlier tokens of their row, and from
     65-79 (rows of 80), each against per-token log-likelihoods straight from the model; together the total."""
-    from linearize.quality.perplexity import context_spans, domain_perplexity
+    from linearize.quality.perplexity import context_spans, domain_perplexity, span_perplexity
 
     assert context_spans(80) == [(1, 64), (65, 79)]
     assert context_spans(2048) == [(1, 64), (65, 512), (513, 2047)]
@@ -280,6 +280,13 @@ def test_perplexity_by_context_length_splits_the_same_nll(world):
     assert spans["1-64"]["nll"] == pytest.approx(float(nll[:, :64].mean()), rel=1e-5)
     assert spans["65-79"]["nll"] == pytest.approx(float(nll[:, 64:].mean()), rel=1e-5)
     assert got["nll"] == pytest.approx(float(nll.mean()), rel=1e-5)
+    # every context length's mean NLL is kept: a span cut elsewhere (a student's 1-68, 69-79) comes from it
+    assert got["nll_by_context_length"] == pytest.approx(nll.mean(0).tolist(), abs=2e-6)
+    assert span_perplexity(got["nll_by_context_length"], 69, 79) == pytest.approx(
+        math.exp(float(nll[:, 68:].mean())), rel=1e-5)
+    assert span_perplexity(got["nll_by_context_length"], 1, 79) == pytest.approx(got["ppl"], rel=1e-5)
+    with pytest.raises(ValueError, match="outside"):
+        span_perplexity(got["nll_by_context_length"], 70, 80)
 
 
 def test_a_window_block_is_the_teacher_over_its_window_and_not_beyond(world):

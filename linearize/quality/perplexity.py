@@ -5,7 +5,9 @@ held-out text), so teacher and student compare token for token. Perplexity is ex
 every predicted token of a domain's rows (``seq_len - 1`` per row: the first token is context only),
 and also per span of context length (``by_context``: the tokens predicted from 1-64 earlier tokens of their
 row, 65-512, 513-2048, ...): a converted block with a window of 64 and its sinks is exact over the first
-span, so what a model loses beyond it is what its state does not carry.
+span, so what a model loses beyond it is what its state does not carry. The mean NLL at every context length
+is kept too (``nll_by_context_length``), so that a teacher measured alone can be split at the spans of any
+student later (:func:`span_perplexity`).
 
     rows = pack(documents, seq_len=512, tokens=65536)        # (128, 512) int64
     domain_perplexity(model, rows)                          # {"ppl": ..., "nll": ..., "tokens": ...}
@@ -138,4 +140,20 @@ def domain_perplexity(model, rows, batch_size: int = 8, edges: tuple[int, ...] =
         n = rows.shape[0] * (last - first + 1)
         span_mean = float(per_position[first - 1: last].sum()) / n
         spans[f"{first}-{last}"] = {"ppl": math.exp(span_mean), "nll": span_mean, "tokens": n}
-    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "by_context": spans}
+    by_length = [round(float(x) / rows.shape[0], 6) for x in per_position]  # mean NLL at context length 1, 2, …
+    return {"ppl": math.exp(mean), "nll": mean, "tokens": count, "by_context": spans, "nll_by_context_length": by_length}
+
+
+def span_perplexity(nll_by_context_length: list[float], first: int, last: int) -> float:
+    """Perplexity over the tokens predicted from ``first`` … ``last`` earlier tokens of their row, from a
+    :func:`domain_perplexity` result's ``nll_by_context_length`` (every row has a token at every length, so
+    the lengths weigh equally): a file measured alone split at another model's spans.
+
+    Example:
+        >>> round(span_perplexity([1.0, 2.0, 3.0], 2, 3), 4)  # exp((2 + 3) / 2)
+        12.1825
+    """
+    if not 1 <= first <= last <= len(nll_by_context_length):
+        raise ValueError(f"context lengths {first}-{last} are outside 1-{len(nll_by_context_length)}")
+    span = nll_by_context_length[first - 1: last]
+    return math.exp(sum(span) / len(span))

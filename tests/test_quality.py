@@ -375,6 +375,24 @@ def test_default_depths_keep_the_key_out_of_the_last_quarter(world):
     assert [path for path, _ in recount.passkey_runs(doc)] == [("results", "model", "passkey")]
 
 
+def test_ablation_table_cuts_a_teacher_measured_alone_at_the_students_spans():
+    """``scripts/ablation_table.py``: a span the file measured is read as is; one it did not (a student's
+    1093-2047 beside a teacher measured alone) comes from the teacher's NLL at every context length; a file
+    without those (written before they were kept) gives none."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("table", Path(__file__).parents[1] / "scripts" / "ablation_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+    nll = [3.0, 2.0, 1.0, 0.5]  # context lengths 1-4
+    teacher = {"by_context": {"prose, context 1-4": 4.0}, "nll_by_length": {"prose": nll}}
+    assert table.span_of(teacher, "prose, context 1-4") == 4.0
+    assert table.span_of(teacher, "prose, context 3-4") == pytest.approx(math.exp(0.75))
+    assert table.span_of(teacher, "prose, context 3-5") is None  # past the rows' length
+    assert table.span_of(teacher, "docs, context 3-4") is None
+    assert table.span_of({"by_context": {}}, "prose, context 3-4") is None
+
+
 def test_passkey_scoring_and_determinism(world):
     from linearize.quality.passkey import answer_key, run_passkey
 

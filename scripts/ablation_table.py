@@ -175,6 +175,26 @@ def span_of(side: dict, span: str) -> float | None:
     return span_perplexity(by_length, int(first), int(last))
 
 
+def for_json(variants: dict) -> dict:
+    """``variants`` as the JSON keeps them: the teacher's spans completed at its model's where its file allows
+    (:func:`span_of`), the NLL at every context length they came from left out (thousands of numbers a file,
+    in the eval JSONs already)."""
+    out = {}
+    for name, v in variants.items():
+        q = v.get("quality")
+        if q:
+            spans = list(q["model"].get("by_context", {}))
+            sides = {}
+            for side in ("model", "teacher"):
+                if q.get(side):
+                    found = {sp: span_of(q[side], sp) for sp in spans}
+                    sides[side] = {**{k: x for k, x in q[side].items() if k != "nll_by_length"},
+                                   "by_context": {**q[side]["by_context"], **{k: x for k, x in found.items() if x}}}
+            q = {**q, **sides}
+        out[name] = {**v, "quality": q}
+    return out
+
+
 # --- markdown ------------------------------------------------------------------------------------
 
 def f(v, kind="g"):
@@ -292,7 +312,7 @@ def main():
     args.output.parent.mkdir(parents=True, exist_ok=True)
     note = (f"align loss: mean of the last {LAST_K} logged align steps (per layer, and the unweighted mean over "
             "layers); step_seconds: sum of batch*seq_len/tokens_per_s over logged steps (no eval or checkpoint time)")
-    args.output.write_text(json.dumps({"command": command, "note": note, "variants": variants}, indent=1) + "\n")
+    args.output.write_text(json.dumps({"command": command, "note": note, "variants": for_json(variants)}, indent=1) + "\n")
     args.output.with_suffix(".md").write_text(md + "\n")
     if args.plot is not None:
         plot(variants, args.plot)

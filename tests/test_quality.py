@@ -628,7 +628,7 @@ def test_cli_eval_scores_the_test_split_when_asked(world, tmp_path):
     assert res["results"]["model"]["perplexity"]["prose"]["ppl"] != pytest.approx(held_ppl["ppl"], rel=1e-6)
     assert "test perplexity (rows of 16 tokens)" in out.with_suffix(".md").read_text()
     old = _corpus(tmp_path / "old", tok, {"prose": held})
-    for extra, why in ((("--corpus-split", "test", "--corpus", old), "has no test split"),
+    for extra, why in ((("--corpus-split", "test", "--corpus", old), "has no 'test' split"),
                        (("--corpus-split", "train"), "must be heldout or test")):
         code, text = _run(*args, *extra)
         assert code == 2 and why in text and sum(line.startswith("error:") for line in text.splitlines()) == 1, text

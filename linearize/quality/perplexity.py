@@ -63,9 +63,15 @@ def corpus_rows(corpus_dir, seq_len: int, tokens: int, tokenizer=None, split: st
     rows = {d: pack(corpus.documents(d, split=split), seq_len, tokens, sep, bos) for d in corpus.domains}
     short = [d for d, r in rows.items() if r.shape[0] == 0]
     if short:
-        raise UserError(f"--corpus {corpus_dir}: domain(s) {', '.join(short)} hold fewer than --seq-len {seq_len} "
-                        f"{split} tokens; lower --seq-len")
+        raise too_short(corpus_dir, short, seq_len, split)
     return rows
+
+
+def too_short(corpus_dir, domains: list[str], seq_len: int, split: str) -> UserError:
+    """The refusal of a corpus split with fewer tokens than one row in some domains (here, and before any
+    model loads in :func:`linearize.quality.report.check_plan`)."""
+    return UserError(f"--corpus {corpus_dir}: domain(s) {', '.join(domains)} hold fewer than --seq-len {seq_len} "
+                     f"{split} tokens; lower --seq-len")
 
 
 def builtin_rows(tokenizer, seq_len: int, tokens: int) -> dict:

@@ -185,15 +185,15 @@ def check_plan(plan: Plan) -> None:
         if not Path(plan.corpus).is_dir():
             raise UserError(f"--corpus {plan.corpus} is not a folder; build one with linearize's corpus tools")
         from ..corpus.reader import open_corpus
+        from .perplexity import too_short
 
         corpus = open_corpus(plan.corpus)  # a bad corpus fails here, before any model loads
-        if plan.corpus_split not in corpus.splits:
-            raise UserError(f"--corpus-split {plan.corpus_split}: {plan.corpus} has no test split (built before it "
-                            "existed, or with --test 0); rebuild it with 'linearize data build'")
-        short = [d for d in corpus.domains if corpus.tokens(d, plan.corpus_split) < plan.seq_len]
+        try:  # the reader refuses a split the corpus lacks (one built before the test split)
+            short = [d for d in corpus.domains if corpus.tokens(d, plan.corpus_split) < plan.seq_len]
+        except ValueError as e:
+            raise UserError(f"--corpus-split {plan.corpus_split}: {e}") from None
         if short:
-            raise UserError(f"--corpus {plan.corpus}: domain(s) {', '.join(short)} hold fewer than --seq-len "
-                            f"{plan.seq_len} {plan.corpus_split} tokens; lower --seq-len")
+            raise too_short(plan.corpus, short, plan.seq_len, plan.corpus_split)
 
 
 def command(opts: dict, command_line: str, echo=print) -> None:

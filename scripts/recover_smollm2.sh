@@ -13,6 +13,7 @@
 #        scripts/recover_smollm2.sh --records W OUT     # OUT/records.tgz of what exists now, then stop
 #        scripts/recover_smollm2.sh --eval-options W    # the `linearize eval` options the runs take
 #        scripts/recover_smollm2.sh --corpus-split DIR  # the corpus split they measure perplexity on
+#        scripts/recover_smollm2.sh --mmlu-options W    # the `linearize eval` options of their MMLU
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
 # INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
@@ -43,6 +44,9 @@ corpus_split() {  # DIR: test where the corpus has that split (the runs chose no
     python3 -c "import sys; from linearize.corpus.reader import open_corpus
 print('test' if 'test' in open_corpus(sys.argv[1]).splits else 'heldout')" "$1" 2>/dev/null || echo heldout
 }
+mmlu_options() {  # W: the options of `linearize eval` for MMLU (also the Gemma runs', scripts/device_calls.sh)
+    echo "--teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data $1/ev --ppl-tokens 0 --dtype bfloat16"
+}
 eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default)
     echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --corpus-split $(corpus_split "$1/corpus") \
 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
@@ -50,6 +54,11 @@ eval_options() {  # W: the options of `linearize eval` after the task data (EVAL
 if [ "${1:-}" = "--eval-options" ]; then  # for other runs measured on the same rows (scripts/device_calls.sh ablate)
     [ $# -eq 2 ] || { echo "usage: scripts/recover_smollm2.sh --eval-options W" >&2; exit 2; }
     eval_options "$2"
+    exit 0
+fi
+if [ "${1:-}" = "--mmlu-options" ]; then
+    [ $# -eq 2 ] || { echo "usage: scripts/recover_smollm2.sh --mmlu-options W" >&2; exit 2; }
+    mmlu_options "$2"
     exit 0
 fi
 if [ "${1:-}" = "--corpus-split" ]; then  # for other runs on a corpus of their own (scripts/device_calls.sh: Gemma)
@@ -84,9 +93,9 @@ wait_ev() {  # the task data, which a later call may bring
 }
 mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and outside the 6-task average)
     [ "${MMLU:-1}" = 1 ] || return 0
+    # shellcheck disable=SC2046  # the options are words
     [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$1" \
-        --teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data "$w/ev" --ppl-tokens 0 \
-        --dtype bfloat16 -o "$2"
+        $(mmlu_options "$w") -o "$2"
 }
 rope() {  # MODEL OUTPUT LAYERS: with ROPE=KIND:FACTOR[:ORIGINAL], passkey and perplexity again under that RoPE
     [ -n "${ROPE:-}" ] || return 0  # scaling, on LAYERS (all, or softmax: the kept softmax layers only)

@@ -359,8 +359,8 @@ def eval_(
     passkey: bool = typer.Option(False, "--passkey", help="Passkey retrieval at 1x, 2x, 4x --passkey-len."),
     passkey_len: int = typer.Option(512, "--passkey-len", help="The training length the passkey lengths multiply."),
     passkey_trials: int = typer.Option(5, "--passkey-trials", help="Keys per length and depth."),
-    passkey_depths: int = typer.Option(4, "--passkey-depths", help="Depths of the key, evenly from first (0) to a "
-                                       "1/N of the filler before the question: 4 is 0, 0.25, 0.5, 0.75."),
+    passkey_depths: int = typer.Option(4, "--passkey-depths", help="Key depths, 0 to 1 - 1/N: 4 is 0, .25, .5, .75."),
+    passkey_keys: int = typer.Option(1, "--passkey-keys", help="Named keys a prompt, one asked for (recall)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the passkey keys."),
     rope_scaling: str | None = typer.Option(None, "--rope-scaling", help="RoPE scaling set on the model and its "
                                             "teacher, KIND:FACTOR[:ORIGINAL_LENGTH] (yarn or linear), "

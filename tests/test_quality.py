@@ -356,6 +356,48 @@ def test_passkey_prompt_length_and_depth(world, length, depth):
     assert abs((p.key_at - intro) / filler - depth) <= 0.5 * n[FILLER] / filler + 1e-9  # the nearest sentence
 
 
+@pytest.mark.parametrize("depth", [0.0, 0.5, 0.75])
+def test_passkey_prompt_of_several_named_keys(world, depth):
+    """N named key sentences: the asked one whole at its depth, the others whole and each once, all keys distinct,
+    the question naming the asked key's owner; the same seed gives the same prompt, and N = 1 the single-key one."""
+    from linearize.quality.passkey import FILLER, NAMED_NEEDLE, NAMES, make_prompt
+
+    tok = world["tok"]
+    p = make_prompt(tok, 1000, depth, "48213", 4, seed="s")
+    assert len(p.ids) <= 1000 and len(p.others) == 3 and len({"48213", *p.others}) == 4
+    text = tok.decode(p.ids)
+    owner = text.rsplit("What is the pass key of ", 1)[1].split("?")[0]
+    assert owner in NAMES and text.endswith(f"The pass key of {owner} is")
+    asked = tok(NAMED_NEEDLE.format(name=owner, key="48213"), add_special_tokens=False).input_ids
+    assert p.ids[p.key_at: p.key_at + len(asked)] == asked
+    for k in ("48213", *p.others):
+        assert text.count(k) == 2  # each key sentence once, whole (it names its key twice)
+    assert text.count("Remember it.") == 4  # four key sentences
+    assert len({n for n in NAMES if f"The pass key of {n} is" in text.rsplit("What is", 1)[0]}) == 4
+    grass = FILLER.split(".")[0].strip()  # "The grass is green": once a filler sentence
+    before = text[:text.index(tok.decode(asked).strip())].count(grass)
+    assert before == round(depth * text.count(grass))  # the asked key after the nearest whole filler sentence
+    assert make_prompt(tok, 1000, depth, "48213", 4, seed="s") == p != make_prompt(tok, 1000, depth, "48213", 4, seed="t")
+    assert make_prompt(tok, 1000, depth, "48213", 1, seed="s") == make_prompt(tok, 1000, depth, "48213")
+
+
+def test_passkey_of_several_keys_counts_answers_of_another_key(world):
+    """An answer that is another needle's key is wrong and ``confused``; the asked keys are the single-key test's."""
+    from linearize.quality.passkey import answer_key, run_passkey, summarize
+
+    one = run_passkey(world["teacher"], world["tok"], lengths=[400], depths=(0.0,), trials=2, seed=3, max_new_tokens=2)
+    four = run_passkey(world["teacher"], world["tok"], lengths=[400], depths=(0.0,), trials=2, seed=3, max_new_tokens=2,
+                       needles=4)
+    assert [r["key"] for r in four["records"]] == [r["key"] for r in one["records"]]
+    assert "confused" not in one["lengths"]["400"] and "confused" in four["lengths"]["400"]
+    for r in four["records"]:
+        assert r["confused"] == (answer_key(r["answer"]) in r["others"]) and not (r["confused"] and r["correct"])
+    records = [{"length": 8, "depth": 0.0, "correct": c, "confused": f} for c, f in ((True, False), (False, True),
+                                                                                        (False, True), (False, False))]
+    got = summarize(records, [8], [0.0])["lengths"]["8"]
+    assert got["acc"] == 0.25 and got["confused"] == 0.5
+
+
 def test_default_depths_keep_the_key_out_of_the_last_quarter(world):
     """The default depths stop a quarter of the filler before the question: a key there would sit in a converted
     block's exact window. The recount of stored runs drops exactly the depth-1.0 trials."""
@@ -470,6 +512,7 @@ def _limited(world, task, n):
     (["--ppl-tokens", 100, "--seq-len", 512], "--ppl-tokens 100 is less than one row"),
     (["--passkey-len", 4], "--passkey-len must be at least 16"),
     (["--passkey-depths", 1], "--passkey-depths must be at least 2"),
+    (["--passkey-keys", 13], "--passkey-keys must be 1 to 12; got 13"),
     (["--rope-scaling", "ntk:4"], "--rope-scaling 'ntk:4': give KIND:FACTOR"),
     (["--corpus", "/nonexistent/corpus"], "--corpus /nonexistent/corpus is not a folder"),
 ])

@@ -32,6 +32,7 @@ class Plan:
     passkey_lengths: list[int] = field(default_factory=list)  # empty: no passkey
     passkey_trials: int = 5
     passkey_depths: int = 4  # evenly from 0 (the key first) to 0.75 (a quarter of the filler after it)
+    passkey_keys: int = 1  # key sentences a prompt, one asked for by name (quality.passkey)
     rope_scaling: str | None = None  # KIND:FACTOR[:ORIGINAL], set on both sides (linearize.models.rope)
     rope_scaling_layers: str = "all"  # or "softmax": only the layers a hybrid kept softmax
     sparse_cache: int | None = None  # the model's sparse cache resized to this many slots (layers.options)
@@ -91,7 +92,7 @@ def measure(plan: Plan, lm, tok, edges: tuple[int, ...] = ()) -> dict:
 
     got = {}
     if plan.passkey_lengths:
-        passkey.make_prompt(tok, min(plan.passkey_lengths), 0.0, "00000")  # too short a length: before any work
+        passkey.make_prompt(tok, min(plan.passkey_lengths), 0.0, "00000", plan.passkey_keys)  # too short: before any work
     if plan.tasks:
         scores = harness.run_tasks(lm, tok, plan.tasks, plan.limit, plan.eval_data, plan.batch_size)
         got["harness"] = {**scores, "average": harness.average(scores)}
@@ -106,7 +107,7 @@ def measure(plan: Plan, lm, tok, edges: tuple[int, ...] = ()) -> dict:
                                  "rows_sha1": _fingerprint(r)} for d, r in rows.items()}
     if plan.passkey_lengths:
         got["passkey"] = passkey.run_passkey(lm, tok, plan.passkey_lengths, depths=passkey.depths(plan.passkey_depths),
-                                             trials=plan.passkey_trials, seed=plan.seed)
+                                             trials=plan.passkey_trials, seed=plan.seed, needles=plan.passkey_keys)
     return got
 
 
@@ -124,7 +125,8 @@ def evaluate(plan: Plan, progress=print) -> dict:
     if plan.passkey_lengths:
         from .passkey import depths
 
-        result["passkey"] = {"depths": depths(plan.passkey_depths), "filler": "grass/sky/sun (Mohtashami & Jaggi 2023)"}
+        result["passkey"] = {"depths": depths(plan.passkey_depths), "filler": "grass/sky/sun (Mohtashami & Jaggi 2023)",
+                             "needles": plan.passkey_keys}
     for side, spec in sides.items():
         t0 = time.perf_counter()
         progress(f"{side}: loading {spec}")
@@ -167,6 +169,9 @@ def check_plan(plan: Plan) -> None:
                                ("--ppl-tokens", plan.ppl_tokens, 0)):
         if value < least:
             raise UserError(f"{flag} must be at least {least}; got {value}")
+    from .passkey import check_needles
+
+    check_needles(plan.passkey_keys)
     sparse_cache_size(plan.sparse_cache)
     if plan.ppl_tokens and plan.ppl_tokens < plan.seq_len:
         raise UserError(f"--ppl-tokens {plan.ppl_tokens} is less than one row of --seq-len {plan.seq_len}; "
@@ -218,7 +223,8 @@ def command(opts: dict, command_line: str, echo=print) -> None:
                 corpus=None if opts["corpus"] is None else str(opts["corpus"]), seq_len=opts["seq_len"],
                 corpus_split=opts.get("corpus_split", "heldout"),
                 ppl_tokens=opts["ppl_tokens"], passkey_trials=opts["passkey_trials"], seed=opts["seed"],
-                passkey_depths=opts.get("passkey_depths", 4), rope_scaling=opts.get("rope_scaling"),
+                passkey_depths=opts.get("passkey_depths", 4), passkey_keys=opts.get("passkey_keys", 1),
+                rope_scaling=opts.get("rope_scaling"),
                 rope_scaling_layers=opts.get("rope_scaling_layers", "all"), sparse_cache=opts.get("sparse_cache"),
                 passkey_lengths=[opts["passkey_len"] * m for m in (1, 2, 4)] if opts["passkey"] else [],
                 device=opts["device"], dtype=opts["dtype"])
@@ -278,9 +284,14 @@ def tables(result: dict) -> list[tuple[str, list[str], list[list[str]]]]:
                         ["domain", "context", *names], rows))
     if any("passkey" in res[s] for s in sides):
         rows = [[n, *[_fmt(res[s]["passkey"]["lengths"][n]["acc"]) for s in sides]] for n in res[sides[0]]["passkey"]["lengths"]]
-        keys = result["plan"]["passkey_trials"]
-        out.append((f"passkey retrieval, % correct ({keys} key{'s' if keys != 1 else ''} per length and depth)",
+        keys, needles = result["plan"]["passkey_trials"], result["plan"].get("passkey_keys", 1)
+        among = f"; {needles} named keys a prompt, one asked for" if needles > 1 else ""
+        out.append((f"passkey retrieval, % correct ({keys} key{'s' if keys != 1 else ''} per length and depth{among})",
                     ["length", *names], rows))
+        if needles > 1:  # answers that were another needle's key
+            rows = [[n, *[_fmt(res[s]["passkey"]["lengths"][n].get("confused")) for s in sides]]
+                    for n in res[sides[0]]["passkey"]["lengths"]]
+            out.append(("passkey answers that were another name's key, %", ["length", *names], rows))
     return out
 
 

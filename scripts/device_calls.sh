@@ -10,7 +10,7 @@
 #                                                                    /root/repo (the runs read it)
 #   scripts/device_calls.sh start DIR [DEADLINE]   carry DIR (.carry/corpus25 or .carry/corpus): the corpus,
 #                                        then recover_smollm2.sh in the background (its environment —
-#                                        ONLY, EXTRA, TAG, DISTILL_STEPS, INIT, ROPE, MMLU — passed on); DEADLINE in
+#                                        ONLY, EXTRA, TAG, DISTILL_STEPS, INIT, ROPE, KEYS, MMLU — passed on); DEADLINE in
 #                                        seconds from now (default 1200)
 #   scripts/device_calls.sh corpus-part DIR   before 'start', for a subset in parts (above ~25M tokens): carry
 #                                        DIR (.carry/corpus_2, then _3 …): its training shards, which 'start' joins

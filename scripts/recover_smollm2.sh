@@ -22,7 +22,8 @@
 # both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg);
 # ROPE=yarn:4:2048 measures each trained model and the teacher once more, passkey and perplexity only, with that
 # RoPE scaling (`linearize eval --rope-scaling`; ROPE_LAYERS=softmax: on a hybrid's kept softmax layers only),
-# into quality_rope.json and teacher_rope.json;
+# into quality_rope.json and teacher_rope.json; KEYS=N measures each trained model and the teacher once more,
+# passkey only, with N named keys a prompt (`linearize eval --passkey-keys N`), into quality_keys.json and teacher_keys.json;
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
 # precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU,
 # ALIGN_EVAL=0 the evaluation of the model after align (MMLU comes after it).
@@ -103,6 +104,12 @@ rope() {  # MODEL OUTPUT LAYERS: with ROPE=KIND:FACTOR[:ORIGINAL], passkey and p
     [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize \
         eval -m "$1" --teacher none $eval_options --tasks none --rope-scaling "$ROPE" --rope-scaling-layers "$3" -o "$2"
 }
+named_keys() {  # MODEL OUTPUT: with KEYS=N, the passkey again with N named keys a prompt, one asked for by name
+    [ -n "${KEYS:-}" ] || return 0
+    # shellcheck disable=SC2086  # the options are words
+    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize \
+        eval -m "$1" --teacher none $eval_options --tasks none --ppl-tokens 0 --passkey-keys "$KEYS" -o "$2"
+}
 after_align() {  # RUN_DIR: the model the align stage ended with (output.save_stages), measured the same way
     [ "${ALIGN_EVAL:-1}" = 1 ] || return 0
     # shellcheck disable=SC2086  # the options are words
@@ -119,6 +126,8 @@ recover() {  # NAME RECIPE [OVERRIDES]
     wait_ev || return 0
     EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
     records "$w" "$out"
+    named_keys "$w/runs/$1/model" "$w/runs/$1/quality_keys.json"
+    records "$w" "$out"
     after_align "$w/runs/$1"
     records "$w" "$out"
     mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"
@@ -130,6 +139,8 @@ teacher() {
     [ -f "$w/teacher.json" ] || [ "$(left)" -lt 60 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 30 )) \
         python3 -m linearize eval -m "$w/smollm2.gguf" \
         $eval_options -o "$w/teacher.json"
+    records "$w" "$out"
+    named_keys "$w/smollm2.gguf" "$w/teacher_keys.json"
     records "$w" "$out"
     rope "$w/smollm2.gguf" "$w/teacher_rope.json" all
     records "$w" "$out"

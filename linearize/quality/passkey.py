@@ -38,7 +38,7 @@ INTRO = ("There is an important info hidden inside a lot of irrelevant text. Fin
 FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = " What is the pass key? The pass key is"
-# the named form, for prompts of several needles (first names: one token each in SmolLM2's tokenizer)
+# the named form, for prompts of several needles (first names: one token each in SmolLM2's and Gemma 3's tokenizers)
 NAMED_NEEDLE = " The pass key of {name} is {key}. Remember it. {key} is the pass key of {name}."
 NAMED_QUESTION = " What is the pass key of {name}? The pass key of {name} is"
 NAMES = ("Alice", "Bob", "Carol", "David", "Emma", "Frank", "Grace", "Henry", "James", "Jack", "Laura", "Peter")

@@ -304,6 +304,32 @@ def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
         assert rel(a, b) < 1e-5, (name, rel(a, b))
 
 
+def test_triton_finite_and_exact_with_huge_log_decays(poisoned):
+    """Log-decays near −1e9 inside a chunk (a block's decay correction run wild; a GPU test of the window block
+    met −2.4e9): in fp32 the in-chunk cumsum differences G_r − G_j were off by hundreds and exp of them inf. With
+    each token's g floored at −30 (``G_FLOOR``; α < 1e-13) the kernels stay finite and equal the float64
+    reference, whose exp(−1e9) is exactly 0, output and gradients."""
+    from linearize.ops.triton.function import G_FLOOR
+
+    B, T, H, G, K, V = 1, 130, 2, 1, 16, 16
+    q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=5, dtype=torch.float64)
+    g = g.clone()
+    g[0, [3, 70, 71, 100], 0] = torch.tensor([-2.4e9, -5e8, -1e3, -1e9], dtype=torch.float64)
+    g[0, 90, 1] = 10 * G_FLOOR
+    grads, outs = {}, {}
+    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+        o, _ = gated_delta_rule(*leaves, scale=0.5, backend=backend)
+        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).sum().backward()
+        outs[backend], grads[backend] = o.detach(), [x.grad for x in leaves]
+    assert torch.isfinite(outs["triton"]).all() and rel(outs["triton"], outs["reference"]) < 1e-5
+    for name, a, b in zip("q k v g beta".split(), grads["triton"], grads["reference"]):
+        assert torch.isfinite(a).all(), name
+        if name == "g":  # below the floor the gradient is 0 (the reference's is ~α ≈ 0 there too)
+            a, b = a[g > G_FLOOR], b[g > G_FLOOR]
+        assert rel(a, b) < 1e-5, (name, rel(a, b))
+
+
 def test_triton_backend_rejects_key_heads_beyond_its_limit():
     """The state kernels hold at most 256 key dimensions: backend='triton' says so; 'auto' uses PyTorch."""
     q, k, v, g, beta = gdn_inputs(1, 8, 1, 1, 512, 16, seed=0, dtype=torch.float32)

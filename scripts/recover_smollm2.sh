@@ -92,30 +92,31 @@ wait_ev() {  # the task data, which a later call may bring
         sleep 10
     done
 }
+eval_once() {  # MODEL OUTPUT OPTIONS...: `linearize eval` of MODEL into OUTPUT, unless OUTPUT exists or less than
+    local model=$1 output=$2  # 120 s are left (stopped 20 s before the deadline)
+    shift 2
+    [ -f "$output" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m \
+        linearize eval -m "$model" "$@" -o "$output"
+}
 mmlu() {  # MODEL OUTPUT: MMLU last, as time allows (it is the longest task and outside the 6-task average)
     [ "${MMLU:-1}" = 1 ] || return 0
     # shellcheck disable=SC2046  # the options are words
-    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$1" \
-        $(mmlu_options "$w") -o "$2"
+    eval_once "$1" "$2" $(mmlu_options "$w")
 }
 rope() {  # MODEL OUTPUT LAYERS: with ROPE=KIND:FACTOR[:ORIGINAL], passkey and perplexity again under that RoPE
     [ -n "${ROPE:-}" ] || return 0  # scaling, on LAYERS (all, or softmax: the kept softmax layers only)
     # shellcheck disable=SC2086  # the options are words
-    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize \
-        eval -m "$1" --teacher none $eval_options --tasks none --rope-scaling "$ROPE" --rope-scaling-layers "$3" -o "$2"
+    eval_once "$1" "$2" --teacher none $eval_options --tasks none --rope-scaling "$ROPE" --rope-scaling-layers "$3"
 }
 named_keys() {  # MODEL OUTPUT: with KEYS=N, the passkey again with N named keys a prompt, one asked for by name
     [ -n "${KEYS:-}" ] || return 0
     # shellcheck disable=SC2086  # the options are words
-    [ -f "$2" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize \
-        eval -m "$1" --teacher none $eval_options --tasks none --ppl-tokens 0 --passkey-keys "$KEYS" -o "$2"
+    eval_once "$1" "$2" --teacher none $eval_options --tasks none --ppl-tokens 0 --passkey-keys "$KEYS"
 }
 after_align() {  # RUN_DIR: the model the align stage ended with (output.save_stages), measured the same way
     [ "${ALIGN_EVAL:-1}" = 1 ] || return 0
     # shellcheck disable=SC2086  # the options are words
-    [ ! -f "$1/model-align/config.json" ] || [ -f "$1/quality_align.json" ] || [ "$(left)" -lt 120 ] || timeout \
-        --signal=INT --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$1/model-align" --teacher none \
-        $eval_options -o "$1/quality_align.json"
+    [ ! -f "$1/model-align/config.json" ] || eval_once "$1/model-align" "$1/quality_align.json" --teacher none $eval_options
 }
 recover() {  # NAME RECIPE [OVERRIDES]
     local keys="output.save_stages=true ${3:-}"  # model-align/ too, for the after-align column
@@ -154,8 +155,7 @@ at_init() {  # NAME CONVERT_OPTIONS...: the model as converted, measured like th
     [ -f "$dir/model/config.json" ] || [ "$(left)" -lt "$EVAL_SECONDS" ] || python3 -m linearize convert \
         -m "$w/smollm2.gguf" "$@" -o "$dir/model" --force
     # shellcheck disable=SC2086  # the options are words
-    [ ! -f "$dir/model/config.json" ] || [ -f "$dir/quality.json" ] || [ "$(left)" -lt 120 ] || timeout --signal=INT \
-        --kill-after=20 $(( $(left) - 20 )) python3 -m linearize eval -m "$dir/model" --teacher none $eval_options -o "$dir/quality.json"
+    [ ! -f "$dir/model/config.json" ] || eval_once "$dir/model" "$dir/quality.json" --teacher none $eval_options
     records "$w" "$out"
     echo "== $name at init: done"
 }

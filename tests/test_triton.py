@@ -286,6 +286,18 @@ def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dt
     assert not rope_usable(xt, cos[..., : D // 2])  # partial rotary: left to transformers
 
 
+def _reference_and_triton(inputs, **kw):
+    """``{backend: (output, [grads of q, k, v, g, β])}`` of the float64 reference and the fp32 Triton kernels, one
+    random loss on the output."""
+    got = {}
+    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in inputs]
+        o, _ = gated_delta_rule(*leaves, scale=0.5, backend=backend, **kw)
+        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).sum().backward()
+        got[backend] = (o.detach(), [x.grad for x in leaves])
+    return got
+
+
 def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
     """Rows past a document's end read g = 0; with a chunk's log-decay below −88.7 (exp overflows in fp32)
     the masked products must not turn 0·inf into NaN that reaches real rows (packed, partial chunks)."""
@@ -293,13 +305,8 @@ def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
     cu = torch.tensor([0, 40, 150])  # partial chunks: 40 tokens, then 64 + 46
     q, k, v, _, beta = gdn_inputs(B, T, H, G, K, V, seed=21, dtype=torch.float64)
     g = torch.full((B, T, H), -2.5, dtype=torch.float64)  # 40 tokens at −2.5: cumulative −100, exp(100) = inf
-    grads = {}
-    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
-        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-        o, _ = gated_delta_rule(*leaves, scale=0.5, cu_seqlens=cu, backend=backend)
-        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).sum().backward()
-        grads[backend] = [x.grad for x in leaves]
-    for name, a, b in zip("q k v g beta".split(), grads["triton"], grads["reference"]):
+    got = _reference_and_triton((q, k, v, g, beta), cu_seqlens=cu)
+    for name, a, b in zip("q k v g beta".split(), got["triton"][1], got["reference"][1]):
         assert torch.isfinite(a).all(), name
         assert rel(a, b) < 1e-5, (name, rel(a, b))
 
@@ -316,14 +323,9 @@ def test_triton_finite_and_exact_with_huge_log_decays(poisoned):
     g = g.clone()
     g[0, [3, 70, 71, 100], 0] = torch.tensor([-2.4e9, -5e8, -1e3, -1e9], dtype=torch.float64)
     g[0, 90, 1] = 10 * G_FLOOR
-    grads, outs = {}, {}
-    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
-        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-        o, _ = gated_delta_rule(*leaves, scale=0.5, backend=backend)
-        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).sum().backward()
-        outs[backend], grads[backend] = o.detach(), [x.grad for x in leaves]
-    assert torch.isfinite(outs["triton"]).all() and rel(outs["triton"], outs["reference"]) < 1e-5
-    for name, a, b in zip("q k v g beta".split(), grads["triton"], grads["reference"]):
+    got = _reference_and_triton((q, k, v, g, beta))
+    assert torch.isfinite(got["triton"][0]).all() and rel(got["triton"][0], got["reference"][0]) < 1e-5
+    for name, a, b in zip("q k v g beta".split(), got["triton"][1], got["reference"][1]):
         assert torch.isfinite(a).all(), name
         if name == "g":  # below the floor the gradient is 0 (the reference's is ~α ≈ 0 there too)
             a, b = a[g > G_FLOOR], b[g > G_FLOOR]

@@ -74,13 +74,12 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, needles: int = 1
     check_needles(needles)
     enc = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
     intro = tokenizer(INTRO).input_ids  # with the tokenizer's BOS, if it adds one
-    filler = enc(FILLER)
+    filler, others = enc(FILLER), []
     if needles == 1:
-        texts, question, others, spots = [NEEDLE.format(key=key)], QUESTION, (), []
+        texts, question, spots = [NEEDLE.format(key=key)], QUESTION, []
     else:
         rng = random.Random(seed)
         names = rng.sample(NAMES, needles)  # names[0] is asked for
-        others: list[str] = []
         while len(others) < needles - 1:  # keys all distinct
             k = str(rng.randint(10000, 99999))
             if k != key and k not in others:
@@ -97,7 +96,8 @@ def make_prompt(tokenizer, length: int, depth: float, key: str, needles: int = 1
     ids, done, key_at = list(intro), 0, 0
     for i, before in order:
         ids += filler * (before - done)
-        key_at = len(ids) if i == 0 else key_at
+        if i == 0:
+            key_at = len(ids)
         ids += sentences[i]
         done = before
     ids += filler * (reps - done) + question

@@ -69,6 +69,25 @@ def test_linear_attention_strong_decay_stays_finite():
         assert torch.isfinite(a).all() and rel(a, b) <= 1e-10, (name, rel(a, b))
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_linear_attention_exact_with_huge_log_decays(backend):
+    """Log-decays near −1e9 (a decay correction run wild): the fp32 chunk form's cumsum differences were off by
+    hundreds (output 270% off); floored at −30 (``G_FLOOR``) every backend equals the float64 reference."""
+    from linearize.ops.common import G_FLOOR
+
+    q, k, v, g, w, h0 = inputs(1, 130, 2, 1, 16, 16, seed=5)
+    g = g.clone()
+    g[0, [3, 70, 71, 100], 0] = torch.tensor([-2.4e9, -5e8, -1e3, -1e9], dtype=f64)
+    ref = run_with_grads(linear_attention_reference, q, k, v, g, w, h0)
+    fp32 = [x.float() for x in (q, k, v, g, w, h0)]
+    got = run_with_grads(lambda *a, **kw: linear_attention(*a, backend=backend, **kw), *fp32)
+    for name, a, b in zip(NAMES, got, ref):
+        a = a.double()
+        if name == "dg":  # below the floor the gradient is 0 (the reference's is ~α ≈ 0 there too)
+            a, b = a[g > G_FLOOR], b[g > G_FLOOR]
+        assert torch.isfinite(a).all() and rel(a, b) <= 1e-5, (name, rel(a, b))
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_linear_attention_chunk_low_precision(dtype, tol):
     args64 = inputs(2, 90, 2, 2, 16, 16, seed=5)

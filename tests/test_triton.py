@@ -286,15 +286,15 @@ def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dt
     assert not rope_usable(xt, cos[..., : D // 2])  # partial rotary: left to transformers
 
 
-def _reference_and_triton(inputs, **kw):
-    """``{backend: (output, [grads of q, k, v, g, β])}`` of the float64 reference and the fp32 Triton kernels, one
-    random loss on the output."""
+def _reference_and_triton(inputs, backend="triton", **kw):
+    """``{backend: (output, [grads of q, k, v, g, β])}`` of the float64 reference and the fp32 ``backend`` (the
+    Triton kernels by default), one random loss on the output."""
     got = {}
-    for backend, dt in (("reference", torch.float64), ("triton", torch.float32)):
+    for name, dt in (("reference", torch.float64), (backend, torch.float32)):
         leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in inputs]
-        o, _ = gated_delta_rule(*leaves, scale=0.5, backend=backend, **kw)
+        o, _ = gated_delta_rule(*leaves, scale=0.5, backend=name, **kw)
         (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)).sum().backward()
-        got[backend] = (o.detach(), [x.grad for x in leaves])
+        got[name] = (o.detach(), [x.grad for x in leaves])
     return got
 
 
@@ -311,21 +311,29 @@ def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
         assert rel(a, b) < 1e-5, (name, rel(a, b))
 
 
-def test_triton_finite_and_exact_with_huge_log_decays(poisoned):
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize("per_channel", [False, True], ids=["gdn", "kda"])
+def test_chunk_forms_exact_with_huge_log_decays(poisoned, backend, per_channel):
     """Log-decays near −1e9 inside a chunk (a block's decay correction run wild; a GPU test of the window block
-    met −2.4e9): in fp32 the in-chunk cumsum differences G_r − G_j were off by hundreds and exp of them inf. With
-    each token's g floored at −30 (``G_FLOOR``; α < 1e-13) the kernels stay finite and equal the float64
-    reference, whose exp(−1e9) is exactly 0, output and gradients."""
-    from linearize.ops.triton.function import G_FLOOR
+    met −2.4e9): in fp32 the in-chunk cumsum differences G_r − G_j are off by hundreds, and the chunkwise forms
+    were wrong by 95-180% (the GDN kernels on a GPU: inf). With each token's g floored at −30 (``G_FLOOR``; α < 1e-13)
+    they equal the float64 reference, whose exp(−1e9) is exactly 0, output and gradients."""
+    from linearize.ops.common import G_FLOOR
 
     B, T, H, G, K, V = 1, 130, 2, 1, 16, 16
     q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=5, dtype=torch.float64)
+    if per_channel:  # KDA: one log-decay per key channel, the huge ones on a few channels only
+        g = g[..., None].repeat(1, 1, 1, K)
     g = g.clone()
-    g[0, [3, 70, 71, 100], 0] = torch.tensor([-2.4e9, -5e8, -1e3, -1e9], dtype=torch.float64)
+    huge = torch.tensor([-2.4e9, -5e8, -1e3, -1e9], dtype=torch.float64)
+    if per_channel:
+        g[0, [3, 70, 71, 100], 0, :5] = huge[:, None]
+    else:
+        g[0, [3, 70, 71, 100], 0] = huge
     g[0, 90, 1] = 10 * G_FLOOR
-    got = _reference_and_triton((q, k, v, g, beta))
-    assert torch.isfinite(got["triton"][0]).all() and rel(got["triton"][0], got["reference"][0]) < 1e-5
-    for name, a, b in zip("q k v g beta".split(), got["triton"][1], got["reference"][1]):
+    got = _reference_and_triton((q, k, v, g, beta), backend)
+    assert torch.isfinite(got[backend][0]).all() and rel(got[backend][0], got["reference"][0]) < 1e-5
+    for name, a, b in zip("q k v g beta".split(), got[backend][1], got["reference"][1]):
         assert torch.isfinite(a).all(), name
         if name == "g":  # below the floor the gradient is 0 (the reference's is ~α ≈ 0 there too)
             a, b = a[g > G_FLOOR], b[g > G_FLOOR]

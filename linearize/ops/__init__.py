@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import gated_delta_rule_chunk
-from .common import TRITON_MAX_K, check_inputs, wants_grad
+from .common import G_FLOOR, TRITON_MAX_K, check_inputs, wants_grad
 from .kda import check_kda_inputs, kda_chunk, kda_reference, kda_step
 from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
@@ -102,6 +102,8 @@ def gated_delta_rule(
             grad = wants_grad(q, k, v, g, beta, initial_state, v_offset)
             fits = q.shape[-1] <= KDA_AUTO_MAX_K and (not grad or backward_compiles(q.dtype, q.device))
         backend = "triton" if fits else "torch"
+    if backend != "reference":  # the chunkwise forms: see G_FLOOR
+        g = g.clamp_min(G_FLOOR)
     if backend == "triton":
         if per_channel:
             check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)

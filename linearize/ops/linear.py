@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .common import TRITON_MAX_K, check_inputs, chunked_over_sequences, recurrent_over_sequences, wants_grad
+from .common import G_FLOOR, TRITON_MAX_K, check_inputs, chunked_over_sequences, recurrent_over_sequences, wants_grad
 from .taylor import taylor_back
 
 CHUNK = 64
@@ -191,6 +191,8 @@ def linear_attention(
     grad = wants_grad(q, k, v, g, w, initial_state, v_offset)
     if backend == "auto":
         backend = "triton" if q.is_cuda and _triton_ok(q) else "torch"
+    if backend != "reference":  # the chunkwise forms: see G_FLOOR
+        g = g.clamp_min(G_FLOOR)
     if backend == "triton":
         check_inputs(q, k, v, g, w, initial_state, cu_seqlens, _NAMES)
         if not _triton_ok(q):

@@ -8,12 +8,6 @@ from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import chunk_gated_delta_rule_fwd
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The kernels take the decay between two tokens of a chunk as exp(G_r − G_j), G the in-chunk cumsum of g in fp32.
-# A huge |g| (−2.4e9 from a block whose decay correction ran wild) leaves G_r − G_j with errors of hundreds and
-# exp(+hundreds) = inf. A token's log-decay below −30 (α < 1e-13, a state wiped to below fp32's resolution
-# either way) is taken as −30: |G| ≤ 1,920 in a chunk of 64, exponent errors ~1e-4. Its gradient there is 0
-# (dα/dg = α ≈ 0).
-G_FLOOR = -30.0
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
@@ -51,6 +45,6 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
-    o, ht = ChunkGatedDeltaRule.apply(q, k, v, g.clamp_min(G_FLOOR), beta, initial_state, float(scale),
+    o, ht = ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale),
                                       output_final_state, cu_seqlens, v_offset)
     return o, ht

@@ -542,6 +542,22 @@ def test_cuda_rng_state_is_restored():
     assert torch.rand(4, device="cuda").tolist() == first
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_distill_converts_on_the_gpu_as_on_the_cpu(tiny_dir, tmp_path):
+    """distill converts the student on its device (the capture, the sparse cache's probes and the calibration
+    steps on the GPU): the student at init equals the CPU run's, float32 both."""
+    init = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        run_recipe(load_recipe(None, overrides(tiny_dir, out, device=device, **{
+            "stages.0.steps": 1, "convert.calibration_steps": 3, "convert.window": 16, "convert.sinks": 2,
+            "convert.sparse_cache": 16})))
+        init[device] = json.loads((out / "initial_eval.json").read_text())
+    for key in ("ppl_teacher", "ppl_student", "kl"):
+        assert init["cuda"][key] == pytest.approx(init["cpu"][key], rel=1e-3), key
+
+
 def test_distill_second_run_into_a_locked_directory_is_refused(tiny_dir, tmp_path):
     """A run holds an exclusive lock on output.dir: a second one into it stops with one line naming the
     holder; once the holder is dead its lock is taken over."""

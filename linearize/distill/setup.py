@@ -89,7 +89,11 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     check_conversion(cfg.convert.layers, cfg.convert.keep_softmax, teacher.config.num_hidden_layers,
                      ("convert.layers", "convert.keep_softmax"), config=teacher.config)  # what global names
     data = build_data(cfg.data, tok, getattr(teacher.config, "max_position_embeddings", None))
-    student = copy.deepcopy(teacher)
+    fsdp = cfg.parallel == "fsdp" and world()[1] > 1
+    # converted where it trains, unless sharded: the attention capture, ρ, the sparse cache's probes and the
+    # calibration steps run on the GPU, not on the host's CPU (176 s for the corpus recipe's conversion on a
+    # 2-core CPU; 100 calibration steps held 12 cores for over 10 minutes beside two other runs)
+    student = copy.deepcopy(teacher).to("cpu" if fsdp else device)
     convert(student, to=cfg.convert.to, layers=cfg.convert.layers, keep_softmax=cfg.convert.keep_softmax, tokenizer=tok,
             calibration_tokens=cfg.convert.calibration_tokens, calibration_steps=cfg.convert.calibration_steps,
             options=GDNOptions(form=cfg.convert.form, beta_max=cfg.convert.beta_max, short_conv=cfg.convert.short_conv,
@@ -110,7 +114,6 @@ def _build(cfg: RecipeConfig, out: Path, device: torch.device) -> Run:
     if dtype != torch.float32:
         float32_trainables(student, union, dtype)
         union = {n for st in cfg.stages for n in trainable_names(student, st)}
-    fsdp = cfg.parallel == "fsdp" and world()[1] > 1
     skeleton = None
     if fsdp:
         skeleton = copy.deepcopy(student).cpu() if is_main() else None

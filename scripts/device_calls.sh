@@ -19,7 +19,8 @@
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
 #   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': the variants of ABLATE_RECIPE
 #                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained into W/aruns/NAME by
-#                                        background scripts/ablate.sh, ABLATE_LANES of them at once (default: all),
+#                                        background scripts/ablate.sh, ABLATE_LANES of them at once (default: one
+#                                        per 40 GiB of GPU memory: 3 on an H200, 1 on an H100),
 #                                        beside the runs of 'start', then measured by `linearize eval` as those are
 #                                        (the teacher's figures are theirs: the same rows); records_ablate.tgz
 # Gemma 3 270M (recipes/gemma3-270m-gdn-25m.yaml, the parts of scripts/device_carry_gemma.sh), alone or beside
@@ -161,7 +162,12 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
         eval_opts=$(bash scripts/recover_smollm2.sh --eval-options "$w")  # the recovery runs' and their teacher's
         for spec in "$@"; do [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"; done
-        lanes=${ABLATE_LANES:-$#}
+        # one lane per 40 GiB of GPU memory (a distill run of the recipe holds ~35 GiB, its evaluation at batch 64
+        # ~44: three lanes on an 80 GiB H100 ran out of memory), at most one per variant
+        mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -n 1)
+        lanes=${ABLATE_LANES:-$(( ${mem:-40960} / 40960 ))}
+        (( lanes >= 1 )) || lanes=1
+        (( lanes <= $# )) || lanes=$#
         for (( lane = 0; lane < lanes; lane++ )); do  # lane i: variants i, i + lanes, …, one after the other
             mine=()
             for (( i = lane; i < $#; i += lanes )); do mine+=("${@:i+1:1}"); done

@@ -54,7 +54,7 @@ from .channel_decay import ChannelDecay
 from .options import GDNOptions
 from .output_gate import OutputGate
 from .packing import by_rows, flatten_rows, packed_cu_seqlens, token_mask
-from .paths import fused_path, fused_window_path
+from .paths import fused_path, fused_window_path, operator_dtype
 from .short_conv import CONV_NAMES, conv_qkv, identity_weight, since_document_start
 from .step_projection import step_projections
 from .window_front import composed_old_stream, fused_old_stream
@@ -338,7 +338,7 @@ class GDNAttention(nn.Module):
             # the softmax attention it replaces. g and β stay float32. (On the fused path q, k̂, u already
             # are in that precision and these casts do nothing.) The Taylor back ``+ v̄`` is the operator's
             # v_offset: the Triton backend adds it in its output kernel.
-            cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else q.dtype
+            cdt = operator_dtype(hidden_states.dtype, q.dtype)
             o, state = gated_delta_rule(
                 q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta, scale=scale,
                 initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,

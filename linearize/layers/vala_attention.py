@@ -23,6 +23,7 @@ from torch import nn
 from ..ops.linear import linear_attention
 from ..ops.vala import vala_front, vala_step_
 from .gdn_attention import GDNAttention
+from .paths import operator_dtype
 
 
 class VaLAAttention(GDNAttention):
@@ -55,7 +56,7 @@ class VaLAAttention(GDNAttention):
         front = vala_front(k, v, cu_seqlens=cu_seqlens, mask=mask, initial=initial, gate_factor=gate_factor)
         # the front in float32 (prefix sums over long documents); the operator in the model's own precision, as
         # the softmax attention it replaces; g and w stay float32
-        cdt = hidden_states.dtype if hidden_states.dtype in (torch.bfloat16, torch.float16) else dt
+        cdt = operator_dtype(hidden_states.dtype, dt)
         o, state = linear_attention(q.to(cdt), front.k.to(cdt), front.v.to(cdt), front.g, front.w, initial_state=h0,
                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                     backend=self.options.backend, v_offset=front.v_mean)  # (B, T, Hq, V)

@@ -28,6 +28,7 @@ from ..ops.kda import scale_log_decay
 from ..ops.taylor import RunningSums, TaylorInputs, fold_decay, taylor_back, taylor_front
 from ..ops.window import old_square_sums
 from ..ops.window_inputs import WindowInputs
+from .paths import operator_dtype
 
 
 @dataclass
@@ -59,7 +60,7 @@ def composed_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: 
         o, state = gated_delta_rule_step(q_old[:, 0], front.k[:, 0], front.v[:, 0], front.g[:, 0], front.beta[:, 0], h0)
         o = taylor_back(o[:, None], front.v_mean)
     else:
-        cdt = dtype if dtype in (torch.bfloat16, torch.float16) else dt
+        cdt = operator_dtype(dtype, dt)
         o, state = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta,
                                     initial_state=h0, output_final_state=layer is not None, cu_seqlens=cu_seqlens,
                                     backend=opts.backend, v_offset=front.v_mean)
@@ -95,7 +96,7 @@ def fused_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: tor
     front = TaylorInputs(k=kh, v=u, g=scale_log_decay(g, flat(gate_factor)), beta=beta, v_mean=v_mean, sums=None,
                          count=flat(count))
     q_old, front = (flat(q), front) if block.decays else fold_decay(flat(q), front)
-    cdt = dtype if dtype in (torch.bfloat16, torch.float16) else q.dtype
+    cdt = operator_dtype(dtype, q.dtype)
     o, _ = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta,
                             cu_seqlens=pieces, backend=block.options.backend, v_offset=front.v_mean)
     return OldStream(o.view(B, T, *o.shape[2:]), k_mean.view(B, T, *k_mean.shape[2:]), count)

@@ -12,7 +12,7 @@ recurrence ``h_t = exp(g_t) h_{t−1} + k_t v_tᵀ`` with a scalar log-decay per
 ``gated_delta_rule`` with ``g [B, T, H, K]`` on ``ops/triton/kda_fwd.py``/``kda_bwd.py``) against fla's
 ``chunk_kda``, the same recurrence ``h_t = (I − β_t k_t k_tᵀ) Diag(exp(g_t)) h_{t−1} + β_t k_t v_tᵀ``.
 ``--op deltanet`` times the delta rule without a decay (the ``deltanet`` target: ``gated_delta_rule`` with
-``g = 0``, no gradient for g, on the GDN kernels) against fla's ``chunk_delta_rule``.
+``g=None``, the GDN kernels compiled without their decay) against fla's ``chunk_delta_rule``.
 
 Median ms (triton.testing.do_bench) of forward and forward+backward, and peak memory of
 forward+backward, at SPEC §7's standard shapes (bf16, H=16, K=V=128) and at GQA shapes of real
@@ -73,8 +73,8 @@ def operators(op: str, K: int):
             return fla(q, k, v, g, scale=K**-0.5)[0]
         return ours, fla_call
 
-    def ours(q, k, v, g, beta):
-        return gated_delta_rule(q, k, v, g, beta, scale=K**-0.5, backend="triton")[0]
+    def ours(q, k, v, g, beta):  # deltanet: no decay (g=None), the kernels read no g and take no exp of it
+        return gated_delta_rule(q, k, v, None if op == "deltanet" else g, beta, scale=K**-0.5, backend="triton")[0]
 
     def fla_call(fla, q, k, v, g, beta):
         if op == "deltanet":  # no decay argument: g is the zero the ours call gets
@@ -87,7 +87,8 @@ NOTES = {  # what "ours backward" is, per operator
     "gdn": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py): T = (I+A)^-1 kept from the forward, "
            "the other intermediates recomputed",
     "linear": "ours backward = Triton kernels (linearize/ops/triton/linear_bwd.py): the chunk states recomputed",
-    "deltanet": "ours = the GDN kernels with g = 0 (no gradient for g); fla = chunk_delta_rule",
+    "deltanet": "ours = the GDN kernels without a decay (g=None: no g read, no exp of it, no g gradient); "
+                "fla = chunk_delta_rule",
     "kda": "ours backward = Triton kernels (linearize/ops/triton/kda_bwd.py): the forward's T and in-chunk scores P "
            "kept, W, U and the chunk states recomputed; launch settings untuned",
 }

@@ -70,6 +70,33 @@ def test_gated_delta_rule_triton_gradients_equal_reference(poisoned, case, dtype
         assert rel(a, b) < tol, (name, rel(a, b))
 
 
+@pytest.mark.parametrize("case", CASES[:3])
+@pytest.mark.parametrize("backend, dtype, tol", [("triton", torch.float32, 1e-5), ("triton", torch.float16, 5e-3),
+                                                 ("torch", torch.float32, 1e-5)])
+def test_no_decay_equals_zero_log_decays(poisoned, case, backend, dtype, tol):
+    """``g=None`` (the deltanet target: α ≡ 1): the kernels read no g and take no exp of it, and give the float64
+    reference's output, final state and gradients with ``g = 0``; there is no g gradient."""
+    B, T, H, G, K, V, cu = case
+    q, k, v, _, beta = gdn_inputs(B, T, H, G, K, V, seed=T + 3, dtype=torch.float64, beta_scale=2.0)
+    cu = torch.tensor(cu) if cu else None
+    N = B if cu is None else len(cu) - 1
+    h0 = torch.randn(N, H, K, V, dtype=torch.float64, generator=torch.Generator().manual_seed(4))
+    got = {}
+    for name, dt in (("reference", torch.float64), (backend, dtype)):
+        leaves = [x.detach().to(dt).clone().requires_grad_(True) for x in (q, k, v, beta)]
+        leaves.append(h0.to(torch.float64 if dt == torch.float64 else torch.float32).clone().requires_grad_(True))
+        g = torch.zeros_like(beta) if name == "reference" else None
+        o, h = gated_delta_rule(*leaves[:3], g, leaves[3], scale=0.7, initial_state=leaves[4],
+                                output_final_state=True, cu_seqlens=cu, backend=name)
+        gen = torch.Generator().manual_seed(5)
+        loss = (o.double() * torch.randn(o.shape, generator=gen, dtype=torch.float64)).sum()
+        (loss + (h.double() * torch.randn(h.shape, generator=gen, dtype=torch.float64)).sum()).backward()
+        got[name] = [o.detach(), h.detach()] + [x.grad for x in leaves]
+    for name, a, b in zip("o h q k v beta h0".split(), got[backend], got["reference"]):
+        assert torch.isfinite(a).all(), name
+        assert rel(a, b) < tol, (name, rel(a, b))
+
+
 @pytest.mark.parametrize("case", [CASES[1], CASES[2]])
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
 def test_triton_output_with_v_offset_equals_taylor_back(poisoned, case, dtype, tol):

@@ -340,8 +340,8 @@ class GDNAttention(nn.Module):
             # v_offset: the Triton backend adds it in its output kernel.
             cdt = operator_dtype(hidden_states.dtype, q.dtype)
             o, state = gated_delta_rule(
-                q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta, scale=scale,
-                initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                q=q.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g if self.decays else None, beta=front.beta,
+                scale=scale, initial_state=h0, output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                 backend=self.options.backend, v_offset=front.v_mean,
             )  # (B, T, Hq, V)
         return o.reshape(B, T, -1).to(hidden_states.dtype), state, front.sums, tails

@@ -61,8 +61,9 @@ def composed_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: 
         o = taylor_back(o[:, None], front.v_mean)
     else:
         cdt = operator_dtype(dtype, dt)
-        o, state = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta,
-                                    initial_state=h0, output_final_state=layer is not None, cu_seqlens=cu_seqlens,
+        o, state = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt),
+                                    g=front.g if block.decays else None, beta=front.beta, initial_state=h0,
+                                    output_final_state=layer is not None, cu_seqlens=cu_seqlens,
                                     backend=opts.backend, v_offset=front.v_mean)
     square_sum = None
     if opts.mix_order == 2:  # Σ (q·k)² over the old tokens, from Σkkᵀ carried in the running sums
@@ -97,8 +98,8 @@ def fused_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: tor
                          count=flat(count))
     q_old, front = (flat(q), front) if block.decays else fold_decay(flat(q), front)
     cdt = operator_dtype(dtype, q.dtype)
-    o, _ = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g, beta=front.beta,
-                            cu_seqlens=pieces, backend=block.options.backend, v_offset=front.v_mean)
+    o, _ = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g if block.decays else None,
+                            beta=front.beta, cu_seqlens=pieces, backend=block.options.backend, v_offset=front.v_mean)
     return OldStream(o.view(B, T, *o.shape[2:]), k_mean.view(B, T, *k_mean.shape[2:]), count)
 
 

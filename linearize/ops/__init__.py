@@ -50,7 +50,7 @@ def gated_delta_rule(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    g: torch.Tensor,
+    g: torch.Tensor | None,
     beta: torch.Tensor,
     *,
     scale: float = 1.0,
@@ -69,7 +69,9 @@ def gated_delta_rule(
             (KDA, ``h_t = (I − β_t k_t k_tᵀ) Diag(α_t) h_{t−1} + β_t k_t v_tᵀ``, ``g ≤ 0``;
             :mod:`linearize.ops.kda`; its Triton kernels are ``ops/triton/kda_fwd.py`` and ``kda_bwd.py``;
             ``"auto"`` takes them for key heads up to 128 wide, and trains a 16-bit KDA through ``"torch"``
-            where Triton's ptxas is older than 12.9, which miscompiles that backward); beta: ``[B, T, H]``.
+            where Triton's ptxas is older than 12.9, which miscompiles that backward); or None: no decay
+            (α ≡ 1, the delta rule of the ``deltanet`` target), which the Triton kernels then skip (no g read,
+            no exp of it, no g gradient); beta: ``[B, T, H]``.
         initial_state: ``[N, H, K, V]``, N = B or the number of packed documents.
         output_final_state: also return the ``[N, H, K, V]`` state after the last token.
         cu_seqlens: ``[N + 1]`` document offsets ``[0, ..., T]`` (B must be 1); every document
@@ -93,7 +95,7 @@ def gated_delta_rule(
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    per_channel = g.dim() == 4
+    per_channel = g is not None and g.dim() == 4
     if backend == "auto":
         fits = q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K
         if fits and per_channel:  # KDA: key heads up to the width its GPU tests passed at (128), and not
@@ -102,13 +104,15 @@ def gated_delta_rule(
             grad = wants_grad(q, k, v, g, beta, initial_state, v_offset)
             fits = q.shape[-1] <= KDA_AUTO_MAX_K and (not grad or backward_compiles(q.dtype, q.device))
         backend = "triton" if fits else "torch"
-    if backend != "reference":  # the chunkwise forms: see G_FLOOR
+    if g is None and backend != "triton":  # the PyTorch forms take the zeros the kernels skip
+        g = torch.zeros_like(beta, dtype=torch.float32 if beta.dtype != torch.float64 else beta.dtype)
+    elif g is not None and backend != "reference":  # the chunkwise forms: see G_FLOOR
         g = g.clamp_min(G_FLOOR)
     if backend == "triton":
         if per_channel:
             check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         else:
-            check_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
+            check_inputs(q, k, v, beta if g is None else g, beta, initial_state, cu_seqlens)
         if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"the Triton backend takes float16, bfloat16 or float32; got {q.dtype} (use backend='torch')")
         if not _triton_usable(q):

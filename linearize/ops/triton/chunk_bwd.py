@@ -72,10 +72,11 @@ def _side_stream(device: torch.device):
 def chunk_gated_delta_rule_bwd(*, q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, tm=None):
     """Gradients w.r.t. ``(q, k, v, g, beta, initial_state)`` (the last ``None`` without an initial state),
     each in its input's dtype. Inputs as the forward's, ``do`` like the output, ``dht`` like the final state or
-    None; ``tm`` the forward's T (recomputed when None)."""
+    None; ``tm`` the forward's T (recomputed when None). ``g`` None: no decay, and its gradient None."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
-    qf, kf, vf, gf, bf, dof = Layout.flat(q, k, v, g, beta, do)
+    qf, kf, vf, bf, dof = Layout.flat(q, k, v, beta, do)
+    gf = Layout.flat(g)[0] if g is not None else None
     if tm is None:
         tm = solve_tril(layout=L, k=kf, g=gf, beta=bf)
     gcum, w, u = recompute_w_u(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
@@ -103,5 +104,5 @@ def chunk_gated_delta_rule_bwd(*, q, k, v, g, beta, scale, initial_state, do, dh
     dq, dkq, dgq = chunk_bwd_dqk(layout=L, q=qf, k=kf, v_new=v_new, gcum=gcum, hs=hs, do=dof, scale=scale)
     dk, dv, dbeta, dg = chunk_bwd_wy(layout=L, k=kf, v=vf, beta=bf, gcum=gcum, tm=tm, v_new=v_new, hs=hs, dhs=dhs,
                                      ddl=ddl, dkq=dkq, dgq=dgq)
-    return (dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg.view(g.shape).to(g.dtype),
-            dbeta.view(beta.shape).to(beta.dtype), dh0)
+    dg = dg.view(g.shape).to(g.dtype) if g is not None else None
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), dg, dbeta.view(beta.shape).to(beta.dtype), dh0

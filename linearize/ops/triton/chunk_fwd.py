@@ -52,10 +52,12 @@ def chunk_gated_delta_rule_fwd(*, q, k, v, g, beta, scale, initial_state, output
                                v_offset=None):
     """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state, T)``, T = (I + A)⁻¹ of every
     chunk, ``[tokens, H, 64]`` in k's dtype (float32 for float32 inputs), for the backward. ``v_offset``
-    (``[B, T, H, V]``, float32): added to every query head's output of its KV head (the Taylor back)."""
+    (``[B, T, H, V]``, float32): added to every query head's output of its KV head (the Taylor back). ``g``
+    None: no decay (the delta rule; every kernel then reads no g and takes no exp of it)."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
-    q, k, v, g, beta = Layout.flat(q, k, v, g, beta)
+    q, k, v, beta = Layout.flat(q, k, v, beta)
+    g = Layout.flat(g)[0] if g is not None else None
     every = output_group(L.K)  # the state kernel keeps one state per output group
     tm = solve_tril(layout=L, k=k, g=g, beta=beta)
     gcum, w, u = recompute_w_u(layout=L, k=k, v=v, g=g, beta=beta, tm=tm)

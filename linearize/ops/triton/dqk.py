@@ -12,14 +12,14 @@ import triton.language as tl
 from ..common import next_pow2
 from .layout import BT, Layout, chunk_at
 from .settings import block_k, frozen
-from .tiles import mm
+from .tiles import log_decay, mm
 
 
 @triton.jit
 def _dqk_kernel(
     q, k, v_new, gcum, hs, do, dq, dkq, dgq, chunk_indices, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, USE_G: tl.constexpr = True,
 ):
     i_t, i_hq = tl.program_id(0), tl.program_id(1)
     i_h = i_hq // G
@@ -34,7 +34,7 @@ def _dqk_kernel(
 
     b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_tk, other=0.0)
     b_qs = tl.load(q + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32) * scale
-    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+    b_g = log_decay(gcum + row * H + i_h, m_t, USE_G)
     acc_dp = tl.zeros([BT, BT], dtype=tl.float32)  # do Δᵀ
     acc_dqh = tl.zeros([BT, BK], dtype=tl.float32)  # do h₀ᵀ
     for i_v in range(tl.cdiv(V, BV)):
@@ -56,9 +56,10 @@ def _dqk_kernel(
     tl.store(dq + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
     b_dk = mm(tl.trans(b_dpd), b_qs, b_k, IEEE)
     tl.store(dkq + row[:, None] * (HQ * K) + i_hq * K + o_k[None, :], b_dk, mask=m_tk)
-    b_m = acc_dp * b_p  # ∂/∂ log D_rj
-    b_dg = tl.sum(b_m, axis=1) - tl.sum(b_m, axis=0) + gam * tl.sum(acc_dqh * b_qs, axis=1)
-    tl.store(dgq + row * HQ + i_hq, b_dg, mask=m_t)
+    if USE_G:  # the query head's share of dg (none without a decay)
+        b_m = acc_dp * b_p  # ∂/∂ log D_rj
+        b_dg = tl.sum(b_m, axis=1) - tl.sum(b_m, axis=0) + gam * tl.sum(acc_dqh * b_qs, axis=1)
+        tl.store(dgq + row * HQ + i_hq, b_dg, mask=m_t)
 
 
 @functools.lru_cache(maxsize=256)
@@ -71,17 +72,19 @@ def dqk_settings(H: int, G: int, K: int, V: int, ieee: bool) -> tuple:
                   4 if not wide else 8, 1 if wide else 2)
 
 
-def chunk_bwd_dqk(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, gcum: torch.Tensor,
-                  hs: torch.Tensor, do: torch.Tensor, scale: float) -> tuple:
+def chunk_bwd_dqk(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor,
+                  gcum: torch.Tensor | None, hs: torch.Tensor, do: torch.Tensor, scale: float) -> tuple:
     """``(dq like q, dkq [tokens, HQ, K] fp32, dgq [tokens, HQ] fp32)``, the last two None when there are no
-    chunks. Inputs flat; ``hs`` and ``v_new`` the forward's states and Δ, every state kept."""
+    chunks, dgq None without a decay (``gcum`` None). Inputs flat; ``hs`` and ``v_new`` the forward's states and
+    Δ, every state kept."""
     L = layout
     dq = torch.empty_like(q)
     if not L.NC:
         return dq, None, None
     dkq = torch.empty(L.tokens, L.HQ, L.K, dtype=torch.float32, device=L.device)
-    dgq = torch.empty(L.tokens, L.HQ, dtype=torch.float32, device=L.device)
+    dgq = torch.empty(L.tokens, L.HQ, dtype=torch.float32, device=L.device) if gcum is not None else None
     fn, c, warps, stages = dqk_settings(L.H, L.G, L.K, L.V, L.ieee)
-    fn[(L.NC, L.HQ)](q, k, v_new, gcum, hs, do, dq, dkq, dgq, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale,
-                     **c, num_warps=warps, num_stages=stages)
+    fn[(L.NC, L.HQ)](q, k, v_new, dkq if gcum is None else gcum, hs, do, dq, dkq, dkq if dgq is None else dgq,
+                     L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale, **c, USE_G=gcum is not None,
+                     num_warps=warps, num_stages=stages)
     return dq, dkq, dgq

@@ -13,7 +13,7 @@ import triton.language as tl
 from ..common import cdiv, next_pow2
 from .layout import BT, Layout, chunk_at
 from .settings import block_k, frozen
-from .tiles import mm
+from .tiles import log_decay, mm
 
 
 @triton.jit
@@ -21,6 +21,7 @@ def _dv_local_kernel(
     q, k, gcum, do, dvl, dql, chunk_indices, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, QDO: tl.constexpr, IEEE: tl.constexpr,
+    USE_G: tl.constexpr = True,
 ):
     """``Pᵀ do`` summed over the G query heads of this KV head; with ``QDO`` also the chunk's share of the
     state gradient, ``Σ_g (γ⊙q_g)ᵀ do_g · scale`` ([K, V] per chunk, fp32, into ``dql``), which the state
@@ -39,7 +40,7 @@ def _dv_local_kernel(
     m_qv = m_t[:, None] & m_v[None, :]
 
     b_k = tl.load(k + row[:, None] * (H * K) + i_h * K + o_k[None, :], mask=m_qk, other=0.0)
-    b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+    b_g = log_decay(gcum + row * H + i_h, m_t, USE_G)
     # [j, r]: r ≥ j, both in the document (rows past its end read g = 0: exp(0 − g_j) may overflow, and 0·inf = NaN)
     up = (o_r[:, None] <= o_r[None, :]) & m_t[:, None] & m_t[None, :]
     dec_t = tl.where(up, tl.exp(tl.where(up, b_g[None, :] - b_g[:, None], 0.0)), 0.0)  # γ_r/γ_j
@@ -72,7 +73,7 @@ def dv_local_settings(H: int, G: int, K: int, V: int, ieee: bool, qdo: bool) -> 
                                      "BV": bv}, 4, 1 if wide else 2)
 
 
-def chunk_bwd_dv_local(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor, do: torch.Tensor,
+def chunk_bwd_dv_local(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, gcum: torch.Tensor | None, do: torch.Tensor,
                        scale: float, qdo: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dvl [tokens, H, V], dql)``: ``Pᵀdo`` in the dots' dtype (do's, or float32 for float32 inputs: it is
     only ever a dot operand afterwards), and with ``qdo`` the q term of the state gradient per chunk,
@@ -83,6 +84,7 @@ def chunk_bwd_dv_local(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, gcum
     dql = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32, device=dev) if qdo else None
     if L.NC:
         fn, c, warps, stages = dv_local_settings(H, L.G, K, V, L.ieee, qdo)
-        fn[(cdiv(V, c["BV"]), L.NC, H)](q, k, gcum, do, dvl, dql if qdo else dvl, L.chunk_indices, L.cu_seqlens,
-                                        L.chunk_offsets, scale, **c, num_warps=warps, num_stages=stages)
+        fn[(cdiv(V, c["BV"]), L.NC, H)](q, k, dvl if gcum is None else gcum, do, dvl, dql if qdo else dvl,
+                                        L.chunk_indices, L.cu_seqlens, L.chunk_offsets, scale, **c,
+                                        USE_G=gcum is not None, num_warps=warps, num_stages=stages)
     return dvl, dql

@@ -38,9 +38,9 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
 def chunk_gated_delta_rule_triton(
     q, k, v, g, beta, *, scale=1.0, initial_state=None, output_final_state=False, cu_seqlens=None, v_offset=None
 ):
-    """Triton chunkwise GDN; same contract as :func:`linearize.ops.gated_delta_rule`, plus ``v_offset``
-    (``[B, T, H, V]``, float32, or None): added to the output of every query head of its KV head before the
-    output's one rounding — ``taylor_back(o, v_offset)`` fused into the output kernel."""
+    """Triton chunkwise GDN; same contract as :func:`linearize.ops.gated_delta_rule` (g None: no decay), plus
+    ``v_offset`` (``[B, T, H, V]``, float32, or None): added to the output of every query head of its KV head
+    before the output's one rounding — ``taylor_back(o, v_offset)`` fused into the output kernel."""
     if q.dtype not in DTYPES:
         raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:

@@ -13,6 +13,7 @@ import triton.language as tl
 from ..common import cdiv, next_pow2
 from .layout import BT, Layout, chunk_at, sequence_at, state_slot
 from .settings import block_k, frozen
+from .tiles import log_decay
 
 
 @triton.jit
@@ -20,7 +21,7 @@ def _output_kernel(
     q, k, v_new, gcum, hs, o, vm, group_indices, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, HAS_VM: tl.constexpr,
-    E: tl.constexpr,
+    E: tl.constexpr, USE_G: tl.constexpr = True,
 ):
     """Per (V block, group of ``E`` consecutive chunks of one sequence, query head), chunk by chunk:
     ``o = scale·(γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ)``, plus the KV head's ``vm`` row (float32,
@@ -49,7 +50,7 @@ def _output_kernel(
         b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_d = tl.load(v_new + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_g = tl.load(gcum + row * H + i_h, mask=m_t, other=0.0)
+        b_g = log_decay(gcum + row * H + i_h, m_t, USE_G)
         b_o = _chunk_output(b_q, b_k, b_h, b_d, b_g, m_t, scale, IEEE)
         if HAS_VM:
             b_o += tl.load(vm + row[:, None] * (H * V) + i_h * V + o_v[None, :], mask=m_tv, other=0.0)
@@ -74,14 +75,14 @@ def _output_kernel(
             b_q = tl.load(q + t0 * (HQ * K) + o_r[:, None] * (HQ * K) + o_k[None, :], mask=m_tk, other=0.0)
             b_k = tl.load(k + t0 * (H * K) + o_r[:, None] * (H * K) + o_k[None, :], mask=m_tk, other=0.0)
             b_d = tl.load(v_new + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
-            b_g = tl.load(gcum + (t0 + o_r) * H, mask=m_t, other=0.0)
+            b_g = log_decay(gcum + (t0 + o_r) * H, m_t, USE_G)
             b_o = _chunk_output(b_q, b_k, b_h, b_d, b_g, m_t, scale, IEEE)
             if HAS_VM:
                 b_o += tl.load(vm + t0 * (H * V) + o_r[:, None] * (H * V) + o_v[None, :], mask=m_tv, other=0.0)
             tl.store(o + t0 * (HQ * V) + o_r[:, None] * (HQ * V) + o_v[None, :], b_o.to(o.dtype.element_ty),
                      mask=m_tv)
             # the state entering the next chunk
-            g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
+            g_last = log_decay(gcum + (tl.minimum(t0 + BT, T) - 1) * H, None, USE_G)
             b_de = b_d.to(tl.float32) * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]
             if IEEE:
                 b_h = b_h * tl.exp(g_last) + tl.dot(tl.trans(b_k.to(tl.float32)), b_de, input_precision="ieee")
@@ -118,7 +119,7 @@ def output_settings(H: int, G: int, K: int, V: int, ieee: bool, E: int) -> tuple
                                    "HAS_VM": False, "E": E}, 4, 1 if wide else 2)
 
 
-def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, gcum: torch.Tensor,
+def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, gcum: torch.Tensor | None,
                 hs: torch.Tensor, scale: float, v_offset: torch.Tensor | None, every: int) -> torch.Tensor:
     """``o [tokens, HQ, V]`` in v_new's dtype from the states ``hs`` kept every ``every`` chunks
     (:func:`state_fwd.chunk_fwd_h`); ``v_offset`` (flat ``[tokens, H, V]`` float32, or None) is added to every
@@ -129,6 +130,7 @@ def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torc
         fn, c, warps, stages = output_settings(L.H, L.G, L.K, L.V, L.ieee, every)
         groups, NG = L.groups(every)
         fn[(cdiv(L.V, c["BV"]), NG, L.HQ)](
-            q, k, v_new, gcum, hs, o, v_offset if v_offset is not None else o, groups, L.cu_seqlens,
-            L.chunk_offsets, scale, **{**c, "HAS_VM": v_offset is not None}, num_warps=warps, num_stages=stages)
+            q, k, v_new, o if gcum is None else gcum, hs, o, v_offset if v_offset is not None else o, groups,
+            L.cu_seqlens, L.chunk_offsets, scale, **{**c, "HAS_VM": v_offset is not None}, USE_G=gcum is not None,
+            num_warps=warps, num_stages=stages)
     return o

@@ -18,7 +18,7 @@ from .tiles import dot
 def _prepare_kernel(
     k, v, g, beta, gcum, w, u, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, USE_G: tl.constexpr = True,
 ):
     """Per (chunk, KV head), after ``_solve_kernel``: cumulative g, ``W = T (β γ k)`` and ``U = T (β v)`` as
     (BT, BT)·(BT, ·) products. The backward runs it again (W, U are not kept), on the forward's T."""
@@ -28,8 +28,11 @@ def _prepare_kernel(
     o_t = i_c * BT + o_r
     m_t = o_t < T
     row = bos + o_t
-    b_g = tl.cumsum(tl.load(g + row * H + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
-    tl.store(gcum + row * H + i_h, b_g, mask=m_t)
+    if USE_G:
+        b_g = tl.cumsum(tl.load(g + row * H + i_h, mask=m_t, other=0.0).to(tl.float32), axis=0)
+        tl.store(gcum + row * H + i_h, b_g, mask=m_t)
+    else:  # no decay (the deltanet target): γ = 1, every exp below folds away at compile time
+        b_g = tl.zeros([BT], dtype=tl.float32)
     b_beta = tl.load(beta + row * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
@@ -56,15 +59,16 @@ def prepare_settings(H: int, K: int, V: int, ieee: bool) -> tuple:
                   8 if BK <= 64 else 4, 3 if BK == 128 and not ieee else 1)
 
 
-def recompute_w_u(*, layout: Layout, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                  tm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(gcum [tokens, H] fp32, w like k, u like v)`` from T (:func:`solve_tril`). Inputs flat."""
+def recompute_w_u(*, layout: Layout, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor,
+                  tm: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """``(gcum [tokens, H] fp32, w like k, u like v)`` from T (:func:`solve_tril`). Inputs flat; ``g`` None:
+    no decay, and ``gcum`` None (every later stage then runs without one)."""
     L = layout
-    gcum = torch.empty(L.tokens, L.H, dtype=torch.float32, device=L.device)
+    gcum = torch.empty(L.tokens, L.H, dtype=torch.float32, device=L.device) if g is not None else None
     w = torch.empty_like(k)
     u = torch.empty_like(v)
     if L.NC:
         fn, c, warps, stages = prepare_settings(L.H, L.K, L.V, L.ieee)
-        fn[(L.NC, L.H)](k, v, g, beta, gcum, w, u, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
-                        num_warps=warps, num_stages=stages)
+        fn[(L.NC, L.H)](k, v, beta if g is None else g, beta, beta if g is None else gcum, w, u, tm, L.chunk_indices,
+                        L.cu_seqlens, L.chunk_offsets, **c, USE_G=g is not None, num_warps=warps, num_stages=stages)
     return gcum, w, u

@@ -44,6 +44,7 @@ def _scale_block(a, g_r, g_j, b_r, m_r, STRICT: tl.constexpr):
 def _solve_kernel(
     k, g, beta, tm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BKB: tl.constexpr, IEEE: tl.constexpr,
+    USE_G: tl.constexpr = True,
 ):
     """Per (chunk, KV head): ``T = (I + A)⁻¹``, ``A = strictly-lower(β_r k_r·k_j γ_r/γ_j)``, held in registers
     as 4×4 blocks of 16×16 (BC) rows: the ten lower blocks of ``k kᵀ`` as (BC, BKB)·(BKB, BC) products, then
@@ -57,15 +58,18 @@ def _solve_kernel(
     t1, t2, t3 = t0 + BC, t0 + 2 * BC, t0 + 3 * BC
     m0, m1, m2, m3 = t0 < T, t1 < T, t2 < T, t3 < T
     r0, r1, r2, r3 = bos + t0, bos + t1, bos + t2, bos + t3
-    # log-decay cumulated over the chunk, 16 rows at a time
-    x0 = tl.load(g + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)
-    x1 = tl.load(g + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)
-    x2 = tl.load(g + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)
-    x3 = tl.load(g + r3 * H + i_h, mask=m3, other=0.0).to(tl.float32)
-    g0 = tl.cumsum(x0, axis=0)
-    g1 = tl.cumsum(x1, axis=0) + tl.sum(x0, axis=0)
-    g2 = tl.cumsum(x2, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
-    g3 = tl.cumsum(x3, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0) + tl.sum(x2, axis=0)
+    if USE_G:  # log-decay cumulated over the chunk, 16 rows at a time
+        x0 = tl.load(g + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)
+        x1 = tl.load(g + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)
+        x2 = tl.load(g + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)
+        x3 = tl.load(g + r3 * H + i_h, mask=m3, other=0.0).to(tl.float32)
+        g0 = tl.cumsum(x0, axis=0)
+        g1 = tl.cumsum(x1, axis=0) + tl.sum(x0, axis=0)
+        g2 = tl.cumsum(x2, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0)
+        g3 = tl.cumsum(x3, axis=0) + tl.sum(x0, axis=0) + tl.sum(x1, axis=0) + tl.sum(x2, axis=0)
+    else:  # no decay (the deltanet target): the exps of _scale_block fold away at compile time
+        g0 = tl.zeros([BC], dtype=tl.float32)
+        g1, g2, g3 = g0, g0, g0
     b0 = tl.load(beta + r0 * H + i_h, mask=m0, other=0.0).to(tl.float32)
     b1 = tl.load(beta + r1 * H + i_h, mask=m1, other=0.0).to(tl.float32)
     b2 = tl.load(beta + r2 * H + i_h, mask=m2, other=0.0).to(tl.float32)
@@ -145,13 +149,13 @@ def solve_settings(H: int, K: int, ieee: bool) -> tuple:
     return frozen(_solve_kernel, {"H": H, "K": K, "BT": BT, "BKB": min(block_k(K), 128), "IEEE": ieee}, 1, 1)
 
 
-def solve_tril(*, layout: Layout, k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+def solve_tril(*, layout: Layout, k: torch.Tensor, g: torch.Tensor | None, beta: torch.Tensor) -> torch.Tensor:
     """T of every chunk, ``[tokens, H, BT]``: only ever a dot operand, so kept in the dots' dtype (k's, or
-    float32 for float32 inputs). Inputs flat (``Layout.flat``)."""
+    float32 for float32 inputs). Inputs flat (``Layout.flat``); ``g`` None: no decay."""
     L = layout
     tm = torch.empty(L.tokens, L.H, BT, dtype=torch.float32 if L.ieee else k.dtype, device=L.device)
     if L.NC:
         fn, c, warps, stages = solve_settings(L.H, L.K, L.ieee)
-        fn[(L.NC, L.H)](k, g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, **c,
-                        num_warps=warps, num_stages=stages)
+        fn[(L.NC, L.H)](k, beta if g is None else g, beta, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets,
+                        **c, USE_G=g is not None, num_warps=warps, num_stages=stages)
     return tm

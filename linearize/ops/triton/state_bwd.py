@@ -13,7 +13,7 @@ import triton.language as tl
 from ..common import cdiv
 from .layout import BT, Layout, n_slots, sequence_at
 from .settings import block_k, frozen, sms_for, state_bv
-from .tiles import blocks_load, blocks_rows_dot, blocks_start, blocks_store, blocks_update
+from .tiles import blocks_load, blocks_rows_dot, blocks_start, blocks_store, blocks_update, log_decay
 
 
 @triton.jit
@@ -22,6 +22,7 @@ def _state_bwd_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     QDO: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
+    USE_G: tl.constexpr = True,
 ):
     """Per (V block, sequence × KV head), over the chunks in reverse: store dh₁ (the gradient of the state
     leaving the chunk), ``dΔ = Pᵀdo + (γ_C/γ_j ⊙ k) dh₁``, then ``dh₀ = γ_C dh₁ + Σ_g (γ⊙q_g)ᵀ do_g − Wᵀ dΔ``.
@@ -52,8 +53,8 @@ def _state_bwd_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         blocks_store(dhs + i_t * (H * K * V), b_dh1, b_dh2, b_dh3, b_dh4, o_v, m_v, K, V, KB)
-        g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
-        b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
+        g_last = log_decay(gcum + (tl.minimum(t0 + BT, T) - 1) * H, None, USE_G)
+        b_g = log_decay(gcum + t0 * H + o_r * H, m_t, USE_G)
         e_c = tl.exp(g_last)
         # dΔ = Pᵀdo + K̃ dh₁, K̃ = γ_C/γ_j ⊙ k: the decay scales the product's rows
         b_kdh = blocks_rows_dot(k + t0 * (H * K), H * K, o_r, m_t, b_dh1, b_dh2, b_dh3, b_dh4, K, KB, False, IEEE)
@@ -91,7 +92,7 @@ def state_bwd_settings(H: int, G: int, K: int, V: int, ieee: bool, bv: int, qdo:
                   4, 1 if BK > 128 else (2 if ieee else 3))
 
 
-def chunk_bwd_dh(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gcum: torch.Tensor,
+def chunk_bwd_dh(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, w: torch.Tensor, gcum: torch.Tensor | None,
                  do: torch.Tensor, dvl: torch.Tensor, dql: torch.Tensor | None, dht: torch.Tensor | None,
                  initial_state: torch.Tensor | None, scale: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(dhs, dh0)``: the gradient of the state leaving every chunk (k's dtype, or float32 for float32
@@ -106,7 +107,8 @@ def chunk_bwd_dh(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, w: torch.T
     bv = state_bv(K, V, ieee, L.N * H, sms_for(L.N * H, dev))
     fn, c, warps, stages = state_bwd_settings(H, L.G, K, V, ieee, bv, qdo)
     fn[(cdiv(V, c["BV"]), L.N * H)](
-        q, k, w, gcum, do, dvl, dql if qdo else dvl, dhs, dvl, dht if dht is not None else dhs,
+        q, k, w, dvl if gcum is None else gcum, do, dvl, dql if qdo else dvl, dhs, dvl, dht if dht is not None else dhs,
         dh0 if dh0 is not None else dhs, L.cu_seqlens, L.chunk_offsets, scale,
-        **{**c, "USE_DHT": dht is not None, "STORE_DH0": dh0 is not None}, num_warps=warps, num_stages=stages)
+        **{**c, "USE_DHT": dht is not None, "STORE_DH0": dh0 is not None}, USE_G=gcum is not None,
+        num_warps=warps, num_stages=stages)
     return dhs, dh0

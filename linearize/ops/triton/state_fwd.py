@@ -13,7 +13,7 @@ import triton.language as tl
 from ..common import cdiv
 from .layout import BT, Layout, n_slots, sequence_at, state_slot
 from .settings import block_k, frozen, sms_for, state_bv
-from .tiles import blocks_rows_dot, blocks_start, blocks_store, blocks_update
+from .tiles import blocks_rows_dot, blocks_start, blocks_store, blocks_update, log_decay
 
 
 @triton.jit
@@ -22,6 +22,7 @@ def _state_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, KB: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr, EVERY: tl.constexpr,
+    USE_G: tl.constexpr = True,
 ):
     """Per (V block, sequence × KV head), over the chunks in order: store the state h entering the chunk
     (of every ``EVERY``-th chunk only, at its ``state_slot``), ``Δ = U − W h``, then
@@ -56,8 +57,8 @@ def _state_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         b_d += tl.load(u + t0 * (H * V) + p_tv, mask=m_tv, other=0.0).to(tl.float32)
         tl.store(v_new + t0 * (H * V) + p_tv, b_d.to(v_new.dtype.element_ty), mask=m_tv)
-        g_last = tl.load(gcum + (tl.minimum(t0 + BT, T) - 1) * H)
-        b_g = tl.load(gcum + t0 * H + o_r * H, mask=m_t, other=0.0)
+        g_last = log_decay(gcum + (tl.minimum(t0 + BT, T) - 1) * H, None, USE_G)
+        b_g = log_decay(gcum + t0 * H + o_r * H, m_t, USE_G)
         b_de = b_d * tl.where(m_t, tl.exp(g_last - b_g), 0.0)[:, None]  # Δ ⊙ γ_C/γ_j
         e_c = tl.exp(g_last)
         b_h1, b_h2, b_h3, b_h4 = blocks_update(b_h1, b_h2, b_h3, b_h4, e_c, k + t0 * (H * K), H * K, o_r, m_t, b_de,
@@ -77,7 +78,7 @@ def state_fwd_settings(H: int, K: int, V: int, ieee: bool, bv: int) -> tuple:
                   4, 1 if wide else (2 if ieee else 4))
 
 
-def chunk_fwd_h(*, layout: Layout, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gcum: torch.Tensor,
+def chunk_fwd_h(*, layout: Layout, k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, gcum: torch.Tensor | None,
                 initial_state: torch.Tensor | None, output_final_state: bool, every: int = 1) -> tuple:
     """``(hs, v_new, ht)``: the state entering every ``every``-th chunk (rows at ``state_slot``; k's dtype, or
     float32 for float32 inputs), Δ = U − W h like u, and the float32 final state (or None)."""
@@ -90,9 +91,9 @@ def chunk_fwd_h(*, layout: Layout, k: torch.Tensor, w: torch.Tensor, u: torch.Te
     bv = state_bv(K, V, ieee, L.N * H, sms_for(L.N * H, dev))
     fn, c, warps, stages = state_fwd_settings(H, K, V, ieee, bv)
     fn[(cdiv(V, c["BV"]), L.N * H)](
-        k, w, u, gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
+        k, w, u, u if gcum is None else gcum, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs,
         L.cu_seqlens, L.chunk_offsets,
-        **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None, "EVERY": every},
+        **{**c, "USE_H0": h0 is not None, "STORE_HT": ht is not None, "EVERY": every}, USE_G=gcum is not None,
         num_warps=warps, num_stages=stages,
     )
     return hs, v_new, ht

@@ -10,6 +10,19 @@ import triton.language as tl
 
 
 @triton.jit
+def log_decay(p, mask, USE_G: tl.constexpr):
+    """The log-decays at ``p`` as float32 (0 where ``mask`` is off; ``mask`` None: one value), or 0 everywhere
+    without a decay (``USE_G`` False: the ``deltanet`` target). Every exp of those zeros is exp(0), which Triton
+    folds at compile time: the kernels then read no g and take no exp for it."""
+    if not USE_G:
+        return tl.zeros(p.shape, dtype=tl.float32)
+    elif mask is None:  # one value
+        return tl.load(p).to(tl.float32)
+    else:
+        return tl.load(p, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
 def dot(a, b, IEEE: tl.constexpr):
     if IEEE:
         return tl.dot(a, b, input_precision="ieee")

@@ -54,16 +54,18 @@ def _gen(seed: int) -> torch.Generator:
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-def operator_errors(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, seed=0, v_offset=False):
+def operator_errors(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads=True, seed=0, v_offset=False,
+                    decay=True):
     """Relative errors of ``o``, the final state and every gradient (with ``v_offset``: the Taylor back fused
-    in the output kernel, a float32 ``[B, T, H, V]`` offset, and its gradient)."""
+    in the output kernel, a float32 ``[B, T, H, V]`` offset, and its gradient; without ``decay``: the kernels
+    given ``g=None``, the reference g = 0, and no g gradient)."""
     N = B if cu is None else len(cu) - 1
     gen = _gen(seed)
     r = lambda *s: torch.randn(*s, device="cuda", generator=gen)
     q = r(B, T, H * G, K)
     k = F.normalize(r(B, T, H, K), dim=-1)  # unit keys, as the Taylor form feeds them
     v = r(B, T, H, V)
-    g = -torch.rand(B, T, H, device="cuda", generator=gen) * 0.2
+    g = -torch.rand(B, T, H, device="cuda", generator=gen) * 0.2 * decay
     beta = {"uniform": torch.rand(B, T, H, device="cuda", generator=gen),
             "bound": torch.ones(B, T, H, device="cuda"),  # β at the stable form's bound β_max = 1
             "bound2": 2 * torch.ones(B, T, H, device="cuda")}[beta_mode]  # erase eigenvalue −1
@@ -75,6 +77,8 @@ def operator_errors(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads
     for name, dt, backend in (("ref", torch.float64, "torch"), ("ours", dtype, "triton")):
         state_dt = torch.float64 if name == "ref" else torch.float32
         leaves = [x.detach().to(dt if i < 5 else state_dt).clone().requires_grad_(grads) for i, x in enumerate(inputs)]
+        if not decay and name == "ours":
+            leaves[3] = None
         o, ht = gated_delta_rule(*leaves[:5], scale=K**-0.5, initial_state=leaves[5], output_final_state=True,
                                  cu_seqlens=cu_t, backend=backend, v_offset=leaves[6] if v_offset else None)
         got = [o.detach(), ht.detach()]
@@ -83,10 +87,10 @@ def operator_errors(B, T, H, G, K, V, dtype, beta_mode="uniform", cu=None, grads
             do = torch.randn(o.shape, device="cuda", generator=g2, dtype=torch.float64)
             dht = torch.randn(ht.shape, device="cuda", generator=g2, dtype=torch.float64)
             ((o.double() * do).sum() + (ht.double() * dht).sum()).backward()
-            got += [x.grad for x in leaves]
+            got += [x.grad if x is not None else None for x in leaves]
         outs[name] = got
     names = ("o", "ht", *OPERATOR_GRADS, "dv_offset")
-    return {n: rel_err(a, b) for n, a, b in zip(names, outs["ours"], outs["ref"])}
+    return {n: rel_err(a, b) for n, a, b in zip(names, outs["ours"], outs["ref"]) if a is not None}
 
 
 STANDARD = [  # SPEC §7's kernel shapes: bf16, H=16, K=V=128
@@ -115,6 +119,20 @@ MODEL_CASES = [  # (B, T, H, G, K, V, cu_seqlens, beta mode) of real teachers an
 @pytest.mark.parametrize("B, T, H, G, K, V, cu, beta_mode", MODEL_CASES)
 def test_gated_delta_rule_triton_model_shapes(B, T, H, G, K, V, cu, beta_mode, dtype):
     errors = operator_errors(B, T, H, G, K, V, dtype, beta_mode=beta_mode, cu=cu)
+    assert_within(errors, TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("B, T, H, G, K, V, cu", [
+    pytest.param(2, 4096, 3, 3, 64, 64, None, id="smollm2"),
+    pytest.param(1, 5000, 4, 2, 64, 64, [0, 1, 63, 64, 65, 2000, 4999, 5000], id="packed"),
+    pytest.param(2, 8192, 16, 1, 128, 128, None, id="2x8192"),
+])
+def test_gated_delta_rule_triton_without_decay(B, T, H, G, K, V, cu, dtype):
+    """``g=None`` (the deltanet target): the kernels compiled without their decay against the float64 reference
+    with g = 0, output, final state and every gradient but g's."""
+    errors = operator_errors(B, T, H, G, K, V, dtype, cu=cu, decay=False)
+    assert "dg" not in errors and "dq" in errors
     assert_within(errors, TOL[dtype])
 
 

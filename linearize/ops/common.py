@@ -12,12 +12,12 @@ import weakref
 import torch
 
 TRITON_MAX_K = 256  # the Triton state kernels hold the state as at most four 64-row K blocks
-# The chunkwise forms (PyTorch and Triton; GDN, KDA and the linear attention) take the decay between two tokens of a chunk from
-# differences of in-chunk cumulative log-decays in fp32. A huge |g| (−2.4e9 from a block whose decay correction
-# ran wild) leaves those differences off by hundreds: outputs 95-270% off (relative) in the PyTorch chunk forms
-# and the KDA kernels, exp(+hundreds) = inf in the GDN kernels on a GPU. A token's log-decay below −30 (α < 1e-13,
-# a state wiped to below fp32's resolution either way) is taken as −30 by every backend but the reference:
-# |G| ≤ 1,920 in a chunk of 64, exponent errors ~1e-4. Its gradient there is 0 (dα/dg = α ≈ 0).
+# The chunkwise forms (PyTorch and Triton; GDN, KDA and the linear attention) take the decay between two tokens
+# of a chunk from differences of in-chunk cumulative log-decays in fp32. A huge |g| (−2.4e9 from a block whose
+# decay correction ran wild) leaves those differences off by hundreds: outputs 95-270% off (relative) in the
+# PyTorch chunk forms and the KDA kernels, exp(+hundreds) = inf in the GDN kernels on a GPU. A token's log-decay
+# below −30 (α < 1e-13, a state wiped to below fp32's resolution either way) is taken as −30 by every backend but
+# the reference: |G| ≤ 1,920 in a chunk of 64, exponent errors ~1e-4. Its gradient there is 0 (dα/dg = α ≈ 0).
 G_FLOOR = -30.0
 
 

@@ -4,6 +4,7 @@
     python scripts/kernel_resources.py --output results/kernel_resources.json
     python scripts/kernel_resources.py --K 64 --heads 9/3 --dtype fp32
     python scripts/kernel_resources.py --scan --output results/kernel_shared_scan.json
+    python scripts/kernel_resources.py --no-decay   # the same kernels without a decay (the deltanet target)
 
 ``--scan`` compiles every kernel under the launchers' settings over head counts, head sizes, dtypes and
 every V block the state kernels' rule can pick, and flags shared memory over the H200's 232,448 bytes: such
@@ -71,14 +72,18 @@ def resources(fn, consts: dict, warps: int, stages: int, dtype: str) -> dict:
 
 def cubin_resources(c) -> dict:
     """Registers, stack (spill) bytes and static shared memory as ``cuobjdump`` reads them from a compiled
-    kernel's cubin, and the shared memory the launch asks for (``metadata.shared``)."""
+    kernel's cubin, the shared memory the launch asks for (``metadata.shared``), and the static count of its SASS
+    instructions and of its ``MUFU.EX2`` (the exps)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
-    return {"regs": int(m[1]), "stack_bytes": int(m[2]), "static_shared": int(m[3]), "shared_bytes": c.metadata.shared}
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+([A-Z][A-Z0-9_.]*)", sass)  # one per SASS instruction (static count)
+    return {"regs": int(m[1]), "stack_bytes": int(m[2]), "static_shared": int(m[3]), "shared_bytes": c.metadata.shared,
+            "instructions": len(ops), "exp2": sum(op.startswith("MUFU.EX2") for op in ops)}
 
 
 H200_SHARED = 232448  # bytes of shared memory one block may use on sm_90
@@ -215,6 +220,8 @@ def main():
                    help="the KDA and linear-attention kernels as their launchers launch them, over CASES (slow)")
     p.add_argument("--jobs", type=int, default=1, help="compiling processes for --launchers")
     p.add_argument("--dtypes", default="bf16,fp16,fp32", help="--launchers: the cases of these input dtypes")
+    p.add_argument("--no-decay", action="store_true",
+                   help="the GDN kernels compiled without a decay (USE_G False: the deltanet target's g=None)")
     args = p.parse_args()
     if args.launchers:
         rows = scan_launchers(args.jobs, args.dtypes.split(","))
@@ -245,11 +252,14 @@ def main():
     rows = {}
     for module in (cf, cb):
         for name, (fn, consts, warps, stages) in module.launch_settings(**shape).items():
+            consts = {**consts, "USE_G": not args.no_decay}
             rows[name] = {**consts, **resources(fn, consts, warps, stages, args.dtype)}
             r = rows[name]
             print(f"{name:12s} BV={consts.get('BV', '-'):>3} warps={warps} stages={stages}: regs {r['regs']:3d}, "
                   f"stack {r['stack_bytes']:5d} B{' (SPILLS)' if r['stack_bytes'] else ''}, shared {r['shared_bytes']} B, "
-                  f"compiled in {r['compile_s']:.1f} s")
+                  f"{r['instructions']} instructions ({r['exp2']} exp2), compiled in {r['compile_s']:.1f} s")
+    print(f"all: {sum(r['instructions'] for r in rows.values())} SASS instructions, "
+          f"{sum(r['exp2'] for r in rows.values())} exp2")
     if args.output:
         args.output.parent.mkdir(parents=True, exist_ok=True)
         args.output.write_text(json.dumps({"command": " ".join(["python", *sys.argv]), "target": "sm_90",

@@ -544,13 +544,20 @@ def test_cuda_rng_state_is_restored():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_distill_converts_on_the_gpu_as_on_the_cpu(tiny_dir, tmp_path):
+def test_distill_converts_on_the_gpu_as_on_the_cpu(tmp_path):
     """distill converts the student on its device (the capture, the sparse cache's probes and the calibration
-    steps on the GPU): the student at init equals the CPU run's, float32 both."""
+    steps on the GPU): the student at init equals the CPU run's, float32 both. A tiny Llama and a tokenizer
+    trained here: nothing to install on the GPU machine but the wheels."""
+    from conftest import tiny_model, tiny_tokenizer
+
+    tok = tiny_tokenizer(400, 30)
+    model_dir = tmp_path / "tiny"
+    tiny_model("llama", vocab_size=len(tok), num_hidden_layers=2).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
     init = {}
     for device in ("cpu", "cuda"):
         out = tmp_path / device
-        run_recipe(load_recipe(None, overrides(tiny_dir, out, device=device, **{
+        run_recipe(load_recipe(None, overrides(model_dir, out, device=device, **{
             "stages.0.steps": 1, "convert.calibration_steps": 3, "convert.window": 16, "convert.sinks": 2,
             "convert.sparse_cache": 16})))
         init[device] = json.loads((out / "initial_eval.json").read_text())

@@ -17,6 +17,11 @@
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
+#   scripts/device_calls.sh kernels [OPS] [SHAPES] [TESTS]   after 'wheels', carry .carry/fla .carry/pytest: the
+#                                        operators OPS (default "deltanet linear") timed against fla at SHAPES
+#                                        (default the long ones, 2x8192,1x16384,1x32768) into OUT/bench_OP.json, then
+#                                        the GPU tests matching TESTS (a pytest -k expression; default: the decay-free
+#                                        kernels and distill's conversion on the GPU) into OUT/gpu_tests.log
 #   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': the variants of ABLATE_RECIPE
 #                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained into W/aruns/NAME by
 #                                        background scripts/ablate.sh, ABLATE_LANES of them at once (default: one
@@ -189,6 +194,17 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         [ -d .carry/fla ] || die "no .carry/fla here: carry it"
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl
         python3 -c "import fla; print('fla', fla.__version__)" ;;
+    kernels)
+        ops=${2:-deltanet linear} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-without_decay or converts_on_the_gpu}
+        [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl
+        export TRITON_INTERPRET=0
+        [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
+        for op in $ops; do
+            python3 scripts/bench_kernels.py --op "$op" --only "$shapes" --output "$out/bench_$op.json" 2>&1 | tail -n 12
+        done
+        python3 -m pytest -q -p no:cacheprovider -m gpu -k "$tests" tests/ > "$out/gpu_tests.log" 2>&1
+        tail -n 3 "$out/gpu_tests.log" ;;
     gemma-part)
         src=${2:-}
         [ -d "$src" ] && ls "$src"/gguf.part0? >/dev/null 2>&1 || die "no teacher part in '$src': carry .carry/gm1, gm2 …"

@@ -85,6 +85,10 @@ running() {  # PIDFILE: its process is alive
 ablating() {  # a variant of 'ablate' is still training or being measured
     pgrep -f "scripts/ablate.sh .*/aruns" > /dev/null
 }
+cuda_ptxas() {  # the CUDA toolkit's ptxas (12.9 or newer) where there is one: with Triton 3.6's own (12.8) the kda
+    # target's backward falls back to the chunkwise PyTorch form (linearize.ops.triton.kda_bwd)
+    [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
+}
 gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the teacher (the test split where there is one)
     echo "--eval-data $w/ev --corpus $w/corpus_gemma --corpus-split $(bash scripts/recover_smollm2.sh --corpus-split \
 "$w/corpus_gemma") ${GEMMA_EVAL:---limit 500 --batch-size 64 --seq-len 2048 --ppl-tokens 65536 --passkey --passkey-len 2048 --dtype bfloat16}"
@@ -162,9 +166,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         [ $# -ge 1 ] || die "ablate needs at least one NAME=OVERRIDES"
         [ -f "$w/smollm2.gguf" ] && [ -f "$w/corpus/manifest.json" ] || die "run 'wheels', 'teacher' and 'start' first"
         recipe=${ABLATE_RECIPE:-recipes/smollm2-135m-gdn-corpus.yaml}
-        # the CUDA toolkit's ptxas (12.9 or newer) where there is one: with Triton 3.6's own (12.8) the kda
-        # target's backward falls back to the chunkwise PyTorch form (linearize.ops.triton.kda_bwd)
-        [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
+        cuda_ptxas
         eval_opts=$(bash scripts/recover_smollm2.sh --eval-options "$w")  # the recovery runs' and their teacher's
         for spec in "$@"; do [ "${spec#*=}" != "$spec" ] || die "'$spec' is no NAME=OVERRIDES"; done
         # one lane per 40 GiB of GPU memory (a distill run of the recipe holds ~35 GiB, its evaluation at batch 64
@@ -199,7 +201,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl
         export TRITON_INTERPRET=0
-        [ -n "${TRITON_PTXAS_PATH:-}" ] || [ ! -x /usr/local/cuda/bin/ptxas ] || export TRITON_PTXAS_PATH=/usr/local/cuda/bin/ptxas
+        cuda_ptxas
         for op in $ops; do
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" --output "$out/bench_$op.json" 2>&1 | tail -n 12
         done

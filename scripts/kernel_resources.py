@@ -78,10 +78,10 @@ def cubin_resources(c) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(c.asm["cubin"])
         f.flush()
-        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True, check=True).stdout
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+        out = subprocess.run([tool, "--dump-resource-usage", "-sass", f.name], capture_output=True, text=True,
+                             check=True).stdout
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+)", out)
-    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+([A-Z][A-Z0-9_.]*)", sass)  # one per SASS instruction (static count)
+    ops = re.findall(r"/\*[0-9a-f]{4}\*/\s+([A-Z][A-Z0-9_.]*)", out)  # one per SASS instruction (static count)
     return {"regs": int(m[1]), "stack_bytes": int(m[2]), "static_shared": int(m[3]), "shared_bytes": c.metadata.shared,
             "instructions": len(ops), "exp2": sum(op.startswith("MUFU.EX2") for op in ops)}
 

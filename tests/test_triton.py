@@ -313,7 +313,7 @@ def test_triton_rope_equals_transformers_rope(poisoned, B, T, H, D, cos_rows, dt
     assert not rope_usable(xt, cos[..., : D // 2])  # partial rotary: left to transformers
 
 
-def _reference_and_triton(inputs, backend="triton", **kw):
+def _reference_and_backend(inputs, backend="triton", **kw):
     """``{backend: (output, [grads of q, k, v, g, β])}`` of the float64 reference and the fp32 ``backend`` (the
     Triton kernels by default), one random loss on the output."""
     got = {}
@@ -332,7 +332,7 @@ def test_triton_backward_finite_with_strong_decay_in_a_partial_chunk(poisoned):
     cu = torch.tensor([0, 40, 150])  # partial chunks: 40 tokens, then 64 + 46
     q, k, v, _, beta = gdn_inputs(B, T, H, G, K, V, seed=21, dtype=torch.float64)
     g = torch.full((B, T, H), -2.5, dtype=torch.float64)  # 40 tokens at −2.5: cumulative −100, exp(100) = inf
-    got = _reference_and_triton((q, k, v, g, beta), cu_seqlens=cu)
+    got = _reference_and_backend((q, k, v, g, beta), cu_seqlens=cu)
     for name, a, b in zip("q k v g beta".split(), got["triton"][1], got["reference"][1]):
         assert torch.isfinite(a).all(), name
         assert rel(a, b) < 1e-5, (name, rel(a, b))
@@ -358,7 +358,7 @@ def test_chunk_forms_exact_with_huge_log_decays(poisoned, backend, per_channel):
     else:
         g[0, [3, 70, 71, 100], 0] = huge
     g[0, 90, 1] = 10 * G_FLOOR
-    got = _reference_and_triton((q, k, v, g, beta), backend)
+    got = _reference_and_backend((q, k, v, g, beta), backend)
     assert torch.isfinite(got[backend][0]).all() and rel(got[backend][0], got["reference"][0]) < 1e-5
     for name, a, b in zip("q k v g beta".split(), got[backend][1], got["reference"][1]):
         assert torch.isfinite(a).all(), name

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import gated_delta_rule_chunk
-from .common import G_FLOOR, TRITON_MAX_K, check_inputs, wants_grad
+from .common import G_FLOOR, TRITON_MAX_K, check_inputs, compute_dtype, wants_grad
 from .kda import check_kda_inputs, kda_chunk, kda_reference, kda_step
 from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
@@ -105,7 +105,7 @@ def gated_delta_rule(
             fits = q.shape[-1] <= KDA_AUTO_MAX_K and (not grad or backward_compiles(q.dtype, q.device))
         backend = "triton" if fits else "torch"
     if g is None and backend != "triton":  # the PyTorch forms take the zeros the kernels skip
-        g = torch.zeros_like(beta, dtype=torch.float32 if beta.dtype != torch.float64 else beta.dtype)
+        g = torch.zeros_like(beta, dtype=compute_dtype(beta.dtype))
     elif g is not None and backend != "reference":  # the chunkwise forms: see G_FLOOR
         g = g.clamp_min(G_FLOOR)
     if backend == "triton":

@@ -200,12 +200,14 @@ def fmt(r, key, digits=2):
 
 
 def markdown(rows) -> str:
+    ops = len({r.get("op") for r in rows}) > 1  # rows of several operators (a merged file): name each row's
     head = ("| shape | B×T | heads q/kv | ours fwd | ours fwd (graph) | fla fwd | SDPA fwd | ours f+b | fla f+b | SDPA f+b "
             "| fwd vs fla | f+b vs fla | peak ours/fla MiB |")
-    lines = [head, "|" + "---|" * 13]
+    lines = [("| op " if ops else "") + head, "|" + "---|" * (13 + ops)]
     for r in rows:
         f = lambda key, r=r: fmt(r, key)  # noqa: E731
-        lines.append(f"| {r['shape']} | {r['B']}×{r['T']} | {r['q_heads']}/{r['kv_heads']} | {f('ours_fwd_ms')} | "
+        lines.append((f"| {r['op']} " if ops else "") +
+                     f"| {r['shape']} | {r['B']}×{r['T']} | {r['q_heads']}/{r['kv_heads']} | {f('ours_fwd_ms')} | "
                      f"{f('ours_fwd_graph_ms')} | {f('fla_fwd_ms')} | "
                      f"{f('sdpa_fwd_ms')} | {f('ours_fwdbwd_ms')} | {f('fla_fwdbwd_ms')} | {f('sdpa_fwdbwd_ms')} | "
                      f"{f('speedup_fwd_vs_fla')}× | {f('speedup_fwdbwd_vs_fla')}× | "
@@ -217,8 +219,9 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--markdown", type=Path, default=None)
-    p.add_argument("--render", type=Path, default=None,
-                   help="only turn a JSON this script wrote into the markdown table (no GPU needed)")
+    p.add_argument("--render", type=Path, nargs="+", default=None,
+                   help="only turn JSONs this script wrote into one markdown table (no GPU needed); with --output, "
+                        "their rows merged into one JSON (each run's machine and command kept under 'runs')")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
     p.add_argument("--op", choices=("gdn", "linear", "kda", "deltanet"), default="gdn",
@@ -228,8 +231,13 @@ def main():
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
     args = p.parse_args()
     if args.render:
-        md = markdown(json.loads(args.render.read_text())["rows"])
+        runs = [json.loads(path.read_text()) for path in args.render]
+        rows = [row for run in runs for row in run["rows"]]
+        md = markdown(rows)
         print(md)
+        if args.output:
+            args.output.write_text(json.dumps({"runs": [{k: v for k, v in run.items() if k != "rows"} for run in runs],
+                                               "rows": rows}, indent=1) + "\n")
         if args.markdown:
             args.markdown.write_text(md + "\n")
         return

@@ -53,6 +53,35 @@ def test_linear_attention_triton_interpreted_equals_reference(dtype, shape):
     check(dtype, "cpu", *shape)
 
 
+@pytest.mark.parametrize("shape", [SHAPES[1], (1, 130, 2, 2, 32, 16, [0, 17, 17, 81, 130])],
+                         ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
+def test_linear_state_kernel_split_over_key_blocks(monkeypatch, shape):
+    """The forward state kernel with a state's key rows split over programs, as a GPU with more SMs than
+    (sequence, head) pairs × V blocks launches it: output and final state as the float64 reference."""
+    needs_interpreter()
+    from linearize.ops.triton import linear_fwd
+
+    monkeypatch.setattr(linear_fwd, "linear_state_bk", lambda layout, bv, device: 16)
+    check(torch.float32, "cpu", *shape)
+
+
+def test_linear_state_bk_splits_keys_only_while_programs_leave_sms_idle(monkeypatch):
+    """K = V = 128 on a GPU of 132 SMs: one sequence of 16 heads (V blocks of 16: 128 programs) takes K blocks
+    of 64; eight sequences keep whole key rows; off CUDA the rows stay whole."""
+    from linearize.ops.triton import linear_fwd
+    from linearize.ops.triton.layout import Layout
+
+    def layout(B):
+        return Layout(torch.zeros(B, 64, 16, 128), torch.zeros(B, 64, 16, 128), None)
+
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert linear_fwd.linear_state_bk(layout(1), 16, cpu) == 128
+    monkeypatch.setattr(linear_fwd, "sms_for", lambda programs, device: 132)
+    assert linear_fwd.linear_state_bk(layout(1), 16, gpu) == 64
+    assert linear_fwd.linear_state_bk(layout(1), 64, gpu) == 32
+    assert linear_fwd.linear_state_bk(layout(8), 64, gpu) == 128
+
+
 def test_linear_attention_triton_takes_gradients():
     """backend='triton' differentiates through the backward kernels (tests/test_linear_triton_bwd.py checks
     their values); 'auto' off CUDA stays on the chunkwise PyTorch form."""

@@ -1,7 +1,8 @@
 """Triton forward of the decayed linear attention (:mod:`linearize.ops.linear`), chunkwise, two stages:
 
-1. per (V block, sequence × KV head), over the chunks in order — the only sequential part — store the state
-   entering each chunk and carry ``h ← exp(G_C) h + Σ_j exp(G_C − G_j) w_j k_j v_jᵀ`` in float32;
+1. per (V block, K block, sequence × KV head), over the chunks in order — the only sequential part — store
+   the state entering each chunk and carry ``h ← exp(G_C) h + Σ_j exp(G_C − G_j) w_j k_j v_jᵀ`` in float32
+   (no delta rule couples a state's rows, so a program may hold a block of the key channels);
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
@@ -55,10 +56,10 @@ def _linear_state_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
-    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    o_k, o_v, o_r = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
     k += (bos * H + i_h) * K
@@ -124,15 +125,26 @@ def linear_state_bv(layout: Layout, device: torch.device) -> int:
     return state_bv(L.K, L.V, L.ieee, L.N * L.H, sms_for(L.N * L.H, device))
 
 
+def linear_state_bk(layout: Layout, bv: int, device: torch.device) -> int:
+    """K block of the forward state kernel: the whole key row, halved (down to 32) while its programs — V
+    blocks × K blocks × (sequence, head) pairs — would not give every SM of the GPU one (off CUDA: whole)."""
+    L = layout
+    bk, sms = block_k(L.K), sms_for(L.N * L.H, device)
+    while sms is not None and bk > 32 and L.N * L.H * cdiv(L.V, bv) * cdiv(L.K, bk) < sms:
+        bk //= 2
+    return bk
+
+
 def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None) -> None:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
     ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None."""
     L = layout
     BV = linear_state_bv(L, k.device)
-    _linear_state_kernel[(cdiv(L.V, BV), L.N * L.H)](
+    BK = linear_state_bk(L, BV, k.device)
+    _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), L.N * L.H)](
         k, v, g, w, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens, L.chunk_offsets,
-        H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        H=L.H, K=L.K, V=L.V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
         IEEE=L.ieee, num_warps=4)
 
 

@@ -3,6 +3,7 @@
     python scripts/bench_prefill.py --contexts 8192 32768 65536 --batches 1 16 --profile 32768x1 \\
         --output results/bench_prefill.json
     python scripts/bench_prefill.py --sparse-cache 1024 --contexts 32768 --batches 1 16 --profile 32768x16
+    python scripts/bench_prefill.py --fused-front --contexts 32768 --batches 16 --profile 32768x16
 
 Per (context, batch), on the same random prompt, the call a decoder makes before its first token:
 ``model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)`` — for the teacher its
@@ -10,7 +11,9 @@ SDPA attention filling a KV cache, for the converted model the chunkwise GDN ker
 window part) writing the final state. Times are medians of ``--repeats`` calls after one untimed warm-up;
 also peak memory, and the converted model's time as a ratio of the teacher's (``speedup``: > 1 is faster).
 ``--profile CxB`` adds, for that shape, each model's CUDA kernels by total time (torch's profiler, one
-call), so the slow part of a prefill shows by name. Without ``--model``: SmolLM2-135M's architecture
+call), so the slow part of a prefill shows by name. ``--fused-front`` also times the converted model with its
+window blocks' old stream on the fused Triton front (``GDNOptions.fused_front``), as ``converted_fused_front``
+beside the default path, in the same run. Without ``--model``: SmolLM2-135M's architecture
 with random weights (speed does not depend on the weights).
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import gc
 import json
 import statistics
@@ -76,6 +80,8 @@ def main():
                    help="the converted block's sparse cache (slots per KV head; the corpus recipe's is 1024)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton"),
                    help="the converted block's backend: triton also runs the window part through its Triton forward")
+    p.add_argument("--fused-front", action="store_true",
+                   help="also the converted model with fused_front=True (its prefill through the fused Triton front)")
     p.add_argument("--profile", default=None, metavar="CxB", help="also list the kernels of this context x batch")
     p.add_argument("--top", type=int, default=25, help="kernels listed per model with --profile")
     p.add_argument("--output", type=Path, default=None)
@@ -95,6 +101,12 @@ def main():
     calib = torch.randint(0, vocab, (1, 512), device="cuda", generator=torch.Generator(device="cuda").manual_seed(1))
     options = GDNOptions(window=args.window, sinks=args.sinks, sparse_cache=args.sparse_cache, backend=args.backend)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
+    models = {"teacher": teacher, "converted": converted}
+    if args.fused_front:  # the same weights, the old stream's front fused
+        models["converted_fused_front"] = fused = copy.deepcopy(converted)
+        for module in fused.modules():
+            if isinstance(getattr(module, "options", None), GDNOptions):
+                module.options = dataclasses.replace(module.options, fused_front=True)
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",
            "block": options.to_dict(), "repeats": args.repeats, "rows": []}
@@ -104,7 +116,7 @@ def main():
     for context, batch in shapes:
         ids = torch.randint(1, vocab, (batch, context), device="cuda", generator=torch.Generator(device="cuda").manual_seed(0))
         row = {"context": context, "batch": batch}
-        for name, model in (("teacher", teacher), ("converted", converted)):
+        for name, model in models.items():
             gc.collect()
             torch.cuda.empty_cache()
             try:
@@ -113,8 +125,10 @@ def main():
                     row[name]["kernels"] = kernels(model, ids, args.top)
             except torch.OutOfMemoryError:
                 row[name] = {"error": "out of memory"}
-        if "seconds" in row["teacher"] and "seconds" in row["converted"]:
-            row["speedup"] = row["teacher"]["seconds"] / row["converted"]["seconds"]
+        for name in list(models)[1:]:  # "speedup" for the converted model, "speedup_<name>" for another
+            if "seconds" in row["teacher"] and "seconds" in row[name]:
+                key = "speedup" if name == "converted" else f"speedup_{name}"
+                row[key] = row["teacher"]["seconds"] / row[name]["seconds"]
         out["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items()}, default=str)[:2000], flush=True)
         if args.output:  # after every row: a run stopped by a time limit keeps what it measured

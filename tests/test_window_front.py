@@ -167,3 +167,33 @@ def test_recipe_key_fused_front_reaches_every_block(tiny_dir, tmp_path):
         assert blocks and all(b.options.fused_front is True for b in blocks)
     finally:
         cleanup(run)
+
+
+@pytest.mark.parametrize("name", ["gdn", "deltanet", "kda", "conv-gate-cache"])
+def test_prefill_through_the_fused_front_continues_as_the_pytorch_front(name, monkeypatch):
+    """A prompt's prefill into an empty cache takes the fused front (``fused_front=True``) and leaves the state
+    and running sums the PyTorch front leaves: the prompt's logits and those of the decode steps after it
+    match the PyTorch front's, for a prompt longer than window + sinks and for one shorter (no old token)."""
+    from test_convert import incremental_logits
+
+    needs_interpreter()
+    options = GDNOptions(**CASES[name][0], fused_front=False)
+    teacher = tiny_model("llama")
+    model = linearize.convert(copy.deepcopy(teacher), to=options.target, options=options,
+                              calibration_ids=ids(teacher, B=1, T=48, seed=1))
+    calls = []
+    fused_old_stream = block_module.fused_old_stream
+    monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or fused_old_stream(*a))
+    x = ids(model, B=2, T=30)
+    mask, pos = torch.ones_like(x), torch.arange(30)[None].expand(2, -1)
+    for prefill in (22, 3):
+        ref = incremental_logits(model, x, mask, pos, prefill)[0]
+        assert not calls
+        for layer in model.model.layers:
+            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=True)
+        got = incremental_logits(model, x, mask, pos, prefill)[0]
+        assert len(calls) == len(model.model.layers), "the prefill did not take the fused front"
+        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, prefill
+        for layer in model.model.layers:
+            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=False)
+        calls.clear()

@@ -315,7 +315,8 @@ class GDNAttention(nn.Module):
             m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
             beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * m
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
-        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None)
+        # a fresh sequence, or a prompt's prefill into an empty cache (rows: the fused path returns their state)
+        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or h0 is None and cu_seqlens is None)
         old = (fused_old_stream if fused else composed_old_stream)(self, q, inp, beta_factor, gate_factor, cu_seqlens,
                                                                    layer, hidden_states.dtype)
         o = mix_by_mass(o_exact, lse, old.o, q, old.k_mean, old.count, self.mix_bias, old.square_sum)

@@ -26,10 +26,10 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
 
 def fused_window_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, fresh: bool = True) -> bool:
     """Whether the window block's old stream takes the fused Triton front (:mod:`linearize.layers.window_front`):
-    the stable form, Triton usable, no padding mask, on a fresh sequence (training, scoring), without a write
-    gate (the kernels know no write strength) and with the first-order mix (the second order stays on the
-    PyTorch path it is tested on). Only where asked (``fused_front=True``), not by default on CUDA as the pure
-    block's front: 1.10–1.40× the PyTorch front's step time on an H200
+    the stable form, Triton usable, no padding mask, on a fresh sequence (training, scoring, a prompt's prefill
+    into an empty cache), without a write gate (the kernels know no write strength) and with the first-order
+    mix (the second order stays on the PyTorch path it is tested on). Only where asked (``fused_front=True``),
+    not by default on CUDA as the pure block's front: 1.10–1.40× the PyTorch front's step time on an H200
     (``results/bench_distill_variants_window64.json``), but no training run has used it yet."""
     return (bool(options.window) and options.form == "stable" and not options.write_gate and options.mix_order == 1
             and mask is None and fresh and _triton_usable(hidden_states) and options.fused_front is True)

@@ -7,8 +7,8 @@ of its ``S`` sinks — from a document's ``(W + S + 1)``-th token on (``old_ok``
 - :func:`composed_old_stream`: the PyTorch Taylor front with that mask, then the chunk operator (or a
   decode step) — every case: a cache to continue, padding, the seed form, the write gate, the second
   order mix;
-- :func:`fused_old_stream`: a fresh sequence, no mask (training, scoring; :func:`~linearize.layers.paths.
-  fused_window_path`), through the fused Triton front (``ops/triton/front.py``). A masked step leaves the
+- :func:`fused_old_stream`: a fresh sequence, no mask (training, scoring, a prompt's prefill into an empty
+  cache; :func:`~linearize.layers.paths.fused_window_path`), through the fused Triton front (``ops/triton/front.py``). A masked step leaves the
   count, the means and the state where they were, so each document's old stream is the Taylor form of
   its tail after the first ``W + S`` tokens, started fresh. Cut every document there
   (:func:`document_pieces`) and the front and the operator run it unmasked: the tail starts with fresh
@@ -80,9 +80,10 @@ def fused_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: tor
                      gate_factor: torch.Tensor, cu_seqlens=None, layer=None, dtype=None) -> OldStream:
     """A fresh sequence's old stream through the fused front, on every document cut after its first
     ``W + S`` tokens; the rows of a batch (``cu_seqlens`` None) as the documents of one packed row.
-    Arguments as :func:`composed_old_stream` (``layer`` must be None); no state or sums come back."""
-    if layer is not None:
-        raise ValueError("the fused old stream starts a fresh sequence: a cache layer takes composed_old_stream")
+    Arguments as :func:`composed_old_stream`; ``layer``: None, or a cache layer not yet written (a prompt's
+    prefill, rows only), for which each row's state and running sums after its last token come back too."""
+    if layer is not None and (layer.state is not None or cu_seqlens is not None):
+        raise ValueError("the fused old stream starts a fresh sequence: a cache to continue takes composed_old_stream")
     from ..ops.triton.front import taylor_front_triton
 
     B, T = q.shape[:2]
@@ -98,9 +99,27 @@ def fused_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: tor
                          count=flat(count))
     q_old, front = (flat(q), front) if block.decays else fold_decay(flat(q), front)
     cdt = operator_dtype(dtype, q.dtype)
-    o, _ = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g if block.decays else None,
-                            beta=front.beta, cu_seqlens=pieces, backend=block.options.backend, v_offset=front.v_mean)
-    return OldStream(o.view(B, T, *o.shape[2:]), k_mean.view(B, T, *k_mean.shape[2:]), count)
+    o, ht = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g if block.decays else None,
+                             beta=front.beta, cu_seqlens=pieces, backend=block.options.backend, v_offset=front.v_mean,
+                             output_final_state=layer is not None)
+    k_mean = k_mean.view(B, T, *k_mean.shape[2:])
+    out = OldStream(o.view(B, T, *o.shape[2:]), k_mean, count)
+    if layer is not None:
+        out.state, out.sums = rows_final_state(ht, pieces, k_mean, v_mean.view(B, T, *v_mean.shape[2:]), count, q.dtype)
+    return out
+
+
+def rows_final_state(ht: torch.Tensor, pieces: torch.Tensor, k_mean: torch.Tensor, v_mean: torch.Tensor,
+                     count: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, RunningSums]:
+    """Each row's old-stream state and running sums after its last token, from the fused path's per-piece
+    final states ``ht`` (``pieces``: :func:`document_pieces` of the rows): the state of the piece that ends the
+    row, zero where the row has no old token yet (its only piece is the head); ``Σk = k̄·n``, ``Σv = v̄·n``."""
+    B, T = count.shape
+    n = count[:, -1].to(dtype)  # (B,): old tokens written
+    ends = torch.arange(1, B + 1, device=pieces.device) * T
+    state = ht[torch.searchsorted(pieces, ends) - 1] * (n > 0).to(ht.dtype)[:, None, None, None]
+    return state, RunningSums(k=k_mean[:, -1].to(dtype) * n[:, None, None], v=v_mean[:, -1].to(dtype) * n[:, None, None],
+                              count=n)
 
 
 def document_pieces(cu_seqlens: torch.Tensor | None, B: int, T: int, prefix: int, device) -> torch.Tensor:

@@ -2,7 +2,9 @@
 
 1. per (V block, K block, sequence × KV head), over the chunks in order — the only sequential part — store
    the state entering each chunk and carry ``h ← exp(G_C) h + Σ_j exp(G_C − G_j) w_j k_j v_jᵀ`` in float32
-   (no delta rule couples a state's rows, so a program may hold a block of the key channels);
+   (no delta rule couples a state's rows, so a program may hold a block of the key channels); the factors
+   ``exp(G_C)`` and ``w_j exp(G_C − G_j)`` come from a pass over every chunk at once before it, so that the
+   chain over the chunks does no scan of its own;
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
@@ -51,8 +53,21 @@ def pair_decays(g, t0, o_r, m_t, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
+def _linear_gates_kernel(g, w, coef, decay, cu_seqlens, chunk_indices, chunk_offsets, H: tl.constexpr,
+                         BT: tl.constexpr):
+    """Per (chunk, KV head), in parallel: ``coef_j = w_j exp(G_C − G_j)`` of its tokens and ``decay = exp(G_C)``,
+    what :func:`_linear_state_kernel` carries the state with (:func:`chunk_gates`' sums)."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    t0, o_r = i_c * BT, tl.arange(0, BT)
+    _, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
+    tl.store(coef + (bos + t0 + o_r) * H + i_h, b_w * tl.exp(b_tail), mask=o_r < T - t0)
+    tl.store(decay + (boh + i_c) * H + i_h, tl.exp(g_last))
+
+
+@triton.jit
 def _linear_state_kernel(
-    k, v, g, w, hs, h0, ht, cu_seqlens, chunk_offsets,
+    k, v, coef, decay, hs, h0, ht, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
@@ -64,8 +79,8 @@ def _linear_state_kernel(
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
     k += (bos * H + i_h) * K
     v += (bos * H + i_h) * V
-    g += bos * H + i_h
-    w += bos * H + i_h
+    coef += bos * H + i_h
+    decay += boh * H + i_h
     hs += (boh * H + i_h) * K * V
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -74,11 +89,11 @@ def _linear_state_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
-        b_G, b_w, g_last, b_tail = chunk_gates(g, w, t0, o_r, T - t0, H, BT)
+        b_c = tl.load(coef + (t0 + o_r) * H, mask=m_t, other=0.0)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_kw = b_k.to(tl.float32) * (b_w * tl.exp(b_tail))[:, None]  # w_j k_j exp(G_C − G_j)
-        b_h = b_h * tl.exp(g_last) + mm(tl.trans(b_kw), b_v, b_v, IEEE)
+        b_kw = b_k.to(tl.float32) * b_c[:, None]  # w_j k_j exp(G_C − G_j)
+        b_h = b_h * tl.load(decay + i_t * H) + mm(tl.trans(b_kw), b_v, b_v, IEEE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
@@ -140,10 +155,15 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None) -> None:
     chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
     ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None."""
     L = layout
+    coef = torch.empty(L.tokens, L.H, dtype=torch.float32, device=k.device)
+    decay = torch.empty(max(L.NC, 1), L.H, dtype=torch.float32, device=k.device)
+    _linear_gates_kernel[(L.NC, L.H)](g, w, coef, decay, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, H=L.H, BT=BT,
+                                      num_warps=2)
     BV = linear_state_bv(L, k.device)
     BK = linear_state_bk(L, BV, k.device)
     _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), L.N * L.H)](
-        k, v, g, w, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens, L.chunk_offsets,
+        k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
+        L.chunk_offsets,
         H=L.H, K=L.K, V=L.V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
         IEEE=L.ieee, num_warps=4)
 

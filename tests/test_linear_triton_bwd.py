@@ -102,16 +102,21 @@ def test_linear_attention_triton_grads_strong_decay():
 
 def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
     """With few (sequence, head) pairs for the GPU's SMs the state kernels take narrower V blocks than the
-    output kernels (16 of V = 40 here: two full blocks and a masked one, against one block of 64); forced
-    on the interpreter as a 132-SM GPU would pick them, the output, final state and every gradient still
-    match the reference."""
+    output kernels (16 of V = 40 here: two full blocks and a masked one, against one block of 64), and key
+    rows split in two blocks of 32 where K = 64; forced on the interpreter as a 132-SM GPU would pick them,
+    the output, final state and every gradient still match the reference."""
     needs_interpreter()
     from linearize.ops.triton import linear_fwd
+    from linearize.ops.triton.layout import Layout
     from linearize.ops.triton.settings import state_bv
 
     monkeypatch.setattr(linear_fwd, "sms_for", lambda programs, device: 132)
     assert state_bv(16, 40, True, 3 * 2, 132) == 16 and linear_fwd.linear_bv(16, 40) == 64  # 3 documents × 2 heads
-    check(torch.float32, "cpu", 1, 150, 2, 2, 16, 40, [0, 40, 40, 150])
+    cu = [0, 40, 40, 150]
+    layout = Layout(torch.zeros(1, 150, 4, 64), torch.zeros(1, 150, 2, 40), torch.tensor(cu))
+    assert linear_fwd.linear_state_bk(layout, 16, torch.device("cpu")) == 32
+    check(torch.float32, "cpu", 1, 150, 2, 2, 16, 40, cu)
+    check(torch.float32, "cpu", 1, 150, 2, 2, 64, 40, cu)
 
 
 def test_linear_attention_triton_grads_fp16_interpreted():

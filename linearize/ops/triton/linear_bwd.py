@@ -25,8 +25,9 @@ kernels sum the same thing grouped by what ``g_r`` moves — ``exp(G_i)`` for i 
     dg_r = Σ_{i≥r} a_i + Σ_{i≥r>j} M_ij + Σ_{j<r} w_j e_j k_j·(dh₁ v_j) + exp(G_C)⟨dh₁, h₀⟩
     a_i = Σ_g exp(G_i) (h₀ᵀq̃_i)·do_i,   M_ij = Σ_g D_ij w_j (q̃_i·k_j) dS_ij
 
-Kernels: the forward's states again (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, sequence ×
-KV head) stores ``dh₁`` of every chunk and ``dh₀``; ``_dv_kernel`` per (V block, chunk, KV head) and
+Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward's states again
+(``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
+every chunk and ``dh₀``; ``_dv_kernel`` per (V block, chunk, KV head) and
 ``_dqkwg_kernel`` per (chunk, KV head) the rest. Both loop over the G query heads of their KV head, so dk, dv,
 dw and dg are summed over them without atomics. Dots in the input dtype with fp32 accumulation (IEEE fp32
 for fp32 inputs).
@@ -40,7 +41,16 @@ import triton.language as tl
 
 from ..common import cdiv
 from .layout import BT, Layout, chunk_at, sequence_at
-from .linear_fwd import chunk_gates, linear_attention_triton, linear_bv, linear_fwd_h, linear_state_bv, pair_decays
+from .linear_fwd import (
+    chunk_gates,
+    linear_attention_triton,
+    linear_bv,
+    linear_fwd_h,
+    linear_gates,
+    linear_state_bk,
+    linear_state_bv,
+    pair_decays,
+)
 from .settings import block_k
 from .tiles import mm
 
@@ -49,20 +59,21 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 @triton.jit
 def _state_bwd_kernel(
-    q, g, do, dhs, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, qdec, decay, do, dhs, dht, dh0, cu_seqlens, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
 ):
     HQ: tl.constexpr = H * G
-    i_v, i_nh = tl.program_id(0), tl.program_id(1)
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_n, i_h = i_nh // H, i_nh % H
     bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
-    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    o_k, o_v, o_r = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
     q += (bos * HQ + i_h * G) * K
     do += (bos * HQ + i_h * G) * V
-    g += bos * H + i_h
+    qdec += bos * H + i_h
+    decay += boh * H + i_h
     dhs += (boh * H + i_h) * K * V
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -73,10 +84,8 @@ def _state_bwd_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)  # dh₁ of chunk i_t
-        b_g = tl.load(g + (t0 + o_r) * H, mask=m_t, other=0.0).to(tl.float32)
-        b_G = tl.cumsum(b_g, 0)
-        b_dh = b_dh * tl.exp(tl.sum(b_g, 0))
-        gs = tl.exp(b_G) * scale
+        b_dh = b_dh * tl.load(decay + i_t * H)  # exp(G_C)
+        gs = tl.load(qdec + (t0 + o_r) * H, mask=m_t, other=0.0) * scale  # exp(G_r) scale
         for i_g in range(G):
             b_q = tl.load(q + (t0 + o_r)[:, None] * (HQ * K) + i_g * K + o_k[None, :],
                           mask=m_t[:, None] & m_k[None, :], other=0.0)
@@ -207,16 +216,18 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H), shape(dw, H), dh0
     sdt = torch.float32 if ieee else k.dtype
     hs = torch.empty(L.NC, H, K, V, dtype=sdt, device=dev)
-    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0)
+    gates = linear_gates(L, gf, wf, query_decays=True)
+    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, gates=gates)
     dhs = torch.empty(L.NC, H, K, V, dtype=sdt, device=dev)
     dht = dht.contiguous() if dht is not None else None
     BK, BV = block_k(K), linear_bv(K, V)
     c = {"H": H, "G": G, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee,
          "num_stages": 1 if BK > 128 else (2 if ieee else 3)}  # the GDN backward's rule (shared memory)
     SBV = linear_state_bv(L, dev)
-    _state_bwd_kernel[(cdiv(V, SBV), L.N * H)](
-        qf, gf, dof, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, L.cu_seqlens,
-        L.chunk_offsets, float(scale), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BV": SBV},
+    SBK = linear_state_bk(L, SBV, dev)
+    _state_bwd_kernel[(cdiv(V, SBV), cdiv(K, SBK), L.N * H)](
+        qf, gates[2], gates[1], dof, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, L.cu_seqlens,
+        L.chunk_offsets, float(scale), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BK": SBK, "BV": SBV},
         num_warps=4)
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, wf, dof, dhs, dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), **c, num_warps=4)

@@ -53,16 +53,20 @@ def pair_decays(g, t0, o_r, m_t, H: tl.constexpr, BT: tl.constexpr):
 
 
 @triton.jit
-def _linear_gates_kernel(g, w, coef, decay, cu_seqlens, chunk_indices, chunk_offsets, H: tl.constexpr,
-                         BT: tl.constexpr):
+def _linear_gates_kernel(g, w, coef, decay, qdec, cu_seqlens, chunk_indices, chunk_offsets, H: tl.constexpr,
+                         BT: tl.constexpr, QDEC: tl.constexpr):
     """Per (chunk, KV head), in parallel: ``coef_j = w_j exp(G_C − G_j)`` of its tokens and ``decay = exp(G_C)``,
-    what :func:`_linear_state_kernel` carries the state with (:func:`chunk_gates`' sums)."""
+    what :func:`_linear_state_kernel` carries the state with (:func:`chunk_gates`' sums); with ``QDEC`` also
+    ``exp(G_r)`` of its tokens, what the backward's state kernel weighs the queries with."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     t0, o_r = i_c * BT, tl.arange(0, BT)
-    _, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
-    tl.store(coef + (bos + t0 + o_r) * H + i_h, b_w * tl.exp(b_tail), mask=o_r < T - t0)
+    b_G, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
+    rows = (bos + t0 + o_r) * H + i_h
+    tl.store(coef + rows, b_w * tl.exp(b_tail), mask=o_r < T - t0)
     tl.store(decay + (boh + i_c) * H + i_h, tl.exp(g_last))
+    if QDEC:
+        tl.store(qdec + rows, tl.exp(b_G), mask=o_r < T - t0)
 
 
 @triton.jit
@@ -150,15 +154,26 @@ def linear_state_bk(layout: Layout, bv: int, device: torch.device) -> int:
     return bk
 
 
-def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None) -> None:
+def linear_gates(layout: Layout, g, w, query_decays: bool = False) -> tuple:
+    """``(coef [tokens, H], decay [NC, H], qdec [tokens, H] or None)`` in float32 for the sequential state
+    kernels: ``w_j exp(G_C − G_j)``, ``exp(G_C)`` and, with ``query_decays``, ``exp(G_r)``. ``g``, ``w``: flat
+    float32 ``[tokens, H]``."""
+    L = layout
+    coef = torch.empty(L.tokens, L.H, dtype=torch.float32, device=g.device)
+    decay = torch.empty(max(L.NC, 1), L.H, dtype=torch.float32, device=g.device)
+    qdec = torch.empty_like(coef) if query_decays else None
+    _linear_gates_kernel[(L.NC, L.H)](g, w, coef, decay, qdec if query_decays else coef, L.cu_seqlens,
+                                      L.chunk_indices, L.chunk_offsets, H=L.H, BT=BT, QDEC=query_decays, num_warps=2)
+    return coef, decay, qdec
+
+
+def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> None:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
-    ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None."""
+    ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None; ``gates``:
+    :func:`linear_gates` of g and w, if made already."""
     L = layout
-    coef = torch.empty(L.tokens, L.H, dtype=torch.float32, device=k.device)
-    decay = torch.empty(max(L.NC, 1), L.H, dtype=torch.float32, device=k.device)
-    _linear_gates_kernel[(L.NC, L.H)](g, w, coef, decay, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, H=L.H, BT=BT,
-                                      num_warps=2)
+    coef, decay, _ = gates or linear_gates(L, g, w)
     BV = linear_state_bv(L, k.device)
     BK = linear_state_bk(L, BV, k.device)
     _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), L.N * L.H)](

@@ -273,7 +273,10 @@ class GDNAttention(nn.Module):
         if T == 1 and h0 is not None and mask is None and self.options.form == "stable" and self.fused_step:
             return self._step(hidden_states, position_embeddings, None, layer.sums, h0, conv_past, layer.window_buffers,
                               layer.cache_buffers)
-        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
+        # the old stream through the fused front, and RoPE through its Triton pass: a fresh sequence, or a
+        # prompt's prefill into an empty cache (rows: the fused path returns their state)
+        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or h0 is None and cu_seqlens is None)
+        q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q.to(dt) * self.scaling
         flex = layer is None and flex_usable(q)  # a fresh sequence in training on CUDA: one fused kernel
@@ -315,8 +318,6 @@ class GDNAttention(nn.Module):
             m = mask[(...,) + (None,) * (gate_logit.dim() - 2)]  # (B, T, 1) or, per channel, (B, T, 1, 1)
             beta_logit, gate_logit = beta_logit * mask[..., None], gate_logit * m
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
-        # a fresh sequence, or a prompt's prefill into an empty cache (rows: the fused path returns their state)
-        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or h0 is None and cu_seqlens is None)
         old = (fused_old_stream if fused else composed_old_stream)(self, q, inp, beta_factor, gate_factor, cu_seqlens,
                                                                    layer, hidden_states.dtype)
         o = mix_by_mass(o_exact, lse, old.o, q, old.k_mean, old.count, self.mix_bias, old.square_sum)

@@ -25,7 +25,8 @@ def fused_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, init
 
 
 def fused_window_path(options: GDNOptions, hidden_states: torch.Tensor, mask=None, fresh: bool = True) -> bool:
-    """Whether the window block's old stream takes the fused Triton front (:mod:`linearize.layers.window_front`):
+    """Whether the window block's old stream takes the fused Triton front (:mod:`linearize.layers.window_front`),
+    and its RoPE the Triton pass (:mod:`linearize.modules.rope`):
     the stable form, Triton usable, no padding mask, on a fresh sequence (training, scoring, a prompt's prefill
     into an empty cache), without a write gate (the kernels know no write strength) and with the first-order
     mix (the second order stays on the PyTorch path it is tested on). Only where asked (``fused_front=True``),

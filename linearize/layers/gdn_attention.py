@@ -275,7 +275,7 @@ class GDNAttention(nn.Module):
                               layer.cache_buffers)
         # the old stream through the fused front, and RoPE through its Triton pass: a fresh sequence, or a
         # prompt's prefill into an empty cache (rows: the fused path returns their state)
-        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or h0 is None and cu_seqlens is None)
+        fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or (h0 is None and cu_seqlens is None))
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q = q.to(dt) * self.scaling

@@ -8,9 +8,9 @@ of its ``S`` sinks — from a document's ``(W + S + 1)``-th token on (``old_ok``
   decode step) — every case: a cache to continue, padding, the seed form, the write gate, the second
   order mix;
 - :func:`fused_old_stream`: a fresh sequence, no mask (training, scoring, a prompt's prefill into an empty
-  cache; :func:`~linearize.layers.paths.fused_window_path`), through the fused Triton front (``ops/triton/front.py``). A masked step leaves the
-  count, the means and the state where they were, so each document's old stream is the Taylor form of
-  its tail after the first ``W + S`` tokens, started fresh. Cut every document there
+  cache; :func:`~linearize.layers.paths.fused_window_path`), through the fused Triton front
+  (``ops/triton/front.py``). A masked step leaves the count, the means and the state where they were, so
+  each document's old stream is the Taylor form of its tail after the first ``W + S`` tokens, started fresh. Cut every document there
   (:func:`document_pieces`) and the front and the operator run it unmasked: the tail starts with fresh
   means and a fresh state. The head's outputs stand for no old token; its count is 0, where
   :func:`~linearize.ops.window.mix_by_mass` puts all the weight on the exact part (and no gradient on them).

@@ -145,8 +145,9 @@ def linear_state_bv(layout: Layout, device: torch.device) -> int:
 
 
 def linear_state_bk(layout: Layout, bv: int, device: torch.device) -> int:
-    """K block of the forward state kernel: the whole key row, halved (down to 32) while its programs — V
-    blocks × K blocks × (sequence, head) pairs — would not give every SM of the GPU one (off CUDA: whole)."""
+    """K block of the sequential state kernels (forward and backward): the whole key row, halved (down to 32)
+    while their programs — V blocks × K blocks × (sequence, head) pairs — would not give every SM of the GPU
+    one (off CUDA: whole)."""
     L = layout
     bk, sms = block_k(L.K), sms_for(L.N * L.H, device)
     while sms is not None and bk > 32 and L.N * L.H * cdiv(L.V, bv) * cdiv(L.K, bk) < sms:
@@ -178,8 +179,7 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
     BK = linear_state_bk(L, BV, k.device)
     _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), L.N * L.H)](
         k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
-        L.chunk_offsets,
-        H=L.H, K=L.K, V=L.V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
+        L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
         IEEE=L.ieee, num_warps=4)
 
 

@@ -169,23 +169,24 @@ def test_recipe_key_fused_front_reaches_every_block(tiny_dir, tmp_path):
         cleanup(run)
 
 
-@pytest.mark.parametrize("name", ["gdn", "deltanet", "kda", "conv-gate-cache"])
-def test_prefill_through_the_fused_front_continues_as_the_pytorch_front(name, monkeypatch):
+PREFILL_CASES = ["gdn", "deltanet", "kda", "conv-gate-cache"]
+
+
+def check_fused_prefill(name: str, monkeypatch, device: str, tol: float) -> None:
     """A prompt's prefill into an empty cache takes the fused front (``fused_front=True``) and leaves the state
     and running sums the PyTorch front leaves: the prompt's logits and those of the decode steps after it
     match the PyTorch front's, for a prompt longer than window + sinks and for one shorter (no old token)."""
     from test_convert import incremental_logits
 
-    needs_interpreter()
     options = GDNOptions(**CASES[name][0], fused_front=False)
     teacher = tiny_model("llama")
     model = linearize.convert(copy.deepcopy(teacher), to=options.target, options=options,
-                              calibration_ids=ids(teacher, B=1, T=48, seed=1))
+                              calibration_ids=ids(teacher, B=1, T=48, seed=1)).to(device)
     calls = []
     fused_old_stream = block_module.fused_old_stream
     monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or fused_old_stream(*a))
-    x = ids(model, B=2, T=30)
-    mask, pos = torch.ones_like(x), torch.arange(30)[None].expand(2, -1)
+    x = ids(model, B=2, T=30).to(device)
+    mask, pos = torch.ones_like(x), torch.arange(30, device=device)[None].expand(2, -1)
     for prefill in (22, 3):
         ref = incremental_logits(model, x, mask, pos, prefill)[0]
         assert not calls
@@ -193,7 +194,21 @@ def test_prefill_through_the_fused_front_continues_as_the_pytorch_front(name, mo
             layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=True)
         got = incremental_logits(model, x, mask, pos, prefill)[0]
         assert len(calls) == len(model.model.layers), "the prefill did not take the fused front"
-        assert ((got - ref).norm() / ref.norm()).item() < 1e-5, prefill
+        assert ((got - ref).norm() / ref.norm()).item() < tol, prefill
         for layer in model.model.layers:
             layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=False)
         calls.clear()
+
+
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_through_the_fused_front_continues_as_the_pytorch_front(name, monkeypatch):
+    needs_interpreter()
+    check_fused_prefill(name, monkeypatch, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", PREFILL_CASES)
+def test_prefill_through_the_fused_front_on_gpu(name, monkeypatch, compiled):
+    """The same on the compiled kernels in float32 (the decode steps on the GPU's step kernels)."""
+    check_fused_prefill(name, monkeypatch, "cuda", 1e-4)

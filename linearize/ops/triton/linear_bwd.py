@@ -216,7 +216,8 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H), shape(dw, H), dh0
     sdt = torch.float32 if ieee else k.dtype
     hs = torch.empty(L.NC, H, K, V, dtype=sdt, device=dev)
-    gates = linear_gates(L, gf, wf, query_decays=True)
+    gates = linear_gates(L, gf, wf, query_decays=True)  # shared with the states' recomputation
+    _, decay, qdec = gates
     linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, gates=gates)
     dhs = torch.empty(L.NC, H, K, V, dtype=sdt, device=dev)
     dht = dht.contiguous() if dht is not None else None
@@ -226,7 +227,7 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     SBV = linear_state_bv(L, dev)
     SBK = linear_state_bk(L, SBV, dev)
     _state_bwd_kernel[(cdiv(V, SBV), cdiv(K, SBK), L.N * H)](
-        qf, gates[2], gates[1], dof, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, L.cu_seqlens,
+        qf, qdec, decay, dof, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, L.cu_seqlens,
         L.chunk_offsets, float(scale), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BK": SBK, "BV": SBV},
         num_warps=4)
     _dv_kernel[(cdiv(V, BV), L.NC, H)](

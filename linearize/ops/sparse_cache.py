@@ -366,9 +366,9 @@ def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     (:func:`cache_threshold` over its old stream). For a fresh sequence in training on CUDA: one fused kernel
     each way, the selection (no gradient) beside it. Arguments as ``sink_window_flex``, plus ``token_key``
     ``(B, T, H)`` (:func:`token_keys`) and the old stream's ``old_ok`` ``(B, T)``."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    from .window import _flex_attention
+    from .window import _flex_attention, block_mask
 
     B, T, Hq, D = q.shape
     G = Hq // k.shape[2]
@@ -387,7 +387,7 @@ def sink_window_cache_flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ke
     def seen(b, h, t, s):  # a sink or a kept key is seen from past the window on (sinks inside it anyway)
         return (qdoc[b, t] == kdoc[b, s]) & (s <= t) & ((t - s < window) | (rank[b, h // G, s] >= thr_rank[b, h // G, t]))
 
-    mask = create_block_mask(seen, B, Hq, T, T, device=q.device, _compile=compiled)
+    mask = block_mask(seen, B, Hq, T, q.device, compiled)
     dt = k.dtype if k.dtype in (torch.bfloat16, torch.float16) else torch.float32
     fn = _flex_attention() if compiled else flex_attention
     o, lse = fn(q.to(dt).transpose(1, 2), k.to(dt).transpose(1, 2), v.to(dt).transpose(1, 2), block_mask=mask,

@@ -179,8 +179,6 @@ _MASK = {}  # the last block mask: every layer of one forward sees the same docu
 
 
 def _block_mask(key_doc, query_doc, pos, window, sinks, compiled):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     key = (key_doc.shape, window, sinks, str(key_doc.device))
     last = _MASK.get("last")
     if last is not None and last[0] == key and all(torch.equal(a, b) for a, b in zip(last[1], (key_doc, query_doc, pos))):
@@ -190,7 +188,7 @@ def _block_mask(key_doc, query_doc, pos, window, sinks, compiled):
         return (query_doc[b, t] == key_doc[b, s]) & (s <= t) & ((t - s < window) | (pos[b, s] <= sinks))
 
     B, T = query_doc.shape
-    mask = create_block_mask(seen, B, None, T, T, device=query_doc.device, _compile=compiled)
+    mask = block_mask(seen, B, None, T, query_doc.device, compiled)
     _MASK["last"] = (key, (key_doc.clone(), query_doc.clone(), pos.clone()), mask)
     return mask
 
@@ -214,6 +212,17 @@ def window_triton_usable(x: torch.Tensor, backend: str = "auto") -> bool:
     if torch.is_grad_enabled() or backend not in ("auto", "triton"):
         return False
     return _triton_usable(x) and (backend == "triton" or x.is_cuda)
+
+
+def block_mask(mask_mod, B: int, H: int | None, T: int, device: torch.device, compiled: bool):
+    """FlexAttention's block mask of ``mask_mod`` over a T x T grid; ``compiled``: built by ``create_block_mask``
+    compiled once (the dense mask is never materialized; torch now asks for this in place of its ``_compile``)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if compiled and "mask" not in _FLEX:
+        _FLEX["mask"] = torch.compile(create_block_mask)
+    fn = _FLEX["mask"] if compiled else create_block_mask
+    return fn(mask_mod, B, H, T, T, device=device)
 
 
 def _flex_attention():

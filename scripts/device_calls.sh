@@ -104,7 +104,7 @@ gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the tea
 gemma_mmlu() {  # MODEL OUTPUT: MMLU (GEMMA_MMLU=1) as the SmolLM2 runs measure it, in what is left before DEADLINE
     local left='$(( DEADLINE - ($(date +%s) - START) ))'  # one line: the caller runs it with bash -c
     echo "[ \"\${GEMMA_MMLU:-0}\" = 1 ] || exit 0; [ -f $2 ] || [ $left -lt 120 ] || timeout --signal=INT --kill-after=20 \
-\$(( $left - 20 )) python3 -m linearize eval -m $1 $(bash scripts/recover_smollm2.sh --mmlu-options "$w") -o $2"
+\$(( $left - 20 )) python3 -m linearize eval -m $1 $(MMLU_BATCH=16 bash scripts/recover_smollm2.sh --mmlu-options "$w") -o $2"
 }
 gemma_run() {  # NAME OVERRIDES DEADLINE: the Gemma recipe as run NAME under W/gruns, in the background (then MMLU)
     local g=$w/gemma

@@ -45,8 +45,9 @@ corpus_split() {  # DIR: test where the corpus has that split (the runs chose no
     python3 -c "import sys; from linearize.corpus.reader import open_corpus
 print('test' if 'test' in open_corpus(sys.argv[1]).splits else 'heldout')" "$1" 2>/dev/null || echo heldout
 }
-mmlu_options() {  # W: the options of `linearize eval` for MMLU (also the Gemma runs', scripts/device_calls.sh)
-    echo "--teacher none --tasks mmlu --limit 1000 --batch-size 64 --eval-data $1/ev --ppl-tokens 0 --dtype bfloat16"
+mmlu_options() {  # W: the options of `linearize eval` for MMLU (also the Gemma runs', scripts/device_calls.sh, with
+    # MMLU_BATCH=16: Gemma's 262K-token vocabulary at 64 rows a batch ran the teacher out of an H100's memory)
+    echo "--teacher none --tasks mmlu --limit 1000 --batch-size ${MMLU_BATCH:-64} --eval-data $1/ev --ppl-tokens 0 --dtype bfloat16"
 }
 eval_options() {  # W: the options of `linearize eval` after the task data (EVAL_OPTIONS replaces the default)
     echo "--eval-data $1/ev ${EVAL_OPTIONS:---limit 1000 --batch-size 64 --corpus $1/corpus --corpus-split $(corpus_split "$1/corpus") \

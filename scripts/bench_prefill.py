@@ -49,7 +49,7 @@ def prefill(model, ids):
 def measure(model, ids, repeats: int) -> dict:
     prefill(model, ids)  # warm-up: kernels compiled, autotuned
     torch.cuda.reset_peak_memory_stats()
-    times = [timed(lambda: prefill(model, ids)) for _ in range(repeats)]
+    times = [timed(lambda: prefill(model, ids))[0] for _ in range(repeats)]
     s = statistics.median(times)
     return {"seconds": s, "tokens_per_s": ids.numel() / s, "peak_bytes": torch.cuda.max_memory_allocated()}
 

@@ -70,8 +70,8 @@ class MixCapture:
         self.module, self.inner, self.got = ga, ga.mix_by_mass, {}
 
     def __enter__(self):
-        def mix(o_exact, lse, o_old, q, k_mean, n_old, bias=None, square_sum=None):
-            out = self.inner(o_exact, lse, o_old, q, k_mean, n_old, bias, square_sum)
+        def mix(o_exact, lse, o_old, q, k_mean, n_old, bias=None, square_sum=None, backend="auto", out_dtype=None):
+            out = self.inner(o_exact, lse, o_old, q, k_mean, n_old, bias, square_sum, backend, out_dtype)
             one = torch.ones_like(o_old[..., :1], dtype=torch.float64)
             f64 = lambda x: None if x is None else x.double()  # noqa: E731
             w = self.inner(one, lse.double(), 0 * one, q.double(), k_mean.double(), n_old, f64(bias),

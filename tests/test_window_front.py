@@ -212,3 +212,42 @@ def test_prefill_through_the_fused_front_continues_as_the_pytorch_front(name, mo
 def test_prefill_through_the_fused_front_on_gpu(name, monkeypatch, compiled):
     """The same on the compiled kernels in float32 (the decode steps on the GPU's step kernels)."""
     check_fused_prefill(name, monkeypatch, "cuda", 1e-4)
+
+
+def check_lean_prefill(monkeypatch, device: str, dtype: torch.dtype, backend: str, tol: float) -> None:
+    """A 16-bit model's prefill on the fused front with the window and mix kernels (no gradient) keeps q in its
+    dtype from the projection to the mix, and its prompt and decode logits stay those of the same weights in
+    float32 on the PyTorch paths (``backend="torch"``), to the dtype's rounding."""
+    from test_convert import incremental_logits
+
+    import linearize.ops.triton.mix as mix
+
+    options = GDNOptions(window=4, sinks=2, backend=backend, fused_front=True)
+    teacher = tiny_model("llama")
+    model = linearize.convert(copy.deepcopy(teacher), options=options, calibration_ids=ids(teacher, B=1, T=48, seed=1))
+    ref_model = copy.deepcopy(model).to(device)
+    for layer in ref_model.model.layers:
+        layer.self_attn.options = dataclasses.replace(options, backend="torch", fused_front=False)
+    seen = []
+    inner = mix.mix_by_mass_triton
+    monkeypatch.setattr(mix, "mix_by_mass_triton", lambda *a, **k: seen.append(a[3].dtype) or inner(*a, **k))
+    x = ids(model, B=2, T=30).to(device)
+    mask, pos = torch.ones_like(x), torch.arange(30, device=device)[None].expand(2, -1)
+    with torch.no_grad():
+        ref = incremental_logits(ref_model, x, mask, pos, 22)[0]
+        assert not seen
+        got = incremental_logits(model.to(device, dtype), x, mask, pos, 22)[0].float()
+    assert seen[: len(model.model.layers)] == [dtype] * len(model.model.layers), "q left its dtype before the mix"
+    assert ((got - ref).norm() / ref.norm()).item() < tol
+
+
+def test_fp16_prefill_on_the_kernels_reads_q_in_fp16(monkeypatch):
+    needs_interpreter()
+    check_lean_prefill(monkeypatch, "cpu", torch.float16, "triton", 3e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_bf16_prefill_on_the_kernels_reads_q_in_bf16_on_gpu(monkeypatch, compiled):
+    """The same on the compiled kernels in bf16, where ``backend="auto"`` takes them."""
+    check_lean_prefill(monkeypatch, "cuda", torch.bfloat16, "auto", 2e-2)

@@ -278,14 +278,17 @@ class GDNAttention(nn.Module):
         fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or (h0 is None and cu_seqlens is None))
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past=conv_past)
         dt = torch.float64 if q.dtype == torch.float64 else torch.float32
-        q = q.to(dt) * self.scaling
+        C, sparse = self.options.sparse_cache, None
+        # a prefill or scoring on the fused front and the window and mix kernels reads q in the model's dtype at
+        # every step (the kernels cast it so anyway); every other path scales it in float32
+        lean = fused and not C and window_triton_usable(q, self.options.backend)
+        q = q * self.scaling if lean else q.to(dt) * self.scaling
         flex = layer is None and flex_usable(q)  # a fresh sequence in training on CUDA: one fused kernel
         if layer is None:
             inp, buffers = fresh_inputs(k, v, W, S, cu_seqlens, mask, gather_sinks=not flex), None
         else:
             past = layer.window_buffers if h0 is not None else WindowBuffers.empty(k, W, S)
             inp, buffers = cached_inputs(k, v, past, W, S, mask)
-        C, sparse = self.options.sparse_cache, None
         if C:  # each token's selection key, from its position in its document
             token_key = sc.token_keys(hidden_states, self.cache_probe, inp.pos, S)
         if flex and C:
@@ -320,8 +323,9 @@ class GDNAttention(nn.Module):
         beta_factor, gate_factor = correction_factors(beta_logit, gate_logit, dt)
         old = (fused_old_stream if fused else composed_old_stream)(self, q, inp, beta_factor, gate_factor, cu_seqlens,
                                                                    layer, hidden_states.dtype)
-        o = mix_by_mass(o_exact, lse, old.o, q, old.k_mean, old.count, self.mix_bias, old.square_sum)
-        return o.reshape(B, T, -1).to(hidden_states.dtype), old.state, old.sums, tails, buffers, sparse
+        o = mix_by_mass(o_exact, lse, old.o, q, old.k_mean, old.count, self.mix_bias, old.square_sum,
+                        self.options.backend, out_dtype=hidden_states.dtype)
+        return o.reshape(B, T, -1), old.state, old.sums, tails, buffers, sparse
 
     def _attend(self, hidden_states, position_embeddings, mask, initial=None, h0=None, output_final_state=False,
                 cu_seqlens=None, conv_past=None):

@@ -80,32 +80,35 @@ def fused_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: tor
                      gate_factor: torch.Tensor, cu_seqlens=None, layer=None, dtype=None) -> OldStream:
     """A fresh sequence's old stream through the fused front, on every document cut after its first
     ``W + S`` tokens; the rows of a batch (``cu_seqlens`` None) as the documents of one packed row.
-    Arguments as :func:`composed_old_stream`; ``layer``: None, or a cache layer not yet written (a prompt's
-    prefill, rows only), for which each row's state and running sums after its last token come back too."""
+    Arguments as :func:`composed_old_stream`, but q may come in the model's 16-bit dtype (a prefill whose every
+    step reads it so: the front, its ρ and the running sums stay float32); ``layer``: None, or a cache layer
+    not yet written (a prompt's prefill, rows only), for which each row's state and running sums after its
+    last token come back too."""
     if layer is not None and (layer.state is not None or cu_seqlens is not None):
         raise ValueError("the fused old stream starts a fresh sequence: a cache to continue takes composed_old_stream")
     from ..ops.triton.front import taylor_front_triton
 
     B, T = q.shape[:2]
+    ft = torch.float64 if q.dtype == torch.float64 else torch.float32  # the front's dtype
     prefix = block.options.window + block.options.sinks
     pieces = document_pieces(cu_seqlens, B, T, prefix, q.device)
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731  (B, T, ...) → (1, B·T, ...)
-    kh, u, g, beta, v_mean, k_mean = taylor_front_triton(flat(inp.old_k), flat(inp.old_v), block.rho.to(q.dtype),
+    kh, u, g, beta, v_mean, k_mean = taylor_front_triton(flat(inp.old_k), flat(inp.old_v), block.rho.to(ft),
                                                          block.options.beta_max, beta_factor=flat(beta_factor),
                                                          cu_seqlens=pieces, k_mean=True)
     # the old tokens written so far: the old stream writes from position W + S + 1 on (pos counts from 1)
     count = (inp.pos - prefix).clamp_min(0)  # (B, T)
     front = TaylorInputs(k=kh, v=u, g=scale_log_decay(g, flat(gate_factor)), beta=beta, v_mean=v_mean, sums=None,
                          count=flat(count))
-    q_old, front = (flat(q), front) if block.decays else fold_decay(flat(q), front)
-    cdt = operator_dtype(dtype, q.dtype)
+    q_old, front = (flat(q), front) if block.decays else fold_decay(flat(q).to(ft), front)
+    cdt = operator_dtype(dtype, ft)
     o, ht = gated_delta_rule(q=q_old.to(cdt), k=front.k.to(cdt), v=front.v.to(cdt), g=front.g if block.decays else None,
                              beta=front.beta, cu_seqlens=pieces, backend=block.options.backend, v_offset=front.v_mean,
                              output_final_state=layer is not None)
     k_mean = k_mean.view(B, T, *k_mean.shape[2:])
     out = OldStream(o.view(B, T, *o.shape[2:]), k_mean, count)
     if layer is not None:
-        out.state, out.sums = rows_final_state(ht, pieces, k_mean, v_mean.view(B, T, *v_mean.shape[2:]), count, q.dtype)
+        out.state, out.sums = rows_final_state(ht, pieces, k_mean, v_mean.view(B, T, *v_mean.shape[2:]), count, ft)
     return out
 
 

@@ -99,6 +99,8 @@ def mix_by_mass(
     n_old: torch.Tensor,
     bias: torch.Tensor | None = None,
     square_sum: torch.Tensor | None = None,
+    backend: str = "auto",
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``w·o_exact + (1 − w)·o_old`` with ``w = Z_E / (Z_E + Z_O)`` the exact part's share of the mass.
 
@@ -111,7 +113,15 @@ def mix_by_mass(
     (:func:`old_square_sums`); given, the second-order form (the cumulant expansion, exact for Gaussian
     logits) adds half their variance, ``log Z_O ≈ log n_O + mean + ½·var``. A head that picks one token out
     of thousands has a large variance there, where the first-order form puts the old share near 0.
+
+    Returns ``out_dtype`` (default ``lse_exact``'s, in which it computes). Where no gradient is wanted and
+    Triton runs (:func:`window_triton_usable` with ``backend``: a prefill, scoring) one kernel does it all,
+    :func:`linearize.ops.triton.mix.mix_by_mass_triton`.
     """
+    if window_triton_usable(q, backend):
+        from .triton.mix import mix_by_mass_triton
+
+        return mix_by_mass_triton(o_exact, lse_exact, o_old, q, k_mean_old, n_old, bias, square_sum, out_dtype)
     B, T, Hq, D = q.shape
     H = k_mean_old.shape[2]
     acc = lse_exact.dtype
@@ -126,7 +136,8 @@ def mix_by_mass(
         log_z_old = log_z_old + bias.to(acc)
     lse = torch.where(torch.isfinite(lse_exact), lse_exact, torch.zeros_like(lse_exact))
     w = torch.where(has_old, torch.sigmoid(lse - log_z_old), torch.ones_like(lse))[..., None]
-    return w * o_exact.to(acc) + (1 - w) * o_old.to(acc)
+    o = w * o_exact.to(acc) + (1 - w) * o_old.to(acc)
+    return o if out_dtype is None else o.to(out_dtype)
 
 
 def old_square_sums(q: torch.Tensor, old_k: torch.Tensor, old_ok: torch.Tensor, initial: torch.Tensor | None = None,

@@ -50,8 +50,10 @@
 # A run longer than a session's device time goes on in the next session's machine (its newest checkpoint and
 # records travel through this machine, scripts/device_relay.sh):
 #   scripts/device_calls.sh relay-out RUN   the runs stopped, W/runs/RUN packed (its newest checkpoint and records,
-#                                        not model*/ or tensorboard/) in parts of 15 MiB; each call brings back
-#                                        the next four and RUN.sha256 (~27 calls for a SmolLM2 distill checkpoint)
+#                                        not model*/ or tensorboard/; once trained, its model/ instead of the
+#                                        checkpoint, which 'start' then measures) in parts of 15 MiB; each call
+#                                        brings back the next four and RUN.sha256 (~27 calls for a SmolLM2
+#                                        distill checkpoint)
 #   scripts/device_calls.sh relay-in DIR   before 'start', carry DIR (.carry/relay1, relay2 …): its parts; with the
 #                                        last, RUN is checked and unpacked into W/runs, where 'start' resumes it
 # Keep calls coming while waiting (`wait SECONDS`): the machine goes after 30 s without one.
@@ -257,15 +259,20 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         run=${2:?relay-out needs RUN, a folder of W/runs} rel=$w/relay_out
         if [ ! -f "$rel/$run.sha256" ]; then
             ckpt=$(ls "$w/runs/$run"/checkpoints/step_*.pt 2> /dev/null | sort | tail -n 1)  # written whole, renamed
-            [ -n "$ckpt" ] || die "no checkpoint in $w/runs/$run"
+            [ -n "$ckpt" ] || [ -f "$w/runs/$run/model/config.json" ] || die "no checkpoint or model in $w/runs/$run"
             pkill -f "[r]ecover_smollm2.sh"; pkill -f "[s]cripts/ablate.sh"; pkill -INT -f "[l]inearize (distill|eval)"
             for _ in $(seq 1 60); do pgrep -f "[l]inearize (distill|eval)" > /dev/null || break; sleep 1; done
-            ckpt=$(ls "$w/runs/$run"/checkpoints/step_*.pt | sort | tail -n 1)  # one may have come since
+            if [ -f "$w/runs/$run/model/config.json" ]; then  # trained: the model (a sixth of a checkpoint) to measure
+                what="$run/model"  # next time, whose evaluations 'start' then runs ('start' skips a trained run)
+            else
+                ckpt=$(ls "$w/runs/$run"/checkpoints/step_*.pt | sort | tail -n 1)  # one may have come since
+                what="${ckpt#"$w"/runs/}"
+            fi
             mkdir -p "$rel/sent" && (cd "$w/runs" && { find "$run" \( -path "$run/model*" -o -path "$run/tensorboard" \
-                -o -path "$run/checkpoints" \) -prune -o -type f -print; echo "${ckpt#"$w"/runs/}"; } \
-                | tar cf - -T - | split -b 15M -d -a 3 - "$rel/$run.tar.") && (cd "$rel" && sha256sum "$run".tar.* \
-                > "$run.sha256.part" && mv "$run.sha256.part" "$run.sha256") || die "could not pack $w/runs/$run"
-            echo "$run packed from $(basename "$ckpt"): $(wc -l < "$rel/$run.sha256") parts"
+                -o -path "$run/checkpoints" \) -prune -o -type f -print; [ -f "$what" ] && echo "$what" || find "$what" \
+                -type f; } | tar cf - -T - | split -b 15M -d -a 3 - "$rel/$run.tar.") && (cd "$rel" && sha256sum \
+                "$run".tar.* > "$run.sha256.part" && mv "$run.sha256.part" "$run.sha256") || die "could not pack $w/runs/$run"
+            echo "$run packed ($what): $(wc -l < "$rel/$run.sha256") parts"
         fi
         n=0
         for part in "$rel/$run".tar.*; do  # four parts (60 MiB) and the checksums: under a call's 64 MiB back
@@ -283,7 +290,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         mkdir -p "$w/relay_in" "$w/runs" && cp "$src"/* "$w/relay_in"/
         if (cd "$w/relay_in" && sha256sum -c --quiet "$run.sha256" > /dev/null 2>&1); then
             cat "$w/relay_in/$run".tar.* | tar xf - -C "$w/runs" && rm -rf "$w/relay_in" || die "could not unpack $run"
-            echo "$run in $w/runs: $(ls "$w/runs/$run/checkpoints")"
+            echo "$run in $w/runs: $(ls "$w/runs/$run/checkpoints" 2> /dev/null || echo "model/, trained")"
         else
             echo "$(ls "$w/relay_in/$run".tar.* | wc -l) of $(wc -l < "$sums") parts of $run here"
         fi ;;

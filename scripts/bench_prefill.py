@@ -9,7 +9,9 @@ Per (context, batch), on the same random prompt, the call a decoder makes before
 ``model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)`` — for the teacher its
 SDPA attention filling a KV cache, for the converted model the chunkwise GDN kernels (and the exact
 window part) writing the final state. Times are medians of ``--repeats`` calls after one untimed warm-up;
-also peak memory, and the converted model's time as a ratio of the teacher's (``speedup``: > 1 is faster).
+also peak memory, the GPU time inside the attention modules (``attention_seconds``, CUDA events around every
+``self_attn`` in one more call: what the rest of the model costs either way shows as the difference), and the
+converted model's time as a ratio of the teacher's (``speedup``: > 1 is faster).
 ``--profile CxB`` adds, for that shape, each model's CUDA kernels by total time (torch's profiler, one
 call), so the slow part of a prefill shows by name. ``--fused-front`` also times the converted model with its
 window blocks' old stream on the fused Triton front (``GDNOptions.fused_front``), as ``converted_fused_front``
@@ -51,7 +53,40 @@ def measure(model, ids, repeats: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     times = [timed(lambda: prefill(model, ids))[0] for _ in range(repeats)]
     s = statistics.median(times)
-    return {"seconds": s, "tokens_per_s": ids.numel() / s, "peak_bytes": torch.cuda.max_memory_allocated()}
+    return {"seconds": s, "tokens_per_s": ids.numel() / s, "peak_bytes": torch.cuda.max_memory_allocated(),
+            "attention_seconds": attention_seconds(model, ids)}
+
+
+def attention_seconds(model, ids) -> float:
+    """GPU seconds inside the attention modules (every ``self_attn``: projections, RoPE, the attention or
+    the converted block) in one more prefill, between CUDA events recorded around each call (no host sync
+    inside): what a faster attention can save; the rest (MLP, norms, residuals, the head) both models run."""
+    spans = []
+
+    def timed_forward(forward):
+        def run(*args, **kwargs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = forward(*args, **kwargs)
+            end.record()
+            spans.append((start, end))
+            return out
+        return run
+
+    modules = [m for name, m in model.named_modules() if name.endswith("self_attn")]
+    own = [m.__dict__.get("forward") for m in modules]  # a forward set on the instance, kept
+    for m in modules:
+        m.forward = timed_forward(m.forward)
+    try:
+        prefill(model, ids)
+        torch.cuda.synchronize()
+    finally:
+        for m, forward in zip(modules, own):
+            if forward is None:
+                del m.forward  # the class's forward again
+            else:
+                m.forward = forward
+    return sum(a.elapsed_time(b) for a, b in spans) / 1e3
 
 
 def kernels(model, ids, top: int) -> list[dict]:

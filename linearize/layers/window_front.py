@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..ops import gated_delta_rule, gated_delta_rule_step
+from ..ops import compute_dtype, gated_delta_rule, gated_delta_rule_step
 from ..ops.common import LastTensorMemo
 from ..ops.kda import scale_log_decay
 from ..ops.taylor import RunningSums, TaylorInputs, fold_decay, taylor_back, taylor_front
@@ -89,7 +89,7 @@ def fused_old_stream(block, q: torch.Tensor, inp: WindowInputs, beta_factor: tor
     from ..ops.triton.front import taylor_front_triton
 
     B, T = q.shape[:2]
-    ft = torch.float64 if q.dtype == torch.float64 else torch.float32  # the front's dtype
+    ft = compute_dtype(q.dtype)  # the front's dtype
     prefix = block.options.window + block.options.sinks
     pieces = document_pieces(cu_seqlens, B, T, prefix, q.device)
     flat = lambda x: x.reshape(1, B * T, *x.shape[2:])  # noqa: E731  (B, T, ...) → (1, B·T, ...)

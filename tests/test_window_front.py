@@ -111,7 +111,7 @@ def test_fused_window_path_rule():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_fused_window_path_by_default_without_gradients_on_gpu(monkeypatch, compiled):
+def test_fused_window_path_by_default_without_gradients_on_gpu(compiled):
     """On CUDA the default (``fused_front=None``) takes the fused front where no gradient is wanted and the
     PyTorch front where one is: a converted model's logits equal those of the same weights with ``True``
     under ``no_grad`` and those with ``False`` with gradients on, bit for bit."""

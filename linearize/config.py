@@ -42,7 +42,7 @@ class ConvertConfig:
     calibration_tokens: int = 512
     calibration_steps: int = 0  # Adam steps per layer fitting the block's own parameters at convert (linearize.calibration)
     # the Taylor front as Triton kernels (GDNOptions.fused_front): null = on CUDA (the window block's old stream:
-    # only with true), false = the PyTorch front. Changes no result beyond float rounding, only the speed.
+    # where no gradient is wanted), false = the PyTorch front. Changes no result beyond float rounding, only the speed.
     fused_front: bool | None = None
 
 

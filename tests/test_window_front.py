@@ -91,6 +91,9 @@ def test_document_pieces_cut_every_document_after_window_plus_sinks():
     assert document_pieces(cu, 1, 17, 6, "cpu") is document_pieces(cu, 1, 17, 6, "cpu")  # one tensor for every layer
     assert document_pieces(None, 3, 5, 2, "cpu").tolist() == [0, 2, 5, 7, 10, 12, 15]
     assert document_pieces(None, 2, 5, 9, "cpu").tolist() == [0, 5, 10]
+    with torch.inference_mode():  # a prefill under inference mode remembers offsets a training step may save
+        rows, pieces = document_pieces(None, 4, 7, 2, "cpu"), document_pieces(torch.tensor([0, 5, 9]), 1, 9, 2, "cpu")
+    assert not rows.is_inference() and not pieces.is_inference()
 
 
 def test_fused_window_path_rule():
@@ -114,7 +117,8 @@ def test_fused_window_path_rule():
 def test_fused_window_path_by_default_without_gradients_on_gpu(compiled):
     """On CUDA the default (``fused_front=None``) takes the fused front where no gradient is wanted and the
     PyTorch front where one is: a converted model's logits equal those of the same weights with ``True``
-    under ``no_grad`` and those with ``False`` with gradients on, bit for bit."""
+    under ``no_grad`` (scoring without a cache, and a prefill into an empty one) and those with ``False``
+    with gradients on, bit for bit; under ``no_grad`` the two fronts differ, so the comparisons can fail."""
     h = torch.zeros(1, 4, 8, device="cuda")
     with torch.no_grad():
         assert fused_window_path(GDNOptions(window=4), h)
@@ -124,16 +128,17 @@ def test_fused_window_path_by_default_without_gradients_on_gpu(compiled):
                               calibration_ids=ids(teacher, B=1, T=48, seed=1)).to("cuda")
     x = ids(model, B=2, T=40).to("cuda")
 
-    def logits(fused):
+    def logits(fused, use_cache):
         for layer in model.model.layers:
             layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=fused)
-        return model(x).logits
+        return model(x, use_cache=use_cache).logits.detach()
 
-    with torch.no_grad():
-        default, fused = logits(None), logits(True)
-    assert torch.equal(default, fused)
-    assert torch.equal(logits(None).detach(), logits(False).detach())
-    assert not torch.equal(fused, logits(False).detach())  # the two paths differ: the comparison can fail
+    for use_cache in (False, True):
+        with torch.no_grad():
+            default, fused, pytorch = logits(None, use_cache), logits(True, use_cache), logits(False, use_cache)
+        assert torch.equal(default, fused), use_cache
+        assert not torch.equal(fused, pytorch), use_cache
+        assert torch.equal(logits(None, use_cache), logits(False, use_cache)), use_cache
 
 
 @pytest.mark.gpu
@@ -240,6 +245,47 @@ def test_prefill_through_the_fused_front_continues_as_the_pytorch_front(name, mo
 def test_prefill_through_the_fused_front_on_gpu(name, monkeypatch, compiled):
     """The same on the compiled kernels in float32 (the decode steps on the GPU's step kernels)."""
     check_fused_prefill(name, monkeypatch, "cuda", 1e-4)
+
+
+def check_chunked_fused_prefill(name: str, monkeypatch, device: str, tol: float) -> None:
+    """A prompt fed in chunks of 8 (``Decoder(prefill_chunk=8)``'s calls): the first into the empty cache on the
+    fused front, the others continuing its state and running sums on the PyTorch front; every logit as the
+    whole prompt's in one call on the PyTorch front."""
+    from transformers import DynamicCache
+
+    from linearize.compat import cache_kwargs
+
+    options = GDNOptions(**CASES[name][0], fused_front=False)
+    teacher = tiny_model("llama")
+    model = linearize.convert(copy.deepcopy(teacher), to=options.target, options=options,
+                              calibration_ids=ids(teacher, B=1, T=48, seed=1)).to(device)
+    x = ids(model, B=2, T=30).to(device)
+    with torch.no_grad():
+        ref = model(x, use_cache=False).logits
+        for layer in model.model.layers:
+            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=True)
+        calls = []
+        fused_old_stream = block_module.fused_old_stream
+        monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or fused_old_stream(*a))
+        kw = cache_kwargs(DynamicCache(config=model.config))
+        got = torch.cat([model(x[:, i:i + 8], position_ids=torch.arange(i, min(i + 8, 30), device=device)[None].expand(2, -1),
+                               use_cache=True, **kw).logits for i in range(0, 30, 8)], 1)
+    assert len(calls) == len(model.model.layers), "only the first chunk takes the fused front"
+    assert ((got - ref).norm() / ref.norm()).item() < tol
+
+
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_chunked_prefill_continues_the_fused_front(name, monkeypatch):
+    needs_interpreter()
+    check_chunked_fused_prefill(name, monkeypatch, "cpu", 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gdn", "kda"])
+def test_chunked_prefill_continues_the_fused_front_on_gpu(name, monkeypatch, compiled):
+    """The same on the compiled kernels in float32."""
+    check_chunked_fused_prefill(name, monkeypatch, "cuda", 1e-4)
 
 
 def check_lean_prefill(monkeypatch, device: str, dtype: torch.dtype, backend: str, tol: float) -> None:

@@ -129,7 +129,8 @@ def document_pieces(cu_seqlens: torch.Tensor | None, B: int, T: int, prefix: int
     """Offsets ``(N' + 1,)`` of the ``B·T`` flattened tokens with every document cut after its first
     ``prefix`` tokens, empty pieces dropped. ``cu_seqlens`` None: each of the B rows one document.
     Remembered per ``cu_seqlens`` tensor (or shape), so every layer passes the kernels the same tensor and
-    their chunk tables are built once per step.
+    their chunk tables are built once per step; made outside inference mode, so a tensor remembered by a prefill
+    under ``torch.inference_mode()`` can still be saved for a later training step's backward.
 
     Example:
         >>> document_pieces(torch.tensor([0, 3, 10, 12]), 1, 12, 4, "cpu").tolist()
@@ -139,16 +140,18 @@ def document_pieces(cu_seqlens: torch.Tensor | None, B: int, T: int, prefix: int
         key = (B, T, prefix, str(device))
         if key not in _ROWS:
             _ROWS.clear()  # one shape at a time is what training uses
-            _ROWS[key] = _cut(torch.arange(0, (B + 1) * T, T), prefix).to(device)
+            _ROWS[key] = _cut(torch.arange(0, (B + 1) * T, T), prefix, device)
         return _ROWS[key]
-    return _PIECES.get(cu_seqlens, lambda: _cut(cu_seqlens.to("cpu", torch.long), prefix).to(cu_seqlens.device),
-                       key=(prefix,))
+    return _PIECES.get(cu_seqlens, lambda: _cut(cu_seqlens, prefix, cu_seqlens.device), key=(prefix,))
 
 
-def _cut(cu: torch.Tensor, prefix: int) -> torch.Tensor:
-    """``cu`` (host, long) with a cut ``prefix`` tokens into every document (none past its end); sorted, unique."""
-    cuts = torch.minimum(cu[:-1] + prefix, cu[1:])
-    return torch.cat([cu, cuts]).unique(sorted=True)
+def _cut(cu: torch.Tensor, prefix: int, device) -> torch.Tensor:
+    """``cu`` with a cut ``prefix`` tokens into every document (none past its end); sorted, unique, long, on
+    ``device`` (worked out on the host)."""
+    with torch.inference_mode(False):
+        cu = cu.to("cpu", torch.long)
+        cuts = torch.minimum(cu[:-1] + prefix, cu[1:])
+        return torch.cat([cu, cuts]).unique(sorted=True).to(device)
 
 
 _ROWS: dict = {}

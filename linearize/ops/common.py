@@ -158,7 +158,7 @@ class LastTensorMemo:
         self._ref, self._key, self._value = None, None, None
 
     def get(self, t: torch.Tensor, compute, key=()):
-        k = (t._version, key)
+        k = (0 if t.is_inference() else t._version, key)  # an inference-mode tensor keeps no version counter
         if self._ref is None or self._ref() is not t or self._key != k:
             self._value = compute()  # raises before anything is remembered
             self._ref, self._key = weakref.ref(t), k

@@ -56,10 +56,12 @@ def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str 
     the first ``limit`` of each subject).
 
     ``fit_batch`` (default: on a GPU) makes ``batch_size`` an upper bound: lm-eval tries its longest request
-    at that batch and halves the batch until the forward and its log-softmax fit in memory (its
-    ``batch_size="auto"``) — at 64 rows, MMLU's longest prompts with Gemma 3's 262K-token vocabulary
-    took more than an 80 GB GPU. Where the bound fits, the batches are the same as a fixed size's. On a
-    CPU running out of memory is no error to catch, so the size stays as given."""
+    at that batch and lowers the batch (by a tenth a try, accelerate's rule) until the forward and its
+    log-softmax fit in memory (its ``batch_size="auto"``, detected once for the loglikelihood requests every
+    task here makes) — at 64 rows, MMLU's longest prompts with Gemma 3's 262K-token vocabulary took more than
+    an 80 GB GPU. Where the bound fits, the batches are the same as a fixed size's. On a CPU running out of
+    memory is no error to catch, so the size stays as given. Each task's row also gets ``batch_size``, the
+    size its rows were scored at."""
     import datasets
     import lm_eval
     from lm_eval.models.huggingface import HFLM
@@ -90,6 +92,7 @@ def run_tasks(model, tokenizer, tasks, limit: int | None = None, eval_data: str 
             if filt == "none" and isinstance(value, (int, float)):
                 row[metric] = float(value) if math.isfinite(value) else None
         row["n"] = _rows(out, TASKS[t])
+        row["batch_size"] = lm.batch_sizes.get(0, batch_size) if fit else batch_size
         scores[t] = row
     return scores
 

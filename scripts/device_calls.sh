@@ -24,6 +24,11 @@
 #                                        kernel, the prefill through the fused front and the kernels, its default
 #                                        without gradients, the harness's fitted batch) into
 #                                        OUT/gpu_tests.log
+#   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
+#                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')
+#                                        in the background, from a copy of tests/ beside the repo, so that they run
+#                                        beside the training; their log comes back with every step's records
+#                                        (gpu_tests.log; its last line says when they have ended)
 #   scripts/device_calls.sh ablate DEADLINE NAME="OVERRIDES" ...   after 'start': the variants of ABLATE_RECIPE
 #                                        (default recipes/smollm2-135m-gdn-corpus.yaml) trained into W/aruns/NAME by
 #                                        background scripts/ablate.sh, ABLATE_LANES of them at once (default: one
@@ -68,7 +73,7 @@ die() { echo "error: $1 (scripts/device_calls.sh: see its header)" >&2; exit 2; 
 export PYTHONPATH=$site:$repo
 records() {
     [ -x "$repo/scripts/recover_smollm2.sh" ] && bash "$repo/scripts/recover_smollm2.sh" --records "$w" "$out"
-    cp "$w"/recover.log "$out"/ 2>/dev/null
+    cp "$w"/recover.log "$w"/gpu_tests.log "$out"/ 2>/dev/null
     tail -n 3 "$w"/[LH]*.log "$w"/teacher.log "$w"/init.log 2>/dev/null | cut -c1-300
     if [ -d "$w/aruns" ]; then  # the variants of 'ablate'
         pack records_ablate.tgz 'aruns/*/metrics.jsonl aruns/*/recipe.yaml aruns/*/initial_eval.json aruns/*/quality.*
@@ -123,7 +128,21 @@ gemma_training() {  # a Gemma run's ablate.sh (or its MMLU after it) is alive (i
 gemma_running() {  # that, or the teacher's evaluation
     gemma_training || pgrep -f "gemma_teacher" > /dev/null
 }
+# the GPU tests 'kernels' and 'gpu-tests' run unless told others: those of the latest changes to the prefill and
+# evaluation paths (the mix kernel, the fused front's prefill and its default, the harness's fitted batch)
+gpu_tests="mix_triton_gpu or on_the_kernels or fused_front_on_gpu or without_gradients_on_gpu or chunked or fitted_to_memory_on_gpu"
 case ${1:-} in
+    gpu-tests)
+        [ -d "$repo/linearize" ] || die "run 'teacher' first: it copies the repo the tests import"
+        [ -d .carry/pytest ] || die "carry .carry/pytest"
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/pytest/*.whl
+        rm -rf "$repo/tests" && cp -r tests "$repo"/ && cp pyproject.toml "$repo"/
+        cuda_ptxas
+        (cd "$repo" && TRITON_INTERPRET=0 setsid nohup bash -c 'python3 -m pytest -q -p no:cacheprovider \
+            --continue-on-collection-errors -m gpu -k "$0" tests/; echo "== gpu tests ended: exit $?"' "${2:-$gpu_tests}" \
+            > "$w/gpu_tests.log" 2>&1 < /dev/null &)
+        sleep 5
+        tail -n 2 "$w/gpu_tests.log" ;;
     wheels)
         mkdir -p "$w" "$site" && cp .carry/g1/* "$w"/ || die "no .carry/g1 here: carry it"
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/w/*.whl
@@ -208,7 +227,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl
         python3 -c "import fla; print('fla', fla.__version__)" ;;
     kernels)
-        ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-mix_triton_gpu or on_the_kernels or fused_front_on_gpu or without_gradients_on_gpu or fitted_to_memory_on_gpu}
+        ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-$gpu_tests}
         [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl
         export TRITON_INTERPRET=0

@@ -32,8 +32,9 @@ def fused_window_path(options: GDNOptions, hidden_states: torch.Tensor, mask=Non
     mix (the second order stays on the PyTorch path it is tested on). Asked for (``fused_front=True``), or by
     default (None) on CUDA where no gradient is wanted — a prefill or scoring, where it is the faster path
     (32K × 16 tokens: 0.93 s against the PyTorch front's 1.28 s on an H100,
-    ``results/prefill_mix_kernel_32kx16_h100.json``). Training takes it only where asked: there it costs
-    1.10–1.40× the PyTorch front's step time on an H200 (``results/bench_distill_variants_window64.json``)."""
+    ``results/prefill_mix_kernel_32kx16_h100.json``). Training takes it only where asked: faster there too
+    (align steps 0.26 against 0.37 s, distill 0.36 against 0.40 s on an H200,
+    ``results/bench_distill_variants_window64.json``), but no training run has used it yet."""
     want = options.fused_front
     return (bool(options.window) and options.form == "stable" and not options.write_gate and options.mix_order == 1
             and mask is None and fresh and _triton_usable(hidden_states)

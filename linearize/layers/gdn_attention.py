@@ -34,7 +34,7 @@ from torch import nn
 
 from ..compat import attention_cache
 from ..models.adapters import head_counts, project_qkv
-from ..ops import gated_delta_rule, gated_delta_rule_step
+from ..ops import compute_dtype, gated_delta_rule, gated_delta_rule_step
 from ..ops import sparse_cache as sc
 from ..ops.decode import taylor_gdn_step_
 from ..ops.kda import scale_log_decay
@@ -169,7 +169,7 @@ class GDNAttention(nn.Module):
         stay in the model's dtype — the kernels compute in float32 inside and the operator applies the
         softmax scale — so a bf16 model makes no float32 copies of q, k, v; g, β and v̄ are float32."""
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past)
-        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dt = compute_dtype(q.dtype)
         beta_factor, gate_factor = correction_factors(*self._logits(hidden_states), dt)
         if fused:
             from ..ops.taylor import TaylorInputs
@@ -277,7 +277,7 @@ class GDNAttention(nn.Module):
         # prompt's prefill into an empty cache (rows: the fused path returns their state)
         fused = fused_window_path(self.options, hidden_states, mask, fresh=layer is None or (h0 is None and cu_seqlens is None))
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, fused, conv_past=conv_past)
-        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dt = compute_dtype(q.dtype)
         C, sparse = self.options.sparse_cache, None
         # a prefill or scoring on the fused front and the window and mix kernels reads q in the model's dtype at
         # every step (the kernels cast it so anyway); every other path scales it in float32

@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.common import compute_dtype
+
 EPS = 1e-6
 
 
@@ -47,7 +49,7 @@ class OutputGate(nn.Module):
         if x.shape[:-1] != o.shape[:-1] or x.shape[-1] != self.gate_proj.in_features:
             raise ValueError(f"OutputGate: x must be [{o.shape[0]}, {o.shape[1]}, {self.gate_proj.in_features}]"
                              f" (B, T, hidden_size), got {tuple(x.shape)}")
-        acc = torch.float64 if o.dtype == torch.float64 else torch.float32
+        acc = compute_dtype(o.dtype)
         oh = o.to(acc).unflatten(-1, (H, D))  # (B, T, H, D)
         n = oh * torch.rsqrt(oh.pow(2).mean(-1, keepdim=True) + EPS) * self.norm_weight.to(acc)
         y = oh + self.norm_mix.to(acc)[:, None] * (n - oh)  # λ=0: oh exactly

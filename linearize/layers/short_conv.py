@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops.common import compute_dtype
+
 CONV_NAMES = ("q_conv", "k_conv", "v_conv")
 KERNEL_SIZES = range(2, 9)  # GDNOptions.short_conv: 0 (off) or one of these
 
@@ -50,7 +52,7 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, since_start: torch.Tensor
     if past is None:
         past = x.new_zeros(B, K - 1, C)
     full = torch.cat([past.to(x.dtype), x], 1)  # (B, K-1+T, C)
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(x.dtype)
     fa, w = full.to(acc), weight.to(acc)
     y = fa[:, K - 1:] * w[:, K - 1]
     for s in range(1, K):

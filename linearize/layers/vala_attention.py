@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.common import compute_dtype
 from ..ops.linear import linear_attention
 from ..ops.vala import vala_front, vala_step_
 from .gdn_attention import GDNAttention
@@ -46,7 +47,7 @@ class VaLAAttention(GDNAttention):
         ``initial`` sums and ``h0`` state (one token: an in-place step of both)."""
         B, T, _ = hidden_states.shape
         q, k, v, tails = self.project(hidden_states, position_embeddings, mask, cu_seqlens, conv_past=conv_past)
-        dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dt = compute_dtype(q.dtype)
         q, k, v = q.to(dt) * self.scaling, k.to(dt), v.to(dt)
         gate_factor = torch.exp(self.gate_proj(hidden_states).to(dt))  # (B, T, H): 1 at init
         if T == 1 and h0 is not None:  # one decode step: a rank-1 update and a mat-vec per KV head

@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..ops.common import compute_dtype
+
 
 class WriteGate(nn.Module):
     """``exp(w_h · v + b_h)`` per KV head ``h``: ``(B, T, H, D)`` values → ``(B, T, H)`` factors, float32
@@ -26,6 +28,6 @@ class WriteGate(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_kv_heads, dtype=torch.float32, device=device))
 
     def forward(self, v: torch.Tensor) -> torch.Tensor:
-        dt = torch.float64 if v.dtype == torch.float64 else torch.float32
+        dt = compute_dtype(v.dtype)
         logit = torch.einsum("bthd,hd->bth", v.to(dt), self.weight.to(dt)) + self.bias.to(dt)
         return torch.exp(logit)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .chunk import CHUNK
-from .common import time_spans
+from .common import compute_dtype, time_spans
 
 
 def _bwd_one(q, k, v, g, beta, h0, do, dht, chunk):
@@ -133,7 +133,7 @@ def gated_delta_rule_chunk_bwd(q, k, v, g, beta, scale, initial_state, do, dht, 
     in float32 (float64 for float64). Returns ``(dq, dk, dv, dg, dbeta, dh0)``, each in its input's dtype."""
     B, T, Hq, K = q.shape
     H, V = v.shape[2], v.shape[3]
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(q.dtype)
     qs = q.to(dt) * scale
     k_, v_, g_, b_, do_ = (x.to(dt) for x in (k, v, g, beta, do))
     if cu_seqlens is None:  # fold the batch into the head axis, as the forward does

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .common import TRITON_MAX_K
+from .common import TRITON_MAX_K, compute_dtype
 
 _TIE = 1e-14  # far below float32's spacing: it orders equal scores without reordering different ones
 # queries per block of the selection (any size is exact): its work grows as T · (C + block). On a CPU small
@@ -136,7 +136,7 @@ def cache_softmax(q: torch.Tensor, cand_k: torch.Tensor, cand_v: torch.Tensor, c
     B, T, Hq, D = q.shape
     H = cand_k.shape[2]
     G = Hq // H
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(q.dtype)
     ck, cv = (x.to(acc).permute(0, 2, 1, 3) for x in (cand_k, cand_v))  # (B, H, N, D)
     outs, lses = [], []
     for t0, t1, idx, _, kept in _pooled_blocks(cand_key, prior, size, cand_doc, query_doc, block):
@@ -314,7 +314,7 @@ def cache_step_(q: torch.Tensor, old_k: torch.Tensor, old_v: torch.Tensor, old_o
     instead of a selection's sort, and no new buffers: what a captured decode step replays."""
     B, _, Hq, D = q.shape
     H = past.key.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(q.dtype)
     _offer_(past, old_k, old_v, stream_keys(token_key, old_ok, window, past.win_key))  # kept: the filled slots after it
     logits = torch.einsum("bhgd,bphd->bhgp", q[:, 0].to(acc).view(B, H, Hq // H, D), past.k.to(acc))
     logits = logits.masked_fill(~torch.isfinite(past.key).permute(0, 2, 1)[:, :, None, :], float("-inf"))

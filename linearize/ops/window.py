@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .common import compute_dtype
 from .linear import linear_attention
 
 
@@ -57,7 +58,7 @@ def sink_window_softmax(
     if k.shape[1] != W + T or key_doc.shape != (B, W + T) or query_doc.shape != (B, T):
         raise ValueError(f"keys must be the {W} before the first query and one per query: k {tuple(k.shape)}, "
                          f"key_doc {tuple(key_doc.shape)}, query_doc {tuple(query_doc.shape)} for q {tuple(q.shape)}")
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    acc = compute_dtype(q.dtype)
     C = min(T, W)  # queries per block: a decode step (T = 1) scores W + 1 keys, not 2W per padded block
     nb = -(-T // C)  # block b of C queries sees keys [bC, bC + C + W) of the array
     pad = nb * C - T

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import TRITON_MAX_K
+from .common import TRITON_MAX_K, compute_dtype
 from .decode import STEP_BACKENDS, taylor_gdn_step_torch
 from .sparse_cache import CacheBuffers, cache_enter_, masked_softmax, merge_softmax, probe_scores, score_keys
 from .window_inputs import WindowBuffers
@@ -56,7 +56,7 @@ def sink_window_gdn_step_torch(q, k, v, buffers: WindowBuffers, state, sum_k, su
     same contract as :func:`sink_window_gdn_step_`."""
     N, Hq, D = q.shape
     H, W, S, b = k.shape[1], window, sinks, buffers
-    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dt = compute_dtype(q.dtype)
     q = q.to(dt)
     c, r = b.count, b.rows
     # the old stream: slot 0 leaves the window and enters the state when it is real and no sink

@@ -39,6 +39,27 @@ CASES = {  # name: (options, document lengths per row)
 }
 
 
+def converted(options: GDNOptions):
+    """A tiny Llama converted with ``options``, calibrated on the 48 tokens every test here uses."""
+    teacher = tiny_model("llama")
+    return linearize.convert(copy.deepcopy(teacher), to=options.target, options=options,
+                             calibration_ids=ids(teacher, B=1, T=48, seed=1))
+
+
+def set_fused_front(model, fused: bool | None) -> None:
+    """``GDNOptions.fused_front`` of every converted block of ``model``."""
+    for layer in model.model.layers:
+        layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=fused)
+
+
+def count_fused_calls(monkeypatch) -> list:
+    """A list that gets an entry at every call of the block's :func:`fused_old_stream` from now on."""
+    calls = []
+    inner = block_module.fused_old_stream
+    monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or inner(*a))
+    return calls
+
+
 def block_run(gdn, cap, pos, fused: bool, dtype=torch.float32):
     """The block's output on ``cap``'s input and the gradients of a fixed random projection of it."""
     gdn = copy.deepcopy(gdn).to(dtype)
@@ -67,9 +88,7 @@ def test_window_block_fused_old_stream_equals_pytorch_front(name, monkeypatch):
         for n, p in gdn.named_parameters():
             if n.endswith(NEW_PARAMETERS):
                 p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    calls = []
-    fused_old_stream = block_module.fused_old_stream
-    monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or fused_old_stream(*a))
+    calls = count_fused_calls(monkeypatch)
     ref, ref_g = block_run(gdn, cap, pos, fused=False, dtype=torch.float64)
     base, base_g = block_run(gdn, cap, pos, fused=False)
     assert not calls
@@ -123,14 +142,11 @@ def test_fused_window_path_by_default_without_gradients_on_gpu(compiled):
     with torch.no_grad():
         assert fused_window_path(GDNOptions(window=4), h)
     assert not fused_window_path(GDNOptions(window=4), h)
-    teacher = tiny_model("llama")
-    model = linearize.convert(copy.deepcopy(teacher), options=GDNOptions(window=4, sinks=2),
-                              calibration_ids=ids(teacher, B=1, T=48, seed=1)).to("cuda")
+    model = converted(GDNOptions(window=4, sinks=2)).to("cuda")
     x = ids(model, B=2, T=40).to("cuda")
 
     def logits(fused, use_cache):
-        for layer in model.model.layers:
-            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=fused)
+        set_fused_front(model, fused)
         return model(x, use_cache=use_cache).logits.detach()
 
     for use_cache in (False, True):
@@ -211,25 +227,18 @@ def check_fused_prefill(name: str, monkeypatch, device: str, tol: float) -> None
     match the PyTorch front's, for a prompt longer than window + sinks and for one shorter (no old token)."""
     from test_convert import incremental_logits
 
-    options = GDNOptions(**CASES[name][0], fused_front=False)
-    teacher = tiny_model("llama")
-    model = linearize.convert(copy.deepcopy(teacher), to=options.target, options=options,
-                              calibration_ids=ids(teacher, B=1, T=48, seed=1)).to(device)
-    calls = []
-    fused_old_stream = block_module.fused_old_stream
-    monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or fused_old_stream(*a))
+    model = converted(GDNOptions(**CASES[name][0], fused_front=False)).to(device)
+    calls = count_fused_calls(monkeypatch)
     x = ids(model, B=2, T=30).to(device)
     mask, pos = torch.ones_like(x), torch.arange(30, device=device)[None].expand(2, -1)
     for prefill in (22, 3):
         ref = incremental_logits(model, x, mask, pos, prefill)[0]
         assert not calls
-        for layer in model.model.layers:
-            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=True)
+        set_fused_front(model, True)
         got = incremental_logits(model, x, mask, pos, prefill)[0]
         assert len(calls) == len(model.model.layers), "the prefill did not take the fused front"
         assert ((got - ref).norm() / ref.norm()).item() < tol, prefill
-        for layer in model.model.layers:
-            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=False)
+        set_fused_front(model, False)
         calls.clear()
 
 
@@ -255,18 +264,12 @@ def check_chunked_fused_prefill(name: str, monkeypatch, device: str, tol: float)
 
     from linearize.compat import cache_kwargs
 
-    options = GDNOptions(**CASES[name][0], fused_front=False)
-    teacher = tiny_model("llama")
-    model = linearize.convert(copy.deepcopy(teacher), to=options.target, options=options,
-                              calibration_ids=ids(teacher, B=1, T=48, seed=1)).to(device)
+    model = converted(GDNOptions(**CASES[name][0], fused_front=False)).to(device)
     x = ids(model, B=2, T=30).to(device)
     with torch.no_grad():
         ref = model(x, use_cache=False).logits
-        for layer in model.model.layers:
-            layer.self_attn.options = dataclasses.replace(layer.self_attn.options, fused_front=True)
-        calls = []
-        fused_old_stream = block_module.fused_old_stream
-        monkeypatch.setattr(block_module, "fused_old_stream", lambda *a: calls.append(1) or fused_old_stream(*a))
+        set_fused_front(model, True)
+        calls = count_fused_calls(monkeypatch)
         kw = cache_kwargs(DynamicCache(config=model.config))
         got = torch.cat([model(x[:, i:i + 8], position_ids=torch.arange(i, min(i + 8, 30), device=device)[None].expand(2, -1),
                                use_cache=True, **kw).logits for i in range(0, 30, 8)], 1)
@@ -297,8 +300,7 @@ def check_lean_prefill(monkeypatch, device: str, dtype: torch.dtype, backend: st
     import linearize.ops.triton.mix as mix
 
     options = GDNOptions(window=4, sinks=2, backend=backend, fused_front=True)
-    teacher = tiny_model("llama")
-    model = linearize.convert(copy.deepcopy(teacher), options=options, calibration_ids=ids(teacher, B=1, T=48, seed=1))
+    model = converted(options)
     ref_model = copy.deepcopy(model).to(device)
     for layer in ref_model.model.layers:
         layer.self_attn.options = dataclasses.replace(options, backend="torch", fused_front=False)

@@ -2,7 +2,8 @@
 # Prepare what a GPU machine without a network needs, in parts of at most ~60 MB (a call carries 64 MiB):
 #   .whl/          the Python packages it lacks (lm-eval and its pure-Python needs), and split out of it so that
 #                  each part fits beside a teacher part: .carry/w (datasets, omegaconf, gguf: what training
-#                  needs) and .carry/fla (flash-linear-attention, the kernel benchmarks' anchor)
+#                  needs), .carry/fla (flash-linear-attention, the kernel benchmarks' anchor) and .carry/pytest
+#                  (the GPU tests)
 #   .carry/g1, g2  the SmolLM2-135M GGUF teacher split in two
 #   .carry/corpus  a subset of a built corpus (linearize data subset), TRAIN_TOKENS training tokens; above
 #                  ~25M, its other training shards in .carry/corpus_2, _3 … ('corpus-part' carries each)
@@ -27,17 +28,21 @@ wheels() {  # the versions installed here, for the device's Python 3.12
     # flash-linear-attention, the kernels' anchor in scripts/bench_kernels.py (pure Python, 1.5 MB)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
+    # pytest, for the GPU tests ('kernels', 'gpu-tests')
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+        --platform manylinux_2_28_x86_64 -d .whl $(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(pytest|pluggy|iniconfig)==')
 }
 split_wheels() {  # .carry/w and .carry/fla out of .whl (scripts/device_calls.sh: 'wheels', 'fla')
-    rm -rf .carry/w .carry/fla && mkdir -p .carry/w .carry/fla
+    rm -rf .carry/w .carry/fla .carry/pytest && mkdir -p .carry/w .carry/fla .carry/pytest
     mv .whl/datasets-* .whl/dill-* .whl/multiprocess-* .whl/omegaconf-* .whl/gguf-* .carry/w/
     mv .whl/flash_linear_attention-* .whl/fla_core-* .whl/einops-* .carry/fla/
+    mv .whl/pytest-* .whl/pluggy-* .whl/iniconfig-* .carry/pytest/
 }
 if [ "$wheels_only" = 1 ]; then
     cd "$(git rev-parse --show-toplevel)"
     grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
     grep -qx '/.carry/' .git/info/exclude 2>/dev/null || echo '/.carry/' >> .git/info/exclude
-    wheels && split_wheels && du -sh .whl .carry/w .carry/fla | sed 's/^/  /' && exit 0
+    wheels && split_wheels && du -sh .whl .carry/w .carry/fla .carry/pytest | sed 's/^/  /' && exit 0
 fi
 [ $# -ge 1 ] || { echo "error: CORPUS_DIR is missing ($usage)" >&2; exit 2; }
 corpus=$1 tokens=${2:-7M}

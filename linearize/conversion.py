@@ -254,8 +254,11 @@ def convert(
     model.config = new_config
     for layer in decoder_layers(model):  # modules keep a reference to the config they were built with
         layer.self_attn.config = new_config
-    # same modules and weights, new behaviour: a subclass that only adds the GDN swap in __init__
+    # same modules and weights, new behaviour: a subclass that adds the GDN swap (and the fused norms) in __init__
     model.__class__ = lm_cls
+    from .modules.norm import fuse_norms
+
+    fuse_norms(model)
     return model
 
 
@@ -281,6 +284,9 @@ def linearized_classes(f: Family) -> tuple[type, type]:
         base_lm.__init__(self, config)
         spec = getattr(config, "linearize", None) or {}
         swap_attention(self, spec.get("gdn_layers", []), spec.get("options", {}))
+        from .modules.norm import fuse_norms
+
+        fuse_norms(self)  # RMSNorm in one Triton pass where no gradient is wanted on CUDA (modules/norm.py)
 
     def generate(self, inputs=None, **kwargs):
         """transformers' ``generate()``; on CUDA, for a model whose every layer is GDN and a plain call

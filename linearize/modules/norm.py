@@ -100,14 +100,15 @@ def norm_form(module: torch.nn.Module) -> str | None:
     return None
 
 
-def _fused_forward(self, x):
-    if x.is_cuda and x.dtype in DTYPES and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+def _fused_forward(self, x, *args, **kwargs):
+    if (not args and not kwargs and x.is_cuda and x.dtype in DTYPES and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):
         form = self._fused_form
         if form is None and not torch.cuda.is_current_stream_capturing():  # first use: what does it compute?
             form = self._fused_form = norm_form(self) or False
         if form:
             return rms_norm_triton(x, self.weight, _eps(self), gemma=form == "gemma")
-    return type(self).forward(self, x)
+    return type(self).forward(self, x, *args, **kwargs)
 
 
 def _candidate(module: torch.nn.Module) -> bool:

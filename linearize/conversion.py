@@ -254,12 +254,21 @@ def convert(
     model.config = new_config
     for layer in decoder_layers(model):  # modules keep a reference to the config they were built with
         layer.self_attn.config = new_config
-    # same modules and weights, new behaviour: a subclass that adds the GDN swap (and the fused norms) in __init__
+    # same modules and weights, new behaviour: a subclass that adds the GDN swap (and the fused kernels) in __init__
     model.__class__ = lm_cls
+    fuse_inference_kernels(model)
+    return model
+
+
+def fuse_inference_kernels(model) -> None:
+    """A converted model's RMSNorms and SiLU-gated MLPs on their one-pass Triton kernels where no gradient is
+    wanted on CUDA (:mod:`linearize.modules.norm`, :mod:`linearize.modules.swiglu`); training and the CPU keep
+    the modules' own forwards. ``convert`` and the converted classes' ``__init__`` call it."""
     from .modules.norm import fuse_norms
+    from .modules.swiglu import fuse_mlps
 
     fuse_norms(model)
-    return model
+    fuse_mlps(model)
 
 
 def _teacher_classes(f: Family):
@@ -284,9 +293,7 @@ def linearized_classes(f: Family) -> tuple[type, type]:
         base_lm.__init__(self, config)
         spec = getattr(config, "linearize", None) or {}
         swap_attention(self, spec.get("gdn_layers", []), spec.get("options", {}))
-        from .modules.norm import fuse_norms
-
-        fuse_norms(self)  # RMSNorm in one Triton pass where no gradient is wanted on CUDA (modules/norm.py)
+        fuse_inference_kernels(self)
 
     def generate(self, inputs=None, **kwargs):
         """transformers' ``generate()``; on CUDA, for a model whose every layer is GDN and a plain call

@@ -12,9 +12,10 @@ window part) writing the final state. Times are medians of ``--repeats`` calls a
 also peak memory, the GPU time inside the attention modules (``attention_seconds``, CUDA events around every
 ``self_attn`` in one more call: what the rest of the model costs either way shows as the difference), and the
 converted model's time as a ratio of the teacher's (``speedup``: > 1 is faster).
-A converted model's RMSNorms run as one Triton pass each on CUDA without gradients
-(:mod:`linearize.modules.norm`; the teacher's as transformers computes them); ``--norms`` also times the
-teacher with that kernel and the converted model without it, so each model's share of it shows.
+A converted model's RMSNorms and SiLU-gated MLPs run one Triton pass each on CUDA without gradients
+(:mod:`linearize.modules.norm`, :mod:`linearize.modules.swiglu`; the teacher's as transformers computes them);
+``--fused-modules`` also times the teacher with those kernels and the converted model without them, so each
+model's share of them shows (``speedup_vs_teacher_fused_modules``: like against like).
 ``--profile CxB`` adds, for that shape, each model's CUDA kernels by total time (torch's profiler, one
 call), so the slow part of a prefill shows by name. A converted model's window blocks read a prompt through the
 fused Triton front by default on CUDA (``GDNOptions.fused_front``); ``--pytorch-front`` also times the same
@@ -122,9 +123,9 @@ def main():
                    help="the converted block's backend: triton also runs the window part through its Triton forward")
     p.add_argument("--pytorch-front", action="store_true",
                    help="also the converted model with fused_front=False (its prefill through the PyTorch front)")
-    p.add_argument("--norms", action="store_true",
-                   help="also the teacher with the converted model's fused RMSNorm (teacher_fused_norms) and the "
-                        "converted model without it (converted_unfused_norms): what the norms' kernel gives each")
+    p.add_argument("--fused-modules", action="store_true",
+                   help="also the teacher with the converted model's fused RMSNorm and gated-MLP kernels "
+                        "(teacher_fused_modules) and the converted model without them (converted_unfused_modules)")
     p.add_argument("--profile", default=None, metavar="CxB", help="also list the kernels of this context x batch")
     p.add_argument("--top", type=int, default=25, help="kernels listed per model with --profile")
     p.add_argument("--output", type=Path, default=None)
@@ -150,13 +151,16 @@ def main():
         for module in other.modules():
             if isinstance(getattr(module, "options", None), GDNOptions):
                 module.options = dataclasses.replace(module.options, fused_front=False)
-    if args.norms:  # the RMSNorm kernel alone, on each model (a converted model takes it by default)
-        from linearize.modules.norm import fuse_norms, unfuse_norms
+    if args.fused_modules:  # the norms' and MLPs' kernels alone, on each model (a converted model has them)
+        from linearize.conversion import fuse_inference_kernels
+        from linearize.modules.norm import unfuse_norms
+        from linearize.modules.swiglu import unfuse_mlps
 
-        models["teacher_fused_norms"] = copy.deepcopy(teacher)
-        fuse_norms(models["teacher_fused_norms"])
-        models["converted_unfused_norms"] = copy.deepcopy(converted)
-        unfuse_norms(models["converted_unfused_norms"])
+        models["teacher_fused_modules"] = copy.deepcopy(teacher)
+        fuse_inference_kernels(models["teacher_fused_modules"])
+        models["converted_unfused_modules"] = other = copy.deepcopy(converted)
+        unfuse_norms(other)
+        unfuse_mlps(other)
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",
            "block": options.to_dict(), "repeats": args.repeats, "rows": []}
@@ -179,9 +183,9 @@ def main():
             if "seconds" in row["teacher"] and "seconds" in row[name]:
                 key = "speedup" if name == "converted" else f"speedup_{name}"
                 row[key] = row["teacher"]["seconds"] / row[name]["seconds"]
-        both = row.get("teacher_fused_norms", {}), row.get("converted", {})
-        if all("seconds" in r for r in both):  # like against like: both models with the norms' kernel
-            row["speedup_vs_teacher_fused_norms"] = both[0]["seconds"] / both[1]["seconds"]
+        both = row.get("teacher_fused_modules", {}), row.get("converted", {})
+        if all("seconds" in r for r in both):  # like against like: both models with the fused modules
+            row["speedup_vs_teacher_fused_modules"] = both[0]["seconds"] / both[1]["seconds"]
         out["rows"].append(row)
         print(json.dumps({k: v for k, v in row.items()}, default=str)[:2000], flush=True)
         if args.output:  # after every row: a run stopped by a time limit keeps what it measured

@@ -10,7 +10,7 @@ import torch
 from _poison import poisoned_outputs
 from conftest import needs_interpreter, tiny_model
 
-from linearize.modules.norm import fuse_norms, norm_form, rms_norm_triton, unfuse_norms
+from linearize.modules.norm import KEY, fuse_norms, norm_form, rms_norm_triton, unfuse_norms
 
 
 def reference(x, w, eps, form):
@@ -84,11 +84,11 @@ def test_fuse_norms_recognizes_every_family(family):
         before = model(ids).logits
         n = fuse_norms(model)
         after = model(ids).logits
-    assert n >= len(norms) and all(hasattr(m, "_fused_form") for m in norms)
+    assert n >= len(norms) and all(hasattr(m, KEY) for m in norms)
     assert torch.equal(before, after)  # the CPU takes the module's own forward
     assert fuse_norms(model) == n  # again: the same modules, not fused twice
     fused = copy.deepcopy(model)  # each copy's forward is bound to the copy
-    assert all(m.forward.__self__ is m for m in fused.modules() if hasattr(m, "_fused_form"))
+    assert all(m.forward.__self__ is m for m in fused.modules() if hasattr(m, KEY))
     assert unfuse_norms(model) == n and not any("forward" in m.__dict__ for m in norms)
 
 
@@ -114,7 +114,7 @@ def test_fused_norms_on_gpu(family):
     ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)).to("cuda")
     with torch.no_grad():
         want, got = model(ids).logits.float(), fused(ids).logits.float()
-    forms = {m._fused_form for m in fused.modules() if type(m).__name__.endswith("RMSNorm")}
+    forms = {getattr(m, KEY) for m in fused.modules() if type(m).__name__.endswith("RMSNorm")}
     assert forms == {"gemma" if family == "gemma3_text" else "llama"}
     assert ((got - want).norm() / want.norm()).item() < 1e-2
     assert torch.equal(model(ids).logits, fused(ids).logits)  # gradients on: the module's own forward

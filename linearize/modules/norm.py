@@ -15,22 +15,21 @@ computes, in the same order of roundings:
 (``round``: to the input's dtype). Only the mean's order of summation differs from PyTorch's reduction, so an
 output can differ from the module's by the rounding of one float32 reciprocal square root.
 
-:func:`fuse_norms` puts it on a model: every RMSNorm module whose forward it recognizes — checked by computing
-both formulas against the module on a random input at its first such call, not by its class's name — takes
-the kernel where its input is on CUDA and no gradient is wanted (a prefill, scoring, decoding, the held-out
-evaluation in training); elsewhere (training, the CPU, float64, inside ``torch.compile``) the module's own
-forward runs. ``tests/test_norm.py`` checks it under ``TRITON_INTERPRET=1`` against float64.
+:func:`fuse_norms` puts it on a model (:mod:`.patch`): every RMSNorm module whose forward it recognizes —
+checked by computing both formulas against the module on a random input at its first such call, not by its
+class's name — takes the kernel where its input is on CUDA and no gradient is wanted (a prefill, scoring,
+decoding, the held-out evaluation in training); elsewhere (training, the CPU, float64, inside
+``torch.compile``) the module's own forward runs. ``tests/test_norm.py`` checks it under ``TRITON_INTERPRET=1`` against float64.
 """
 
 from __future__ import annotations
-
-import types
 
 import torch
 import triton
 import triton.language as tl
 
 from ..ops.common import cdiv, next_pow2
+from .patch import fuse, recognized, unfuse, wanted
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -101,12 +100,12 @@ def norm_form(module: torch.nn.Module) -> str | None:
     return None
 
 
+KEY = "_fused_norm"  # the instance attribute fuse_norms marks a module with: its form, once recognized
+
+
 def _fused_forward(self, x, *args, **kwargs):
-    if (not args and not kwargs and x.is_cuda and x.dtype in DTYPES and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()):
-        form = self._fused_form
-        if form is None and not torch.cuda.is_current_stream_capturing():  # first use: what does it compute?
-            form = self._fused_form = norm_form(self) or False
+    if not args and not kwargs and x.dtype in DTYPES and wanted(x):
+        form = recognized(self, KEY, norm_form)
         if form:
             return rms_norm_triton(x, self.weight, _eps(self), gemma=form == "gemma")
     return type(self).forward(self, x, *args, **kwargs)
@@ -119,27 +118,12 @@ def _candidate(module: torch.nn.Module) -> bool:
 
 def fuse_norms(model: torch.nn.Module) -> int:
     """Give every module of ``model`` that may be an RMSNorm (a 1-D weight and an ``eps`` or
-    ``variance_epsilon``) the fused forward, on its instance (the class and the weights untouched;
-    :func:`unfuse_norms` takes it off). What each computes is checked at its first call on CUDA without
-    gradients (:func:`norm_form`, outside a CUDA graph's capture: a model built on the meta device and loaded
-    later is checked on its weights); one that is neither form keeps its own forward. Returns how many modules
-    took it."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "_fused_form"):
-            n += 1
-        elif "forward" not in module.__dict__ and _candidate(module):  # a forward of its own (hooks, compiled): left
-            module._fused_form = None
-            module.forward = types.MethodType(_fused_forward, module)
-            n += 1
-    return n
+    ``variance_epsilon``) the fused forward, on its instance (:mod:`.patch`; :func:`unfuse_norms` takes it
+    off). What each computes is checked at its first call on CUDA without gradients (:func:`norm_form`); one
+    that is neither form keeps its own forward. Returns how many modules took it."""
+    return fuse(model, KEY, _candidate, _fused_forward)
 
 
 def unfuse_norms(model: torch.nn.Module) -> int:
     """Take :func:`fuse_norms` off again; returns how many modules."""
-    n = 0
-    for module in model.modules():
-        if hasattr(module, "_fused_form"):
-            del module.forward, module._fused_form
-            n += 1
-    return n
+    return unfuse(model, KEY)

@@ -1,0 +1,58 @@
+"""Putting an inference kernel on a model's own modules: a forward set on each instance (the class, the
+weights and the state dict untouched), which takes the kernel where it applies and the module's own forward
+elsewhere, and which learns what the module computes at its first call rather than from its class's name.
+
+Used by :mod:`.norm` (RMSNorm) and :mod:`.swiglu` (the gated MLP's activation). A kernel applies on CUDA where
+no gradient is wanted (a prefill, scoring, decoding, the held-out evaluation during training) and outside
+``torch.compile`` (which fuses the module's own forward itself); training and the CPU keep the module's
+forward. The first such call checks the module against the kernel's formula (:func:`recognized`), outside a
+CUDA graph's capture, so a model built on the meta device and loaded later is checked on its weights.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+
+def wanted(x: torch.Tensor) -> bool:
+    """Whether an inference kernel may take this call: on CUDA, no gradient, not inside ``torch.compile``."""
+    return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+
+def recognized(module: torch.nn.Module, key: str, recognize: Callable[[torch.nn.Module], object]):
+    """The module's form under ``key``: ``recognize(module)`` at the first call outside a CUDA graph's capture,
+    then remembered (False where it computes none of the kernel's forms; None while not yet known)."""
+    form = getattr(module, key)
+    if form is None and not torch.cuda.is_current_stream_capturing():
+        form = recognize(module) or False
+        setattr(module, key, form)
+    return form
+
+
+def fuse(model: torch.nn.Module, key: str, candidate: Callable[[torch.nn.Module], bool], forward) -> int:
+    """Set ``forward`` (a function of ``(module, *args, **kwargs)``) on every module of ``model`` that
+    ``candidate`` accepts and that has no forward of its own on its instance (a hook's, a compiled one's),
+    marked ``key`` (None: not yet recognized). Idempotent; returns how many modules carry it."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, key):
+            n += 1
+        elif "forward" not in module.__dict__ and candidate(module):
+            setattr(module, key, None)
+            module.forward = types.MethodType(forward, module)
+            n += 1
+    return n
+
+
+def unfuse(model: torch.nn.Module, key: str) -> int:
+    """Take :func:`fuse`'s forward marked ``key`` off again; returns how many modules."""
+    n = 0
+    for module in model.modules():
+        if hasattr(module, key):
+            del module.forward
+            delattr(module, key)
+            n += 1
+    return n

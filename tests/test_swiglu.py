@@ -1,0 +1,85 @@
+"""The fused gated-MLP activation (``linearize/modules/swiglu.py``): the kernel under TRITON_INTERPRET=1 against
+float64 and against the module's own activation and product, what :func:`fuse_mlps` recognizes, and where a
+fused model takes it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from _poison import poisoned_outputs
+from conftest import needs_interpreter, tiny_model
+
+from linearize.modules.swiglu import KEY, fuse_mlps, mlp_form, silu_mul_triton, unfuse_mlps
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", [(5, 1536), (2, 3, 100), (4099,)])
+def test_silu_mul_kernel_against_float64_and_torch(dtype, shape, device="cpu"):
+    """Every element written (outputs NaN-poisoned; 4,099 elements: a partial last block), float32 to 1e-6 of
+    float64, and in 16 bits no farther from float64 than PyTorch's ``silu(g) * u`` in that dtype, plus one
+    rounding. (bf16 on the GPU only: the interpreter truncates to bf16 where the GPU rounds.)"""
+    if device == "cpu":
+        needs_interpreter()
+    gen = torch.Generator().manual_seed(len(shape))
+    g, u = ((torch.randn(shape, generator=gen) * 4).to(device, dtype) for _ in range(2))
+    with poisoned_outputs():
+        got = silu_mul_triton(g, u)
+    theirs = torch.nn.functional.silu(g) * u
+    gd, ud = g.double(), u.double()
+    want = gd * torch.sigmoid(gd) * ud
+    assert got.dtype == dtype and got.shape == g.shape and torch.isfinite(got).all()
+    err, err_theirs = (got.double() - want).abs().max(), (theirs.double() - want).abs().max()
+    if dtype == torch.float32:
+        assert err <= 1e-6 * want.abs().max(), err
+    else:
+        assert err <= err_theirs + torch.finfo(dtype).eps * want.abs().max(), (err, err_theirs)
+        assert (got != theirs).float().mean() < 0.01  # the module's roundings: equal to the bit but for a few
+
+
+def test_silu_mul_refuses_mismatched_inputs():
+    with pytest.raises(ValueError, match="must match"):
+        silu_mul_triton(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+@pytest.mark.parametrize("family, gated", [("llama", True), ("qwen2", True), ("mistral", True), ("gemma3_text", False)])
+def test_fuse_mlps_recognizes_silu_mlps_only(family, gated):
+    """Llama, Qwen 2 and Mistral's MLPs compute ``down(silu(gate) · up)``; Gemma 3's (GELU) does not and keeps
+    its forward; off CUDA a fused model computes exactly what it did."""
+    model = tiny_model(family)
+    mlps = [layer.mlp for layer in model.model.layers]
+    assert {mlp_form(m) for m in mlps} == {gated}
+    ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(ids).logits
+        n = fuse_mlps(model)
+        after = model(ids).logits
+    assert n == len(mlps) and torch.equal(before, after)
+    assert all(m.forward.__self__ is m for m in copy.deepcopy(model).modules() if hasattr(m, KEY))
+    assert unfuse_mlps(model) == n and not any("forward" in m.__dict__ for m in mlps)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(5, 1536), (4096, 1536), (4099,)])
+def test_silu_mul_kernel_on_gpu(dtype, shape):
+    """The same checks on the compiled kernel, bf16 included."""
+    test_silu_mul_kernel_against_float64_and_torch(dtype, shape, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_mlps_on_gpu():
+    """On CUDA without gradients a fused Llama's MLPs take the kernel (recognized at their first call) and its
+    logits are the unfused model's to bf16 rounding; with gradients it takes the module's forward, bit for bit."""
+    model = tiny_model("llama").to("cuda", torch.bfloat16)
+    fused = copy.deepcopy(model)
+    assert fuse_mlps(fused) == len(model.model.layers)
+    ids = torch.randint(0, model.config.vocab_size, (2, 40), generator=torch.Generator().manual_seed(0)).to("cuda")
+    with torch.no_grad():
+        want, got = model(ids).logits.float(), fused(ids).logits.float()
+    assert {getattr(layer.mlp, KEY) for layer in fused.model.layers} == {True}
+    assert ((got - want).norm() / want.norm()).item() < 1e-2
+    assert torch.equal(model(ids).logits, fused(ids).logits)  # gradients on: the module's own forward

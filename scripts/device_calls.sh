@@ -128,9 +128,11 @@ gemma_training() {  # a Gemma run's ablate.sh (or its MMLU after it) is alive (i
 gemma_running() {  # that, or the teacher's evaluation
     gemma_training || pgrep -f "gemma_teacher" > /dev/null
 }
-# the GPU tests 'kernels' and 'gpu-tests' run unless told others: those of the latest changes to the prefill and
-# evaluation paths (the mix kernel, the fused front's prefill and its default, the harness's fitted batch)
-gpu_tests="mix_triton_gpu or on_the_kernels or fused_front_on_gpu or without_gradients_on_gpu or chunked or fitted_to_memory_on_gpu"
+# the GPU tests 'kernels' and 'gpu-tests' run unless told others: those of the latest changes to the prefill,
+# decoding and evaluation paths (the mix kernel, the fused front's prefill and its default, the harness's fitted
+# batch, the fused norms and MLPs and the decoders that now run them)
+gpu_tests="mix_triton_gpu or on_the_kernels or fused_front_on_gpu or without_gradients_on_gpu or chunked or fitted_to_memory_on_gpu \
+or rms_norm_kernel_on_gpu or fused_norms_on_gpu or silu_mul_kernel_on_gpu or fused_mlps_on_gpu or eager_path_on_gpu or generate_on_gpu"
 case ${1:-} in
     gpu-tests)
         [ -d "$repo/linearize" ] || die "run 'teacher' first: it copies the repo the tests import"

@@ -46,10 +46,11 @@ def test_silu_mul_refuses_mismatched_inputs():
 @pytest.mark.parametrize("family, gated", [("llama", True), ("qwen2", True), ("mistral", True), ("gemma3_text", False)])
 def test_fuse_mlps_recognizes_silu_mlps_only(family, gated):
     """Llama, Qwen 2 and Mistral's MLPs compute ``down(silu(gate) · up)``; Gemma 3's (GELU) does not and keeps
-    its forward; off CUDA a fused model computes exactly what it did."""
+    its forward, in float32 and in bf16; off CUDA a fused model computes exactly what it did."""
     model = tiny_model(family)
     mlps = [layer.mlp for layer in model.model.layers]
     assert {mlp_form(m) for m in mlps} == {gated}
+    assert mlp_form(copy.deepcopy(mlps[0]).to(torch.bfloat16)) == gated  # in bf16 too: the activation decides
     ids = torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         before = model(ids).logits

@@ -52,14 +52,18 @@ def _candidate(module: torch.nn.Module) -> bool:
 
 
 def mlp_form(module: torch.nn.Module) -> bool:
-    """Whether the module computes ``down(silu(gate(x)) · up(x))`` (checked on a random float32 input, with its
-    own projections, against that formula in PyTorch)."""
+    """Whether the module computes ``down(silu(gate(x)) · up(x))``: its ``act_fn`` is SiLU (on a float32 grid,
+    to 1e-6: GELU's forms are far off) and its forward, on a random input with its own projections, is that
+    formula in PyTorch (to its dtype's rounding)."""
     w = getattr(module.gate_proj, "weight", None)
     if not isinstance(w, torch.Tensor) or w.dim() != 2 or w.is_meta:
         return False
+    t = torch.linspace(-8, 8, 257)
     x = torch.randn(3, w.shape[1], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
     try:
         with torch.no_grad():
+            if not torch.allclose(module.act_fn(t), t * torch.sigmoid(t), rtol=1e-6, atol=1e-6):
+                return False
             got = type(module).forward(module, x).float()
             g, u = module.gate_proj(x).float(), module.up_proj(x).float()
             want = module.down_proj((g * torch.sigmoid(g) * u).to(w.dtype)).float()

@@ -61,6 +61,39 @@ def test_fuse_mlps_recognizes_silu_mlps_only(family, gated):
     assert unfuse_mlps(model) == n and not any("forward" in m.__dict__ for m in mlps)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_fused_modules_take_the_kernels_where_wanted(family, monkeypatch):
+    """The whole dispatch on the interpreter, "wanted" made true on the CPU: a converted model's norms and MLPs
+    are recognized at their first call (Gemma's MLPs refused) and then run the kernels, whose float32 logits
+    are the module's own to 1e-5; with gradients on, the modules' own forwards run."""
+    needs_interpreter()
+    import linearize
+    from linearize.layers.options import GDNOptions
+    from linearize.modules import norm, swiglu
+    from linearize.modules.patch import wanted
+
+    calls = []
+    for mod, fn in ((norm, "rms_norm_triton"), (swiglu, "silu_mul_triton")):
+        monkeypatch.setattr(mod, "wanted", lambda x: not torch.is_grad_enabled())
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
+    teacher = tiny_model(family)
+    ids = torch.randint(0, teacher.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = linearize.convert(teacher, calibration_ids=ids, options=GDNOptions(window=4, sinks=2))
+    plain = copy.deepcopy(model)
+    norm.unfuse_norms(plain), swiglu.unfuse_mlps(plain)
+    assert not wanted(ids.float())  # the CPU: never, but for this test
+    with torch.no_grad():
+        want, got = plain(ids).logits, model(ids).logits
+    assert "rms_norm_triton" in calls and ("silu_mul_triton" in calls) == (family == "llama")
+    assert {getattr(m, norm.KEY) for m in model.modules() if hasattr(m, norm.KEY)} == \
+        {"gemma" if family == "gemma3_text" else "llama"}
+    assert ((got - want).norm() / want.norm()).item() < 1e-5
+    calls.clear()
+    model(ids).logits.sum().backward()  # training: the modules' own forwards
+    assert not calls
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

@@ -26,7 +26,7 @@ def recognized(module: torch.nn.Module, key: str, recognize: Callable[[torch.nn.
     """The module's form under ``key``: ``recognize(module)`` at the first call outside a CUDA graph's capture,
     then remembered (False where it computes none of the kernel's forms; None while not yet known)."""
     form = getattr(module, key)
-    if form is None and not torch.cuda.is_current_stream_capturing():
+    if form is None and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
         form = recognize(module) or False
         setattr(module, key, form)
     return form

@@ -10,7 +10,10 @@ Per (context, batch), on the same random prompts:
   ``torch.compile`` (its fastest path; compiled on a first, untimed call);
 - ``converted``: :class:`linearize.decoding.Decoder` (the step of the whole model as one CUDA graph);
 - ``converted_eager``: the same decoder stepping eagerly (``graph=False``), and ``converted_generate``:
-  ``model.generate()`` on the converted model, with ``--eager``.
+  ``model.generate()`` on the converted model, with ``--eager``;
+- ``converted_unfused_modules``: the graph decoder on the same weights with transformers' own norms and MLPs
+  instead of the converted model's fused kernels (:mod:`linearize.modules.norm`, ``.swiglu``), with
+  ``--fused-modules``.
 
 Each path generates ``--steps`` tokens and, separately, one token. The decode cost per token is clocked
 inside the decode loop: for ``generate()`` a stopping criterion that synchronizes and reads the clock after
@@ -128,7 +131,8 @@ def measure(run, steps: int, repeats: int) -> dict:
             "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
 
 
-def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False, chunk: int | None = None):
+def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False, chunk: int | None = None,
+          unfused=None):
     from transformers import StoppingCriteriaList
 
     no_eos = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -141,8 +145,8 @@ def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: boo
             return clock.per_token()
         return run
 
-    def dec(graph, compile=False):
-        d = Decoder(converted, graph=graph, compile=compile, prefill_chunk=chunk)
+    def dec(graph, compile=False, model=converted):
+        d = Decoder(model, graph=graph, compile=compile, prefill_chunk=chunk)
 
         def run(n):
             d.generate(ids, max_new_tokens=n, eos_token_id=[])
@@ -157,6 +161,8 @@ def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: boo
         out["converted_compiled"] = dec(True, compile=True)
     if eager:
         out.update(converted_eager=dec(False), converted_generate=hf(converted))
+    if unfused is not None:  # the same weights with transformers' norms and MLPs (no fused modules)
+        out["converted_unfused_modules"] = dec(True, model=unfused)
     return out
 
 
@@ -212,6 +218,9 @@ def main():
     p.add_argument("--compile", action="store_true",
                    help="also time the graph recorded with each block's norms and MLP compiled (converted_compiled; "
                         "on a CPU: the eager steps compiled)")
+    p.add_argument("--fused-modules", action="store_true",
+                   help="also the graph decoder on the converted model without its fused norm and MLP kernels "
+                        "(converted_unfused_modules), what they give a decode step")
     p.add_argument("--paths", nargs="+", default=None, metavar="NAME",
                    help="time only these paths (teacher, teacher_static, converted, converted_compiled, …)")
     p.add_argument("--check-prompts", type=int, default=0, help="check graph == eager greedy tokens on N prompts")
@@ -230,6 +239,14 @@ def main():
     options = GDNOptions(window=args.window, sinks=args.sinks, sparse_cache=args.sparse_cache)
     converted = linearize.convert(copy.deepcopy(teacher), calibration_ids=calib, options=options,
                                   keep_softmax=args.keep_softmax).eval()
+    unfused = None
+    if args.fused_modules and not cpu:  # (a CPU never takes them)
+        from linearize.modules.norm import unfuse_norms
+        from linearize.modules.swiglu import unfuse_mlps
+
+        unfused = copy.deepcopy(converted)
+        unfuse_norms(unfused)
+        unfuse_mlps(unfused)
     meta = {"command": " ".join(["python", *sys.argv]), "device": "cpu" if cpu else torch.cuda.get_device_name(),
             "torch": torch.__version__, "dtype": ("float32" if cpu else "bfloat16 weights") + ", fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
             "block": options.to_dict(), "keep_softmax": args.keep_softmax, "prefill_chunk": args.prefill_chunk, "steps": args.steps, "repeats": args.repeats}
@@ -241,7 +258,8 @@ def main():
         for batch in args.batches:
             ids = torch.randint(1, vocab, (batch, context), device=dev, generator=torch.Generator(device=dev).manual_seed(0))
             row = {"context": context, "batch": batch}
-            for name, run in paths(teacher, converted, ids, args.eager, cpu, args.compile, args.prefill_chunk).items():
+            for name, run in paths(teacher, converted, ids, args.eager, cpu, args.compile, args.prefill_chunk,
+                                   unfused).items():
                 if args.paths and name not in args.paths:
                     continue
                 gc.collect()

@@ -4,7 +4,8 @@
     python scripts/profile_kernels.py --op kda --shapes 8x2048,2x8192 --output results/profile_kernels_kda.json
 
 1. Breakdown: ``torch.profiler`` over forward and forward+backward of ours and (when importable)
-   flash-linear-attention, at a few shapes; GPU time per call of every kernel, summed per kernel name.
+   flash-linear-attention, at a few shapes; GPU time per call of every kernel, summed per kernel name, and
+   the GPU's idle time between kernels with the host operations that ran while it waited (``idle_gaps``).
    ``--op kda``: the per-key-channel decay (``ops/triton/kda_*.py``) against fla's ``chunk_kda``.
 2. Sweep (``--sweep state_fwd,state_bwd``): each of our kernels alone, timed with ``triton.testing.do_bench`` under every
    (V block, warps, stages) it accepts, so launch settings are chosen from measurements.
@@ -41,10 +42,33 @@ SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128
           "smollm2-16x2048": (16, 2048, 9, 3, 64, 64), "llama3-8b-2x4096": (2, 4096, 32, 8, 128, 128)}
 
 
-def profile_calls(fn, iters=5, name_len=60, ops: dict | None = None):
+def idle_gaps(prof, iters: int, top: int = 6, min_us: float = 10.0) -> dict:
+    """Where the GPU waited between kernels in a profiled run: the idle microseconds per call (gaps of more
+    than ``min_us`` between one kernel's end and the next one's start, on the profiler's common clock) and
+    the ``top`` largest gaps, each with the kernels around it and the host operations that started while the
+    GPU waited (by their time then), so a synchronization or slow host code shows by name."""
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    host = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
+    gaps = [(b.time_range.start - a.time_range.end, a, b) for a, b in zip(kernels, kernels[1:])
+            if b.time_range.start - a.time_range.end > min_us]
+    largest = []
+    for us, a, b in sorted(gaps, key=lambda g: -g[0])[:top]:
+        start, end = a.time_range.end, b.time_range.start
+        during = defaultdict(float)
+        for e in host:
+            if start <= e.time_range.start < end:
+                during[e.name[:60]] += min(e.time_range.end, end) - e.time_range.start
+        largest.append({"us": us, "after": a.name[:60], "before": b.name[:60],
+                        "host_ops_us": dict(sorted(during.items(), key=lambda kv: -kv[1])[:8])})
+    return {"idle_us_per_call": sum(g[0] for g in gaps) / iters, "largest": largest}
+
+
+def profile_calls(fn, iters=5, name_len=60, ops: dict | None = None, gaps: dict | None = None):
     """``(GPU microseconds per call of fn per kernel name, most first; wall seconds per call)``, after one
     warm-up call, under ``torch.profiler``. ``ops``: also filled, from the same run, with ``{operator:
-    (GPU µs per call of the kernels it launched itself, calls per call)}`` (``self_device_time_total``)."""
+    (GPU µs per call of the kernels it launched itself, calls per call)}`` (``self_device_time_total``);
+    ``gaps``: with :func:`idle_gaps` of the run."""
     fn()
     torch.cuda.synchronize()
     acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -59,6 +83,8 @@ def profile_calls(fn, iters=5, name_len=60, ops: dict | None = None):
         if e.device_type == torch.autograd.DeviceType.CUDA:
             dt = getattr(e, "device_time", None)
             out[e.name[:name_len]] += (dt if dt is not None else e.cuda_time) / iters
+    if gaps is not None:
+        gaps.update(idle_gaps(prof, iters))
     if ops is not None:
         for e in prof.key_averages():
             us = getattr(e, "self_device_time_total", None)
@@ -88,14 +114,19 @@ def _breakdown_shape(name, fla, op):
         runs["fla"] = lambda: fla_call(fla, q, rep(k), rep(v), rep(g), rep(beta))
     for impl, run in runs.items():
         for mode, fn in (("fwd", run), ("fwdbwd", fwd_bwd(run, ts))):
+            gaps = {}
             with torch.set_grad_enabled(mode == "fwdbwd"):
-                t, wall = profile_calls(fn)
+                t, wall = profile_calls(fn, gaps=gaps)
             # wall time per call under the profiler: above the kernels' sum when launches leave the GPU idle
-            # (host-side work); the profiler adds some of its own
-            res[f"{name}/{impl}/{mode}"] = {"kernels_us": t, "kernels_total_us": sum(t.values()), "wall_us": wall * 1e6}
-            print(f"\n{name} {impl} {mode}: total {sum(t.values()):.1f} us of kernels, {wall * 1e6:.1f} us wall")
+            # (host-side work); the profiler adds some of its own. The idle gaps say where and during what.
+            res[f"{name}/{impl}/{mode}"] = {"kernels_us": t, "kernels_total_us": sum(t.values()), "wall_us": wall * 1e6,
+                                            "idle_gaps": gaps}
+            print(f"\n{name} {impl} {mode}: total {sum(t.values()):.1f} us of kernels, {wall * 1e6:.1f} us wall, "
+                  f"GPU idle {gaps['idle_us_per_call']:.1f} us a call")
             for kname, us in t.items():
                 print(f"  {us:9.1f} us  {kname}")
+            for gap in gaps["largest"][:3]:
+                print(f"  idle {gap['us']:.1f} us after {gap['after']}: {list(gap['host_ops_us'])[:4]}")
     return res
 
 

@@ -343,6 +343,7 @@ def test_compiled_blocks_compute_the_same_and_put_the_model_back(cache):
     block = model.model.layers[0]
     own = lambda m, name: m.__dict__.get(name)  # noqa: E731  (a method on the instance: the fused kernels' forward)
     before = (own(block.mlp, "forward"), own(block.input_layernorm, "forward"), own(block.self_attn, "step_inputs"))
+    assert before[0] is not None and before[1] is not None  # a converted model's fused MLP and norm
     want = Decoder(model, graph=False).generate(x, attention_mask=mask, max_new_tokens=8)
     with torch.no_grad():
         logits = model(x, attention_mask=mask).logits

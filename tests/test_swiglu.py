@@ -57,7 +57,7 @@ def test_fuse_mlps_recognizes_silu_mlps_only(family, gated):
         n = fuse_mlps(model)
         after = model(ids).logits
     assert n == len(mlps) and torch.equal(before, after)
-    assert all(m.forward.__self__ is m for m in copy.deepcopy(model).modules() if hasattr(m, KEY))
+    assert all(m.forward.args[0] is m for m in copy.deepcopy(model).modules() if hasattr(m, KEY))
     assert unfuse_mlps(model) == n and not any("forward" in m.__dict__ for m in mlps)
 
 
@@ -70,7 +70,6 @@ def test_fused_modules_take_the_kernels_where_wanted(family, monkeypatch):
     import linearize
     from linearize.layers.options import GDNOptions
     from linearize.modules import norm, swiglu
-    from linearize.modules.patch import wanted
 
     calls = []
     for mod, fn in ((norm, "rms_norm_triton"), (swiglu, "silu_mul_triton")):
@@ -82,7 +81,6 @@ def test_fused_modules_take_the_kernels_where_wanted(family, monkeypatch):
     model = linearize.convert(teacher, calibration_ids=ids, options=GDNOptions(window=4, sinks=2))
     plain = copy.deepcopy(model)
     norm.unfuse_norms(plain), swiglu.unfuse_mlps(plain)
-    assert not wanted(ids.float())  # the CPU: never, but for this test
     with torch.no_grad():
         want, got = plain(ids).logits, model(ids).logits
     assert "rms_norm_triton" in calls and ("silu_mul_triton" in calls) == (family == "llama")

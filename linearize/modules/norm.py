@@ -85,7 +85,8 @@ def norm_form(module: torch.nn.Module) -> str | None:
     w, eps = getattr(module, "weight", None), _eps(module)
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None or w.is_meta:
         return None
-    x = torch.randn(3, w.numel(), generator=torch.Generator().manual_seed(0), dtype=torch.float32)
+    g = torch.Generator().manual_seed(0)  # rows off zero and of three scales: a LayerNorm differs from both forms
+    x = (torch.randn(3, w.numel(), generator=g) + 1.5) * torch.tensor([[0.3], [1.0], [4.0]])
     wf = w.detach().float().cpu()
     h = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     try:
@@ -104,7 +105,8 @@ KEY = "_fused_norm"  # the instance attribute fuse_norms marks a module with: it
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    if not args and not kwargs and x.dtype in DTYPES and wanted(x):
+    # rows in the weight's dtype only: the module's output dtype is then theirs whatever its form casts last
+    if not args and not kwargs and x.dtype in DTYPES and x.dtype == self.weight.dtype and wanted(x):
         form = recognized(self, KEY, norm_form)
         if form:
             return rms_norm_triton(x, self.weight, _eps(self), gemma=form == "gemma")
@@ -112,8 +114,12 @@ def _fused_forward(self, x, *args, **kwargs):
 
 
 def _candidate(module: torch.nn.Module) -> bool:
+    """A 1-D weight and an eps, and no bias and no buffers: not a LayerNorm, GroupNorm or BatchNorm (which
+    a probe that normalizes random rows could not always tell apart, and whose running statistics it would
+    move)."""
     w = getattr(module, "weight", None)
-    return isinstance(w, torch.Tensor) and w.dim() == 1 and _eps(module) is not None
+    return (isinstance(w, torch.Tensor) and w.dim() == 1 and _eps(module) is not None
+            and getattr(module, "bias", None) is None and not any(True for _ in module.buffers(recurse=False)))
 
 
 def fuse_norms(model: torch.nn.Module) -> int:
@@ -126,4 +132,4 @@ def fuse_norms(model: torch.nn.Module) -> int:
 
 def unfuse_norms(model: torch.nn.Module) -> int:
     """Take :func:`fuse_norms` off again; returns how many modules."""
-    return unfuse(model, KEY)
+    return unfuse(model, KEY, _fused_forward)

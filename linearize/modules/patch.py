@@ -11,7 +11,7 @@ CUDA graph's capture, so a model built on the meta device and loaded later is ch
 
 from __future__ import annotations
 
-import types
+import functools
 from collections.abc import Callable
 
 import torch
@@ -35,23 +35,26 @@ def recognized(module: torch.nn.Module, key: str, recognize: Callable[[torch.nn.
 def fuse(model: torch.nn.Module, key: str, candidate: Callable[[torch.nn.Module], bool], forward) -> int:
     """Set ``forward`` (a function of ``(module, *args, **kwargs)``) on every module of ``model`` that
     ``candidate`` accepts and that has no forward of its own on its instance (a hook's, a compiled one's),
-    marked ``key`` (None: not yet recognized). Idempotent; returns how many modules carry it."""
+    marked ``key`` (None: not yet recognized). The forward is a ``functools.partial`` of the module, so a copy,
+    a pickle or ``torch.compile`` of the model keeps it working. Idempotent; returns how many modules carry it."""
     n = 0
     for module in model.modules():
         if hasattr(module, key):
             n += 1
         elif "forward" not in module.__dict__ and candidate(module):
             setattr(module, key, None)
-            module.forward = types.MethodType(forward, module)
+            module.forward = functools.partial(forward, module)
             n += 1
     return n
 
 
-def unfuse(model: torch.nn.Module, key: str) -> int:
-    """Take :func:`fuse`'s forward marked ``key`` off again; returns how many modules."""
+def unfuse(model: torch.nn.Module, key: str, forward) -> int:
+    """Take :func:`fuse`'s ``forward`` marked ``key`` off again (a forward set on the instance since, by a hook or
+    a compiler, is left where it is, and so is the mark); returns how many modules."""
     n = 0
     for module in model.modules():
-        if hasattr(module, key):
+        own = module.__dict__.get("forward")
+        if hasattr(module, key) and isinstance(own, functools.partial) and own.func is forward:
             del module.forward
             delattr(module, key)
             n += 1

@@ -88,4 +88,4 @@ def fuse_mlps(model: torch.nn.Module) -> int:
 
 def unfuse_mlps(model: torch.nn.Module) -> int:
     """Take :func:`fuse_mlps` off again; returns how many modules."""
-    return unfuse(model, KEY)
+    return unfuse(model, KEY, _fused_forward)

@@ -17,8 +17,8 @@ output can differ from the module's by the rounding of one float32 reciprocal sq
 
 :func:`fuse_norms` puts it on a model (:mod:`.patch`): every RMSNorm module whose forward it recognizes —
 checked by computing both formulas against the module on a random input at its first such call, not by its
-class's name — takes the kernel where its input is on CUDA and no gradient is wanted (a prefill, scoring,
-decoding, the held-out evaluation in training); elsewhere (training, the CPU, float64, inside
+class's name — takes the kernel where its input is on CUDA, in the weight's dtype, and no gradient is wanted (a
+prefill, scoring, decoding, the held-out evaluation in training); elsewhere (training, the CPU, float64, inside
 ``torch.compile``) the module's own forward runs. ``tests/test_norm.py`` checks it under ``TRITON_INTERPRET=1`` against float64.
 """
 

@@ -123,8 +123,8 @@ def _candidate(module: torch.nn.Module) -> bool:
 
 
 def fuse_norms(model: torch.nn.Module) -> int:
-    """Give every module of ``model`` that may be an RMSNorm (a 1-D weight and an ``eps`` or
-    ``variance_epsilon``) the fused forward, on its instance (:mod:`.patch`; :func:`unfuse_norms` takes it
+    """Give every module of ``model`` that may be an RMSNorm (a 1-D weight, an ``eps`` or ``variance_epsilon``,
+    no bias, no buffers) the fused forward, on its instance (:mod:`.patch`; :func:`unfuse_norms` takes it
     off). What each computes is checked at its first call on CUDA without gradients (:func:`norm_form`); one
     that is neither form keeps its own forward. Returns how many modules took it."""
     return fuse(model, KEY, _candidate, _fused_forward)

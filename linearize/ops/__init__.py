@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .chunk import gated_delta_rule_chunk
-from .common import G_FLOOR, TRITON_MAX_K, check_inputs, compute_dtype, wants_grad
+from .common import G_FLOOR, TRITON_DTYPES, TRITON_MAX_K, check_inputs, compute_dtype, wants_grad
 from .kda import check_kda_inputs, kda_chunk, kda_reference, kda_step
 from .linear import linear_attention, linear_attention_chunk, linear_attention_reference, linear_attention_step
 from .reference import gated_delta_rule_reference, gated_delta_rule_step
@@ -35,7 +35,7 @@ def _triton_usable(x: torch.Tensor) -> bool:
     """Triton on CUDA, or anywhere under TRITON_INTERPRET=1 (the CPU tests); fp16/bf16/fp32 only."""
     import os
 
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in TRITON_DTYPES:
         return False
     if not (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
         return False
@@ -113,7 +113,7 @@ def gated_delta_rule(
             check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)
         else:
             check_inputs(q, k, v, beta if g is None else g, beta, initial_state, cu_seqlens)
-        if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        if q.dtype not in TRITON_DTYPES:
             raise ValueError(f"the Triton backend takes float16, bfloat16 or float32; got {q.dtype} (use backend='torch')")
         if not _triton_usable(q):
             raise ValueError("backend='triton' needs CUDA tensors (or TRITON_INTERPRET=1); use backend='torch'")

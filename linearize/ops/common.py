@@ -12,6 +12,7 @@ import weakref
 import torch
 
 TRITON_MAX_K = 256  # the Triton state kernels hold the state as at most four 64-row K blocks
+TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels read and write
 # The chunkwise forms (PyTorch and Triton; GDN, KDA and the linear attention) take the decay between two tokens
 # of a chunk from differences of in-chunk cumulative log-decays in fp32. A huge |g| (−2.4e9 from a block whose
 # decay correction ran wild) leaves those differences off by hundreds: outputs 95-270% off (relative) in the

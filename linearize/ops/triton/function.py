@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from ..common import TRITON_DTYPES
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import chunk_gated_delta_rule_fwd
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
@@ -41,8 +40,8 @@ def chunk_gated_delta_rule_triton(
     """Triton chunkwise GDN; same contract as :func:`linearize.ops.gated_delta_rule` (g None: no decay), plus
     ``v_offset`` (``[B, T, H, V]``, float32, or None): added to the output of every query head of its KV head
     before the output's one rounding — ``taylor_back(o, v_offset)`` fused into the output kernel."""
-    if q.dtype not in DTYPES:
-        raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"the Triton backend takes {', '.join(map(str, TRITON_DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
     o, ht = ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale),

@@ -43,14 +43,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import cdiv, wants_grad
+from ..common import TRITON_DTYPES, cdiv, wants_grad
 from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_state_bv, kda_states
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
 from .tiles import mm
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -448,8 +446,8 @@ def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, outp
     v_offset); same contract as :func:`linearize.ops.gated_delta_rule` with a per-channel ``g [B, T, H, K]``
     (inputs checked there), plus ``v_offset`` ``[B, T, H, V]`` or None, added to the output of every query head
     of its KV head before the output's one rounding."""
-    if q.dtype not in DTYPES:
-        raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"the Triton backend takes {', '.join(map(str, TRITON_DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
     if wants_grad(q, k, v, g, beta, initial_state, v_offset):

@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import cdiv
+from ..common import TRITON_DTYPES, cdiv
 from .layout import BT, Layout, chunk_at, sequence_at
 from .linear_fwd import (
     chunk_gates,
@@ -53,8 +53,6 @@ from .linear_fwd import (
 )
 from .settings import block_k
 from .tiles import mm
-
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -267,8 +265,8 @@ def linear_attention_triton_train(q, k, v, g, w, *, scale: float = 1.0, initial_
                                   output_final_state: bool = False, cu_seqlens=None, v_offset=None):
     """:func:`linear_attention_triton` differentiable through the kernels above (inputs checked by
     :func:`linearize.ops.linear.linear_attention`): gradients of q, k, v, g, w, the initial state and v_offset."""
-    if q.dtype not in DTYPES:
-        raise ValueError(f"the Triton backend takes {', '.join(map(str, DTYPES))}; got {q.dtype} (use backend='torch')")
+    if q.dtype not in TRITON_DTYPES:
+        raise ValueError(f"the Triton backend takes {', '.join(map(str, TRITON_DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
     return LinearAttentionFunction.apply(q, k, v, g, w, initial_state, float(scale), output_final_state, cu_seqlens,

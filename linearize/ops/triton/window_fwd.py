@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import TRITON_MAX_K, cdiv, next_pow2
+from ..common import TRITON_DTYPES, TRITON_MAX_K, cdiv, next_pow2
 from .tiles import dot, mm, online, online_result
 
 
@@ -104,9 +104,6 @@ def _sink_window_fwd_kernel(
     tl.store(lse + row, b_lse, mask=m_r)
 
 
-_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
 def check_inputs(q, k, v, key_doc, query_doc, window, sink_k, sink_v, sink_ok) -> None:
     """Raises ValueError naming the first argument that breaks :func:`sink_window_triton`'s contract."""
     if q.dim() != 4 or k.dim() != 4:
@@ -131,7 +128,7 @@ def check_inputs(q, k, v, key_doc, query_doc, window, sink_k, sink_v, sink_ok) -
     for name, (x, shape) in want.items():
         if tuple(x.shape) != shape:
             raise ValueError(f"{name} must be {list(shape)} for q {list(q.shape)} and window {W}; got {tuple(x.shape)}")
-    if q.dtype not in _FLOATS or k.dtype != q.dtype or v.dtype != q.dtype:
+    if q.dtype not in TRITON_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k, v must share one dtype of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
     if sink_k is not None and (sink_k.dtype != q.dtype or sink_v.dtype != q.dtype):
         raise ValueError(f"sink_k, sink_v must be in q's dtype {q.dtype}; got {sink_k.dtype}, {sink_v.dtype}")

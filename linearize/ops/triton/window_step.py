@@ -51,7 +51,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..common import next_pow2
+from ..common import TRITON_DTYPES, next_pow2
 from ..sparse_cache import _TIE
 from .decode import _tickets, check_shapes
 
@@ -353,7 +353,7 @@ def _check(q, k, v, buffers, state, sum_k, sum_v, count, rho, beta_factor, gate_
         if x.dtype != torch.long or not x.is_contiguous():
             raise ValueError(f"{name} is updated in place by the kernel: it must be contiguous int64")
     for name, x in (("sink_k", b.sink_k), ("sink_v", b.sink_v), ("win_k", b.win_k), ("win_v", b.win_v)):
-        if x.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not x.is_contiguous():
+        if x.dtype not in TRITON_DTYPES or not x.is_contiguous():
             raise ValueError(f"{name} is updated in place by the kernel: it must be contiguous fp16/bf16/fp32")
 
 

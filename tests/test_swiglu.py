@@ -70,10 +70,12 @@ def test_fused_modules_take_the_kernels_where_wanted(family, monkeypatch):
     import linearize
     from linearize.layers.options import GDNOptions
     from linearize.modules import norm, swiglu
+    from linearize.ops.common import TRITON_DTYPES
 
     calls = []
     for mod, fn in ((norm, "rms_norm_triton"), (swiglu, "silu_mul_triton")):
-        monkeypatch.setattr(mod, "wanted", lambda x: not torch.is_grad_enabled())
+        monkeypatch.setattr(mod, "wanted",  # as patch.wanted, but on the CPU
+                            lambda x, *others: not any(others) and x.dtype in TRITON_DTYPES and not torch.is_grad_enabled())
         real = getattr(mod, fn)
         monkeypatch.setattr(mod, fn, lambda *a, _real=real, _fn=fn, **k: calls.append(_fn) or _real(*a, **k))
     teacher = tiny_model(family)

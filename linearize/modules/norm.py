@@ -31,8 +31,6 @@ import triton.language as tl
 from ..ops.common import cdiv, next_pow2
 from .patch import fuse, recognized, unfuse, wanted
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-
 
 @triton.jit
 def _rms_norm_kernel(x, w, y, rows, eps, N: tl.constexpr, BN: tl.constexpr, BR: tl.constexpr,
@@ -106,7 +104,7 @@ KEY = "_fused_norm"  # the instance attribute fuse_norms marks a module with: it
 
 def _fused_forward(self, x, *args, **kwargs):
     # rows in the weight's dtype only: the module's output dtype is then theirs whatever its form casts last
-    if not args and not kwargs and x.dtype in DTYPES and x.dtype == self.weight.dtype and wanted(x):
+    if x.dtype == self.weight.dtype and wanted(x, args, kwargs):
         form = recognized(self, KEY, norm_form)
         if form:
             return rms_norm_triton(x, self.weight, _eps(self), gemma=form == "gemma")

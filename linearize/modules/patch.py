@@ -16,10 +16,14 @@ from collections.abc import Callable
 
 import torch
 
+from ..ops.common import TRITON_DTYPES
 
-def wanted(x: torch.Tensor) -> bool:
-    """Whether an inference kernel may take this call: on CUDA, no gradient, not inside ``torch.compile``."""
-    return x.is_cuda and not torch.is_grad_enabled() and not torch.compiler.is_compiling()
+
+def wanted(x: torch.Tensor, *others) -> bool:
+    """Whether an inference kernel may take this call: the rows ``x`` alone (``others``: the call's other
+    arguments, none), fp16/bf16/fp32, on CUDA, no gradient, not inside ``torch.compile``."""
+    return (not any(others) and x.dtype in TRITON_DTYPES and x.is_cuda and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling())
 
 
 def recognized(module: torch.nn.Module, key: str, recognize: Callable[[torch.nn.Module], object]):

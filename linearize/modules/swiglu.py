@@ -18,7 +18,6 @@ import triton.language as tl
 from ..ops.common import cdiv
 from .patch import fuse, recognized, unfuse, wanted
 
-DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 BLOCK = 2048
 KEY = "_fused_mlp"  # the instance attribute fuse_mlps marks a module with
 
@@ -74,7 +73,7 @@ def mlp_form(module: torch.nn.Module) -> bool:
 
 
 def _fused_forward(self, x, *args, **kwargs):
-    if not args and not kwargs and x.dtype in DTYPES and wanted(x) and recognized(self, KEY, mlp_form):
+    if wanted(x, args, kwargs) and recognized(self, KEY, mlp_form):
         return self.down_proj(silu_mul_triton(self.gate_proj(x), self.up_proj(x)))
     return type(self).forward(self, x, *args, **kwargs)
 

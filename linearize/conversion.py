@@ -271,6 +271,15 @@ def fuse_inference_kernels(model) -> None:
     fuse_mlps(model)
 
 
+def unfuse_inference_kernels(model) -> None:
+    """Take :func:`fuse_inference_kernels` off again: transformers' own norms and MLPs (to time or check against)."""
+    from .modules.norm import unfuse_norms
+    from .modules.swiglu import unfuse_mlps
+
+    unfuse_norms(model)
+    unfuse_mlps(model)
+
+
 def _teacher_classes(f: Family):
     mod = importlib.import_module(f"transformers.models.{f.module}")
     return getattr(mod, f.config_class), getattr(mod, f.causal_lm_class)

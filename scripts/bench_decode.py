@@ -241,12 +241,10 @@ def main():
                                   keep_softmax=args.keep_softmax).eval()
     unfused = None
     if args.fused_modules and not cpu:  # (a CPU never takes them)
-        from linearize.modules.norm import unfuse_norms
-        from linearize.modules.swiglu import unfuse_mlps
+        from linearize.conversion import unfuse_inference_kernels
 
         unfused = copy.deepcopy(converted)
-        unfuse_norms(unfused)
-        unfuse_mlps(unfused)
+        unfuse_inference_kernels(unfused)
     meta = {"command": " ".join(["python", *sys.argv]), "device": "cpu" if cpu else torch.cuda.get_device_name(),
             "torch": torch.__version__, "dtype": ("float32" if cpu else "bfloat16 weights") + ", fp32 GDN state", "model": args.model or "SmolLM2-135M architecture, random weights",
             "block": options.to_dict(), "keep_softmax": args.keep_softmax, "prefill_chunk": args.prefill_chunk, "steps": args.steps, "repeats": args.repeats}

@@ -152,15 +152,12 @@ def main():
             if isinstance(getattr(module, "options", None), GDNOptions):
                 module.options = dataclasses.replace(module.options, fused_front=False)
     if args.fused_modules:  # the norms' and MLPs' kernels alone, on each model (a converted model has them)
-        from linearize.conversion import fuse_inference_kernels
-        from linearize.modules.norm import unfuse_norms
-        from linearize.modules.swiglu import unfuse_mlps
+        from linearize.conversion import fuse_inference_kernels, unfuse_inference_kernels
 
         models["teacher_fused_modules"] = copy.deepcopy(teacher)
         fuse_inference_kernels(models["teacher_fused_modules"])
         models["converted_unfused_modules"] = other = copy.deepcopy(converted)
-        unfuse_norms(other)
-        unfuse_mlps(other)
+        unfuse_inference_kernels(other)
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
            "model": args.model or "SmolLM2-135M architecture, random weights", "dtype": "bfloat16",
            "block": options.to_dict(), "repeats": args.repeats, "rows": []}

@@ -68,6 +68,7 @@ def test_fused_modules_take_the_kernels_where_wanted(family, monkeypatch):
     are the module's own to 1e-5; with gradients on, the modules' own forwards run."""
     needs_interpreter()
     import linearize
+    from linearize.conversion import unfuse_inference_kernels
     from linearize.layers.options import GDNOptions
     from linearize.modules import norm, swiglu
     from linearize.ops.common import TRITON_DTYPES
@@ -82,7 +83,8 @@ def test_fused_modules_take_the_kernels_where_wanted(family, monkeypatch):
     ids = torch.randint(0, teacher.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
     model = linearize.convert(teacher, calibration_ids=ids, options=GDNOptions(window=4, sinks=2))
     plain = copy.deepcopy(model)
-    norm.unfuse_norms(plain), swiglu.unfuse_mlps(plain)
+    unfuse_inference_kernels(plain)
+    assert not any(hasattr(m, norm.KEY) or hasattr(m, swiglu.KEY) for m in plain.modules())
     with torch.no_grad():
         want, got = plain(ids).logits, model(ids).logits
     assert "rms_norm_triton" in calls and ("silu_mul_triton" in calls) == (family == "llama")

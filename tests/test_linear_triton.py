@@ -61,7 +61,7 @@ def test_linear_state_kernel_split_over_key_blocks(monkeypatch, shape):
     needs_interpreter()
     from linearize.ops.triton import linear_fwd
 
-    monkeypatch.setattr(linear_fwd, "linear_state_bk", lambda layout, bv, device: 16)
+    monkeypatch.setattr(linear_fwd, "linear_state_bk", lambda layout, bv, device, chains=None: 16)
     check(torch.float32, "cpu", *shape)
 
 
@@ -80,6 +80,43 @@ def test_linear_state_bk_splits_keys_only_while_programs_leave_sms_idle(monkeypa
     assert linear_fwd.linear_state_bk(layout(1), 16, gpu) == 64
     assert linear_fwd.linear_state_bk(layout(1), 64, gpu) == 32
     assert linear_fwd.linear_state_bk(layout(8), 64, gpu) == 128
+
+
+@pytest.mark.parametrize("E", [1, 2])
+@pytest.mark.parametrize("shape", [SHAPES[1], (1, 330, 2, 2, 16, 16, [0, 17, 17, 81, 330]), (2, 200, 1, 3, 16, 16, None)],
+                         ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
+def test_linear_state_chain_cut_in_segments(monkeypatch, shape, E):
+    """The forward's state chain cut into segments of E chunks (each segment's own state and decay, the chain
+    over the segments, each segment again from its entering state), as a GPU cuts a few long sequences:
+    output and final state as the float64 reference, an initial state given, with a document shorter than a
+    segment, an empty one and segments of one chunk among them."""
+    needs_interpreter()
+    from linearize.ops.triton import linear_fwd
+
+    monkeypatch.setattr(linear_fwd, "linear_segment", lambda layout, device: E)
+    check(torch.float32, "cpu", *shape)
+    check(torch.float16, "cpu", *shape)
+
+
+def test_linear_segment_cuts_only_few_long_chains(monkeypatch):
+    """On a GPU of 132 SMs one sequence of 16 KV heads and 16K tokens (256 chunks) is cut into segments, eight
+    such sequences too (128 pairs); nine (144 pairs) fill the SMs whole, and 8K tokens (128 chunks) are too few
+    to cut; off CUDA nothing is cut."""
+    from linearize.ops.triton import linear_fwd
+    from linearize.ops.triton.layout import Layout
+
+    def layout(B, T, cu=None):
+        return Layout(torch.zeros(B, T, 16, 128), torch.zeros(B, T, 16, 128), cu)
+
+    assert linear_fwd.linear_segment(layout(1, 16384), torch.device("cpu")) == 0
+    monkeypatch.setattr(linear_fwd, "sms_for", lambda programs, device: 132)
+    gpu = torch.device("cuda")
+    assert linear_fwd.linear_segment(layout(1, 16384), gpu) == linear_fwd.SEGMENT
+    assert linear_fwd.linear_segment(layout(8, 16384), gpu) == linear_fwd.SEGMENT
+    assert linear_fwd.linear_segment(layout(9, 16384), gpu) == 0
+    assert linear_fwd.linear_segment(layout(1, 8192), gpu) == 0
+    packed = layout(1, 16384 + 100, torch.tensor([0, 100, 16384 + 100]))
+    assert packed.longest == 256 and linear_fwd.linear_segment(packed, gpu) == linear_fwd.SEGMENT
 
 
 def test_linear_attention_triton_takes_gradients():

@@ -119,6 +119,22 @@ def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
     check(torch.float32, "cpu", 1, 150, 2, 2, 64, 40, cu)
 
 
+@pytest.mark.parametrize("E", [1, 2])
+@pytest.mark.parametrize("shape", [SHAPES[1], (1, 330, 2, 2, 16, 16, [0, 17, 17, 81, 330]), SHAPES[3]], ids=ids)
+def test_linear_attention_triton_grads_with_state_chains_cut(monkeypatch, shape, E):
+    """The state chains of the forward, its recomputation and the backward cut into segments of E chunks, as a
+    GPU cuts a few long sequences (``linear_fwd.linear_segment``): output, final state and every gradient as the
+    reference, with and without an initial state and a final state's gradient, documents empty or shorter than
+    a segment among them."""
+    needs_interpreter()
+    from linearize.ops.triton import linear_bwd, linear_fwd
+
+    for module in (linear_fwd, linear_bwd):
+        monkeypatch.setattr(module, "linear_segment", lambda layout, device: E)
+    check(torch.float32, "cpu", *shape)
+    check(torch.float32, "cpu", *shape, h0=False, final=False)
+
+
 def test_linear_attention_triton_grads_fp16_interpreted():
     needs_interpreter()
     check(torch.float16, "cpu", 1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130])
@@ -145,6 +161,26 @@ def test_linear_attention_triton_grads_gpu_equal_reference(dtype, shape, compile
 def test_linear_attention_triton_grads_gpu_strong_decay_and_no_states(dtype, compiled):
     check(dtype, "cuda", 1, 1000, 2, 2, 64, 64, None, decay=30.0)
     check(dtype, "cuda", 1, 1000, 2, 2, 64, 64, [0, 300, 300, 1000], h0=False, final=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_attention_triton_grads_gpu_state_chains_cut(monkeypatch, dtype, compiled):
+    """The GPU's own rule cutting the state chains (a document of 16,384 tokens, 256 chunks, beside a short one,
+    two heads), and segments of two chunks forced at a GPU test's shape:
+    output, final state and every gradient as the reference."""
+    from linearize.ops.triton import linear_bwd, linear_fwd
+    from linearize.ops.triton.layout import Layout
+
+    cu = [0, 100, 16484]
+    layout = Layout(torch.zeros(1, 16484, 4, 64, device="cuda"), torch.zeros(1, 16484, 2, 64, device="cuda"),
+                    torch.tensor(cu, device="cuda"))
+    assert layout.longest == 256 and linear_fwd.linear_segment(layout, torch.device("cuda")) == linear_fwd.SEGMENT
+    check(dtype, "cuda", 1, 16484, 2, 2, 64, 64, cu)
+    for module in (linear_fwd, linear_bwd):
+        monkeypatch.setattr(module, "linear_segment", lambda layout, device: 2)
+    check(dtype, "cuda", 1, 1000, 2, 2, 64, 64, [0, 300, 300, 1000], decay=30.0)
 
 
 def test_vala_block_training_on_the_triton_kernels_equals_torch():

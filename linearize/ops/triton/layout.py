@@ -55,8 +55,9 @@ def n_slots(NC: int, N: int, every: int) -> int:
 
 def _chunk_tables(cu_seqlens: torch.Tensor) -> tuple:
     """``(chunk_indices [NC, 2] = (sequence, chunk in sequence), chunk_offsets [N+1], NC, counts, groups)``:
-    ``counts`` the chunks of each sequence, on the host; ``groups`` the output kernel's group tables by group
-    size, filled by ``Layout.groups``. One device→host copy of ``cu_seqlens`` (the grid size depends on
+    ``counts`` the chunks of each sequence, on the host; ``groups`` the group tables by group size (the
+    output kernel's, the state kernels' segments) and their offsets, filled by ``Layout.groups`` and
+    ``Layout.group_offsets``. One device→host copy of ``cu_seqlens`` (the grid size depends on
     it); the rest is vectorized."""
     dev = cu_seqlens.device
     cu = cu_seqlens.to("cpu", torch.int64)
@@ -137,6 +138,26 @@ class Layout:
             table = _grid(self.N, int(counts[0]) if self.N else 0, self.device) if self.dense else _indices(counts, self.device)
             self._groups[E] = (table, int(counts.sum()))
         return self._groups[E]
+
+    def group_offsets(self, E: int) -> torch.Tensor:
+        """``[N + 1]`` int32: where each sequence's groups of ``E`` chunks (:meth:`groups`) start among all
+        groups. On the GPU for a dense batch; for packed documents one host → device copy, kept."""
+        key = ("offsets", E)
+        if key not in self._groups:
+            counts = (self._counts + E - 1) // E
+            if self.dense:
+                n = int(counts[0]) if self.N else 0
+                off = torch.arange(0, (self.N + 1) * n, n, dtype=torch.int32, device=self.device) if n else \
+                    torch.zeros(self.N + 1, dtype=torch.int32, device=self.device)
+            else:
+                off = torch.cat([counts.new_zeros(1), counts.cumsum(0)]).to(self.device, torch.int32)
+            self._groups[key] = off
+        return self._groups[key]
+
+    @property
+    def longest(self) -> int:
+        """Chunks of the longest sequence (read from the host's counts: no device sync)."""
+        return int(self._counts.max()) if self.N else 0
 
     @staticmethod
     def flat(*xs):

@@ -27,7 +27,7 @@ kernels sum the same thing grouped by what ``g_r`` moves — ``exp(G_i)`` for i 
 
 Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward's states again
 (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
-every chunk and ``dh₀``; ``_dv_kernel`` per (V block, chunk, KV head) and
+every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it: :func:`state_bwd_h`); ``_dv_kernel`` per (V block, chunk, KV head) and
 ``_dqkwg_kernel`` per (chunk, KV head) the rest. Both loop over the G query heads of their KV head, so dk, dv,
 dw and dg are summed over them without atomics. Dots in the input dtype with fp32 accumulation (IEEE fp32
 for fp32 inputs).
@@ -42,11 +42,13 @@ import triton.language as tl
 from ..common import TRITON_DTYPES, cdiv
 from .layout import BT, Layout, chunk_at, sequence_at
 from .linear_fwd import (
+    carry_segments,
     chunk_gates,
     linear_attention_triton,
     linear_bv,
     linear_fwd_h,
     linear_gates,
+    linear_segment,
     linear_state_bk,
     linear_state_bv,
     pair_decays,
@@ -57,14 +59,27 @@ from .tiles import mm
 
 @triton.jit
 def _state_bwd_kernel(
-    q, qdec, decay, do, dhs, dht, dh0, cu_seqlens, chunk_offsets, scale,
+    q, qdec, decay, do, dhs, dht, dh0, dseg, cu_seqlens, chunk_offsets, segments, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_DHT: tl.constexpr, STORE_DH0: tl.constexpr, IEEE: tl.constexpr,
+    BV: tl.constexpr, E: tl.constexpr, USE_DHT: tl.constexpr, STORE_DHS: tl.constexpr, STORE_DH0: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
+    """Per (V block, K block, chain × KV head), over the chain's chunks from its end: a chain is a whole sequence
+    (``E`` = 0) or a segment of ``E`` chunks (``segments``, as the forward's state kernel cuts them); ``dht``/
+    ``dh0`` the gradient of the state leaving/entering each chain, and with ``E`` > 0 and ``STORE_DH0``
+    ``dseg`` the chain's total decay."""
     HQ: tl.constexpr = H * G
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_c, i_h = i_nh // H, i_nh % H  # the chain
+    if E == 0:
+        i_n, c0 = i_c, 0
+    else:
+        i_n = tl.load(segments + i_c * 2).to(tl.int64)
+        c0 = tl.load(segments + i_c * 2 + 1).to(tl.int64) * E
     bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
+    c1 = tl.cdiv(T, BT)
+    if E > 0:
+        c1 = tl.minimum(c0 + E, c1)
     o_k, o_v, o_r = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
@@ -76,13 +91,17 @@ def _state_bwd_kernel(
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
         b_dh = tl.load(dht + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0).to(tl.float32)
-    NT = tl.cdiv(T, BT)
-    for i in range(NT):
-        i_t = NT - 1 - i
+    b_d = tl.full([], 1.0, tl.float32)
+    for i in range(c1 - c0):
+        i_t = c1 - 1 - i
         t0 = i_t * BT
         m_t = o_r < T - t0
-        tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)  # dh₁ of chunk i_t
-        b_dh = b_dh * tl.load(decay + i_t * H)  # exp(G_C)
+        if STORE_DHS:  # dh₁ of chunk i_t
+            tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)
+        b_e = tl.load(decay + i_t * H)  # exp(G_C)
+        b_dh = b_dh * b_e
+        if E > 0:
+            b_d *= b_e
         gs = tl.load(qdec + (t0 + o_r) * H, mask=m_t, other=0.0) * scale  # exp(G_r) scale
         for i_g in range(G):
             b_q = tl.load(q + (t0 + o_r)[:, None] * (HQ * K) + i_g * K + o_k[None, :],
@@ -92,6 +111,8 @@ def _state_bwd_kernel(
             b_dh += mm(tl.trans(b_q), b_do.to(tl.float32) * gs[:, None], b_q, IEEE)  # Σ_r exp(G_r) q̃_r do_rᵀ
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + p_h, b_dh.to(dh0.dtype.element_ty), mask=m_h)
+        if E > 0:  # every (V, K) block of the chain stores the same value
+            tl.store(dseg + i_nh, b_d)
 
 
 @triton.jit
@@ -194,6 +215,30 @@ def _dqkwg_kernel(
     tl.store(dg + rows * H + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
+def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: dict) -> None:
+    """``dhs`` (the gradient of the state leaving every chunk) and ``dh0``, by ``_state_bwd_kernel`` over each
+    sequence, or where the forward cuts its chain (:func:`~linearize.ops.triton.linear_fwd.linear_segment`) over
+    segments: each segment's own gradient from zero and decay, the chain over the segments from the end
+    (:func:`~linearize.ops.triton.linear_fwd.carry_segments`), then each segment again from the gradient leaving it, storing."""
+    E = linear_segment(L, q.device)
+    segments, NS = L.groups(E) if E else (L.cu_seqlens, L.N)
+    SBV = linear_state_bv(L, q.device, NS)
+    SBK = linear_state_bk(L, SBV, q.device, NS)
+    grid = (cdiv(L.V, SBV), cdiv(L.K, SBK), NS * L.H)
+    common = {**c, "BK": SBK, "BV": SBV, "E": E, "num_warps": 4}
+    if E:
+        dloc, dout = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=q.device) for _ in range(2))
+        dseg = torch.empty(NS, L.H, dtype=torch.float32, device=q.device)
+        _state_bwd_kernel[grid](q, qdec, decay, do, dhs, dhs, dloc, dseg, L.cu_seqlens, L.chunk_offsets, segments,
+                                scale, USE_DHT=False, STORE_DHS=False, STORE_DH0=True, **common)
+        carry_segments(L, E, SBK, SBV, dloc, dseg, dout, dht, dh0, reverse=True)
+        dht, dh0 = dout, None
+    _state_bwd_kernel[grid](
+        q, qdec, decay, do, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, decay,
+        L.cu_seqlens, L.chunk_offsets, segments, scale, USE_DHT=dht is not None, STORE_DHS=True,
+        STORE_DH0=dh0 is not None, **common)
+
+
 def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, do, dht, cu_seqlens) -> tuple:
     """``(dq, dk, dv, dg, dw, dh0)`` of :func:`linear_attention_triton`'s output ``o`` and final state, each in
     its input's dtype (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]``
@@ -222,12 +267,7 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     BK, BV = block_k(K), linear_bv(K, V)
     c = {"H": H, "G": G, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee,
          "num_stages": 1 if BK > 128 else (2 if ieee else 3)}  # the GDN backward's rule (shared memory)
-    SBV = linear_state_bv(L, dev)
-    SBK = linear_state_bk(L, SBV, dev)
-    _state_bwd_kernel[(cdiv(V, SBV), cdiv(K, SBK), L.N * H)](
-        qf, qdec, decay, dof, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, L.cu_seqlens,
-        L.chunk_offsets, float(scale), USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BK": SBK, "BV": SBV},
-        num_warps=4)
+    state_bwd_h(L, qf, qdec, decay, dof, dhs, dht, dh0, float(scale), c)
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, wf, dof, dhs, dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), **c, num_warps=4)
     _dqkwg_kernel[(L.NC, H)](

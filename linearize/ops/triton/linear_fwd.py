@@ -4,7 +4,10 @@
    the state entering each chunk and carry ``h ← exp(G_C) h + Σ_j exp(G_C − G_j) w_j k_j v_jᵀ`` in float32
    (no delta rule couples a state's rows, so a program may hold a block of the key channels); the factors
    ``exp(G_C)`` and ``w_j exp(G_C − G_j)`` come from a pass over every chunk at once before it, so that the
-   chain over the chunks does no scan of its own;
+   chain over the chunks does no scan of its own. Where a few long sequences would leave the GPU's SMs idle
+   along one chain of hundreds of chunks, the chain is cut into segments of ``E`` chunks (:func:`linear_segment`):
+   each segment's own state from zero and total decay in parallel, a short chain over the segments for the
+   state entering each (:func:`_linear_carry_kernel`), then each segment again from that state, storing;
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
@@ -71,13 +74,24 @@ def _linear_gates_kernel(g, w, coef, decay, qdec, cu_seqlens, chunk_indices, chu
 
 @triton.jit
 def _linear_state_kernel(
-    k, v, coef, decay, hs, h0, ht, cu_seqlens, chunk_offsets,
+    k, v, coef, decay, hs, h0, ht, dseg, cu_seqlens, chunk_offsets, segments,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_H0: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
+    E: tl.constexpr, USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Per (V block, K block, chain × KV head): a chain is a whole sequence (``E`` = 0) or the segment of ``E``
+    chunks that row ``i`` of ``segments`` names (sequence, segment). ``h0``/``ht``: the state entering/leaving
+    each chain; with ``E`` > 0 and ``STORE_HT``, ``dseg`` gets the chain's total decay ``Π exp(G_C)``."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_n, i_h = i_nh // H, i_nh % H
+    i_c, i_h = i_nh // H, i_nh % H  # the chain
+    if E == 0:
+        i_n, c0 = i_c, 0
+    else:
+        i_n = tl.load(segments + i_c * 2).to(tl.int64)
+        c0 = tl.load(segments + i_c * 2 + 1).to(tl.int64) * E
     bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
+    c1 = tl.cdiv(T, BT)
+    if E > 0:
+        c1 = tl.minimum(c0 + E, c1)
     o_k, o_v, o_r = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
@@ -89,17 +103,53 @@ def _linear_state_kernel(
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
         b_h = tl.load(h0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0).to(tl.float32)
-    for i_t in range(tl.cdiv(T, BT)):
+    b_d = tl.full([], 1.0, tl.float32)
+    for i_t in range(c0, c1):
         t0 = i_t * BT
         m_t = o_r < T - t0
-        tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)  # the state entering chunk i_t
+        if STORE_HS:  # the state entering chunk i_t
+            tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)
         b_c = tl.load(coef + (t0 + o_r) * H, mask=m_t, other=0.0)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         b_kw = b_k.to(tl.float32) * b_c[:, None]  # w_j k_j exp(G_C − G_j)
-        b_h = b_h * tl.load(decay + i_t * H) + mm(tl.trans(b_kw), b_v, b_v, IEEE)
+        b_e = tl.load(decay + i_t * H)
+        b_h = b_h * b_e + mm(tl.trans(b_kw), b_v, b_v, IEEE)
+        if E > 0:
+            b_d *= b_e
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
+        if E > 0:  # every (V, K) block of the chain stores the same value
+            tl.store(dseg + i_nh, b_d)
+
+
+@triton.jit
+def _linear_carry_kernel(hloc, dseg, hin, h0, ht, seg_offsets, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BK: tl.constexpr, BV: tl.constexpr, USE_H0: tl.constexpr, STORE_HT: tl.constexpr,
+                         REVERSE: tl.constexpr):
+    """Per (V block, K block, sequence × KV head), over its segments in order (``REVERSE``: last first), the
+    chain the segmented state kernels leave: store the state ``hin`` entering each segment, then
+    ``h ← dseg·h + hloc`` with the segment's own total decay and own state from zero; ``h0`` starts the chain,
+    ``ht`` gets its end. The backward's gradient chain is the same, run from the sequence's end."""
+    i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_n, i_h = i_nh // H, i_nh % H
+    s0 = tl.load(seg_offsets + i_n).to(tl.int64)
+    ns = tl.load(seg_offsets + i_n + 1).to(tl.int64) - s0
+    o_k, o_v = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    p_h, m_h = o_k[:, None] * V + o_v[None, :], (o_k < K)[:, None] & (o_v < V)[None, :]
+    b_h = tl.zeros([BK, BV], dtype=tl.float32)
+    if USE_H0:
+        b_h = tl.load(h0 + i_nh.to(tl.int64) * K * V + p_h, mask=m_h, other=0.0).to(tl.float32)
+    for i in range(ns):
+        if REVERSE:
+            i_s = s0 + ns - 1 - i
+        else:
+            i_s = s0 + i
+        p_s = (i_s * H + i_h) * K * V + p_h
+        tl.store(hin + p_s, b_h, mask=m_h)
+        b_h = b_h * tl.load(dseg + i_s * H + i_h) + tl.load(hloc + p_s, mask=m_h, other=0.0)
+    if STORE_HT:
+        tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h.to(ht.dtype.element_ty), mask=m_h)
 
 
 @triton.jit
@@ -136,21 +186,38 @@ def linear_bv(K: int, V: int) -> int:
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
 
 
-def linear_state_bv(layout: Layout, device: torch.device) -> int:
-    """V block of the sequential state kernels (forward and backward): the GDN state kernels' rule
-    (:func:`~linearize.ops.triton.settings.state_bv`), narrower while too few (sequence, head) pairs fill the
-    GPU — at long T and a small batch the chain over the chunks is the whole cost."""
+SEGMENT = 16  # chunks per segment of a cut state chain (linear_segment)
+SEGMENT_FROM = 256  # the chunks of the longest sequence from which a chain is cut, where pairs are few
+
+
+def linear_segment(layout: Layout, device: torch.device) -> int:
+    """Chunks per segment of the sequential state kernels, or 0 (each sequence one chain): ``SEGMENT`` on CUDA
+    where (sequence, head) pairs are fewer than the SMs and a sequence reaches ``SEGMENT_FROM`` chunks — a chain
+    of a thousand small steps is then the whole cost, and cut in segments it runs as three chains of at most
+    ``SEGMENT`` and ``NC / SEGMENT`` steps, with a program per segment."""
     L = layout
-    return state_bv(L.K, L.V, L.ieee, L.N * L.H, sms_for(L.N * L.H, device))
+    sms = sms_for(L.N * L.H, device)
+    return SEGMENT if sms is not None and L.N * L.H < sms and L.longest >= SEGMENT_FROM else 0
 
 
-def linear_state_bk(layout: Layout, bv: int, device: torch.device) -> int:
+def linear_state_bv(layout: Layout, device: torch.device, chains: int | None = None) -> int:
+    """V block of the sequential state kernels (forward and backward): the GDN state kernels' rule
+    (:func:`~linearize.ops.triton.settings.state_bv`), narrower while too few (chain, head) pairs fill the
+    GPU — at long T and a small batch the chain over the chunks is the whole cost. ``chains``: the chains
+    (segments, :func:`linear_segment`; default one per sequence)."""
+    L = layout
+    pairs = (L.N if chains is None else chains) * L.H
+    return state_bv(L.K, L.V, L.ieee, pairs, sms_for(pairs, device))
+
+
+def linear_state_bk(layout: Layout, bv: int, device: torch.device, chains: int | None = None) -> int:
     """K block of the sequential state kernels (forward and backward): the whole key row, halved (down to 32)
-    while their programs — V blocks × K blocks × (sequence, head) pairs — would not give every SM of the GPU
+    while their programs — V blocks × K blocks × (chain, head) pairs — would not give every SM of the GPU
     one (off CUDA: whole)."""
     L = layout
-    bk, sms = block_k(L.K), sms_for(L.N * L.H, device)
-    while sms is not None and bk > 32 and L.N * L.H * cdiv(L.V, bv) * cdiv(L.K, bk) < sms:
+    pairs = (L.N if chains is None else chains) * L.H
+    bk, sms = block_k(L.K), sms_for(pairs, device)
+    while sms is not None and bk > 32 and pairs * cdiv(L.V, bv) * cdiv(L.K, bk) < sms:
         bk //= 2
     return bk
 
@@ -168,6 +235,17 @@ def linear_gates(layout: Layout, g, w, query_decays: bool = False) -> tuple:
     return coef, decay, qdec
 
 
+def carry_segments(L: Layout, E: int, BK: int, BV: int, hloc, dseg, hin, h0, ht, *, reverse: bool) -> None:
+    """The chain over each sequence's segments of ``E`` chunks (:func:`_linear_carry_kernel`): ``hin`` ``[NS, H,
+    K, V]`` gets the state entering each segment (``reverse``: the gradient leaving it) from the segments' own
+    ``hloc`` and total decays ``dseg``; ``h0`` (or None: zero) starts each sequence's chain, ``ht`` (when given)
+    gets its end."""
+    _linear_carry_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), L.N * L.H)](
+        hloc, dseg, hin, h0 if h0 is not None else hin, ht if ht is not None else hin, L.group_offsets(E),
+        H=L.H, K=L.K, V=L.V, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None, REVERSE=reverse,
+        num_warps=4)
+
+
 def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> None:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
@@ -175,12 +253,22 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
     :func:`linear_gates` of g and w, if made already."""
     L = layout
     coef, decay, _ = gates or linear_gates(L, g, w)
-    BV = linear_state_bv(L, k.device)
-    BK = linear_state_bk(L, BV, k.device)
-    _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), L.N * L.H)](
-        k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
-        L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=BK, BV=BV, USE_H0=h0 is not None, STORE_HT=ht is not None,
-        IEEE=L.ieee, num_warps=4)
+    E = linear_segment(L, k.device)
+    segments, NS = L.groups(E) if E else (L.cu_seqlens, L.N)
+    BV = linear_state_bv(L, k.device, NS)
+    BK = linear_state_bk(L, BV, k.device, NS)
+    grid = (cdiv(L.V, BV), cdiv(L.K, BK), NS * L.H)
+    common = {"H": L.H, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "E": E, "IEEE": L.ieee, "num_warps": 4}
+    if E:  # each segment's own state and decay, the chain over the segments, then each segment from its state
+        hloc, hin = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device) for _ in range(2))
+        dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
+        _linear_state_kernel[grid](k, v, coef, decay, hs, hs, hloc, dseg, L.cu_seqlens, L.chunk_offsets, segments,
+                                   USE_H0=False, STORE_HS=False, STORE_HT=True, **common)
+        carry_segments(L, E, BK, BV, hloc, dseg, hin, h0, ht, reverse=False)
+        h0, ht = hin, None
+    _linear_state_kernel[grid](
+        k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, decay, L.cu_seqlens,
+        L.chunk_offsets, segments, USE_H0=h0 is not None, STORE_HS=True, STORE_HT=ht is not None, **common)
 
 
 def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,

@@ -94,15 +94,16 @@ def profile_calls(fn, iters=5, name_len=60, ops: dict | None = None, gaps: dict 
     return dict(sorted(out.items(), key=lambda kv: -kv[1])), wall
 
 
-def breakdown(shapes, fla, op="gdn"):
+def breakdown(shapes, fla, op="gdn", save=lambda res: None):
+    """Per shape, implementation and mode: the kernels' GPU time and the idle gaps; ``save`` is called with the
+    rows so far after each one (a run stopped by a time limit keeps what it measured)."""
     res = {}
     for name in shapes:
-        res.update(_breakdown_shape(name, fla, op))
+        _breakdown_shape(name, fla, op, res, save)
     return res
 
 
-def _breakdown_shape(name, fla, op):
-    res = {}
+def _breakdown_shape(name, fla, op, res, save):
     B, T, HQ, H, K, V = SHAPES[name]
     q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda")
     ts = (q, k, v, g, beta)
@@ -127,7 +128,7 @@ def _breakdown_shape(name, fla, op):
                 print(f"  {us:9.1f} us  {kname}")
             for gap in gaps["largest"][:3]:
                 print(f"  idle {gap['us']:.1f} us after {gap['after']}: {list(gap['host_ops_us'])[:4]}")
-    return res
+            save(res)
 
 
 def bench(fn):
@@ -250,10 +251,15 @@ def main():
     fla, guard = (None, False) if args.no_fla else load_fla(args.op)  # as load_fla returns when fla is missing
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard, "op": args.op,
-           "breakdown_us_per_call": {} if args.no_breakdown else breakdown(shapes, fla, args.op)}
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(out, indent=1))
+           "breakdown_us_per_call": {}}
+
+    def save(rows):  # the file after every row
+        out["breakdown_us_per_call"] = rows
+        if args.output:
+            args.output.parent.mkdir(parents=True, exist_ok=True)
+            args.output.write_text(json.dumps(out, indent=1))
+
+    save(out["breakdown_us_per_call"] if args.no_breakdown else breakdown(shapes, fla, args.op, save))
     if args.sweep:
         out["sweep_us"] = sweep(shapes, args.sweep.split(","))
         if args.output:

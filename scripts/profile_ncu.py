@@ -1,9 +1,12 @@
 """Why each forward kernel takes the time it does: Nsight Compute on one forward, summarized as JSON.
 
     python scripts/profile_ncu.py --output results/ncu_forward_2x8192.json
+    python scripts/profile_ncu.py --op kda --sass _scores_kernel --output results/ncu_kda_2x8192.json
 
 For every kernel of the forward (solve, prepare, state, output) this runs ``ncu --set full`` on the third
-of three forwards at one shape (the first two compile and warm up), then reads the raw metrics back
+of three forwards at one shape (the first two compile and warm up); ``--op kda``: every kernel of KDA's
+forward and backward (``ops/triton/kda_fwd.py``, ``kda_bwd.py``), on the third call of each of three
+forward+backward passes (prepare and state run in both: their forward's second pass). Then it reads the raw metrics back
 (``ncu --page raw --csv``) and keeps the ones that say where the time goes: duration, registers, shared
 memory, warps per SM, issue activity, DRAM and tensor-pipe use, register spills, and the warp stall
 reasons (stalled warps per issued instruction: with one warp per scheduler their sum is the cycles between
@@ -31,7 +34,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_kernels import SHAPES  # noqa: E402  (the same named shapes as the per-kernel breakdown)
 
-KERNELS = ("_solve_kernel", "_prepare_kernel", "_state_kernel", "_output_kernel")
+KERNELS = {"gdn": ("_solve_kernel", "_prepare_kernel", "_state_kernel", "_output_kernel"),
+           "kda": ("_scores_kernel", "_solve_kernel", "_prepare_kernel", "_state_kernel", "_output_kernel",
+                   "_state_bwd_kernel", "_dv_local_kernel", "_dqk_kernel", "_wy_bwd_kernel", "_intra_bwd_kernel")}
 NCU = ["ncu", "--clock-control", "none", "--set", "full", "--import-source", "no", "-s", "2", "-c", "1"]
 METRICS = {  # raw metric → name in the JSON (its unit, as ncu printed it, under "units")
     "gpu__time_duration.sum": "duration",
@@ -53,16 +58,18 @@ METRICS = {  # raw metric → name in the JSON (its unit, as ncu printed it, und
 }
 STALL = ("smsp__average_warps_issue_stalled_", "_per_issue_active.ratio")
 
-# one forward, run three times (the script profiles the third)
+# one forward, run three times (the script profiles the third); kda: forward+backward, g per key channel
 FORWARD = """
 import sys, torch
 sys.path.insert(0, {scripts!r})
 from bench_kernels import inputs
 from linearize.ops import gated_delta_rule
-q, k, v, g, beta = inputs(*{shape!r})
-with torch.no_grad():
-    for _ in range(3):
-        gated_delta_rule(q, k, v, g, beta, scale={scale!r}, backend="triton")
+q, k, v, g, beta = inputs(*{shape!r}, per_channel={kda!r})
+for _ in range(3):
+    with torch.set_grad_enabled({kda!r}):
+        o, _ = gated_delta_rule(q, k, v, g, beta, scale={scale!r}, backend="triton")
+    if {kda!r}:
+        o.float().square().mean().backward()
 torch.cuda.synchronize()
 """
 
@@ -116,16 +123,16 @@ def summarize_sass(path: Path, top: int = 25) -> dict:
             "pct_of_samples_by_opcode": {k: round(100 * v / total, 1) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:15]}}
 
 
-def run_ncu(shape: str, out_dir: Path, sass_kernel: str) -> list[str]:
-    """ncu once per kernel on the third forward; raw metrics to ``raw<kernel>.csv``, SASS of ``sass_kernel``
-    to ``sass.csv``. Returns the ncu command lines."""
+def run_ncu(shape: str, out_dir: Path, sass_kernel: str, op: str = "gdn") -> list[str]:
+    """ncu once per kernel of ``op`` on the third call; raw metrics to ``raw<kernel>.csv``, SASS of
+    ``sass_kernel`` to ``sass.csv``. Returns the ncu command lines."""
     B, T, HQ, H, K, V = SHAPES[shape]
     script = out_dir / "forward.py"
     scripts = str(Path(__file__).resolve().parent)
-    script.write_text(FORWARD.format(scripts=scripts, shape=(B, T, HQ, H, K, V), scale=K**-0.5))
+    script.write_text(FORWARD.format(scripts=scripts, shape=(B, T, HQ, H, K, V), scale=K**-0.5, kda=op == "kda"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(scripts).parent), os.environ.get("PYTHONPATH", "")])}
     commands = []
-    for kern in KERNELS:
+    for kern in KERNELS[op]:
         rep = out_dir / f"{kern}.ncu-rep"
         cmd = [*NCU, "-k", f"regex:{kern}", "-f", "-o", str(rep.with_suffix("")), sys.executable, str(script)]
         commands.append(" ".join(cmd))
@@ -143,10 +150,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
     p.add_argument("--shape", default="2x8192", choices=list(SHAPES))
-    p.add_argument("--sass", default="_state_kernel", choices=KERNELS, help="the kernel whose SASS stalls are kept")
+    p.add_argument("--op", choices=tuple(KERNELS), default="gdn", help="the operator: gdn (forward) or kda "
+                   "(forward+backward)")
+    p.add_argument("--sass", default="_state_kernel", choices=sorted({k for ks in KERNELS.values() for k in ks}),
+                   help="the kernel whose SASS stalls are kept")
     p.add_argument("--raw-dir", type=Path, default=None, help="summarize CSVs collected earlier instead of running ncu")
     args = p.parse_args()
-    out = {"command": " ".join(["python", *sys.argv]), "shape": args.shape, "ncu_options": " ".join(NCU[1:]),
+    if args.sass not in KERNELS[args.op]:
+        p.error(f"--sass {args.sass} is not a kernel of {args.op}: one of {', '.join(KERNELS[args.op])}")
+    out = {"command": " ".join(["python", *sys.argv]), "shape": args.shape, "op": args.op,
+           "ncu_options": " ".join(NCU[1:]),
            "reading": "stalls_per_issue: stalled warps per issued instruction by reason (ncu's "
                       "smsp__average_warps_issue_stalled_*_per_issue_active); 'selected' is the issue itself"}
     with tempfile.TemporaryDirectory() as tmp:
@@ -157,8 +170,8 @@ def main():
 
             out.update(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                        ncu=subprocess.run(["ncu", "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1])
-            out["ncu_commands"] = run_ncu(args.shape, raw, args.sass)
-        out["kernels"] = {k: summarize_raw(raw / f"raw{k}.csv") for k in KERNELS if (raw / f"raw{k}.csv").exists()}
+            out["ncu_commands"] = run_ncu(args.shape, raw, args.sass, args.op)
+        out["kernels"] = {k: summarize_raw(raw / f"raw{k}.csv") for k in KERNELS[args.op] if (raw / f"raw{k}.csv").exists()}
         if (raw / "sass.csv").exists():
             out[f"sass{args.sass}"] = summarize_sass(raw / "sass.csv")
     for k, s in out["kernels"].items():

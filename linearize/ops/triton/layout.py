@@ -37,6 +37,23 @@ def sequence_at(cu_seqlens, chunk_offsets, i_n):
 
 
 @triton.jit
+def chain_at(segments, cu_seqlens, chunk_offsets, i_c, E: tl.constexpr, BT: tl.constexpr):
+    """(bos, T, boh, c0, c1) of chain ``i_c`` of a sequential state kernel: sequence ``i_c`` whole (``E`` = 0:
+    its chunks 0 … c1 − 1), or the segment of ``E`` chunks that row ``i_c`` of ``segments`` (``Layout.groups(E)``)
+    names, chunks c0 … c1 − 1 of its sequence; bos, T, boh as :func:`sequence_at` gives them."""
+    if E == 0:
+        i_n, c0 = i_c, 0
+    else:
+        i_n = tl.load(segments + i_c * 2).to(tl.int64)
+        c0 = tl.load(segments + i_c * 2 + 1).to(tl.int64) * E
+    bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
+    c1 = tl.cdiv(T, BT)
+    if E > 0:
+        c1 = tl.minimum(c0 + E, c1)
+    return bos, T, boh, c0, c1
+
+
+@triton.jit
 def state_slot(boh, i_n, i_c, EVERY: tl.constexpr):
     """Row of ``hs`` holding the state entering chunk ``i_c`` (a multiple of ``EVERY``) of sequence ``i_n``,
     whose first chunk is chunk ``boh`` overall: that chunk's row when every state is kept, else

@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from ..common import TRITON_DTYPES, cdiv
-from .layout import BT, Layout, chunk_at, sequence_at
+from .layout import BT, Layout, chain_at, chunk_at
 from .linear_fwd import (
     carry_segments,
     chunk_gates,
@@ -71,15 +71,7 @@ def _state_bwd_kernel(
     HQ: tl.constexpr = H * G
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_h = i_nh // H, i_nh % H  # the chain
-    if E == 0:
-        i_n, c0 = i_c, 0
-    else:
-        i_n = tl.load(segments + i_c * 2).to(tl.int64)
-        c0 = tl.load(segments + i_c * 2 + 1).to(tl.int64) * E
-    bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
-    c1 = tl.cdiv(T, BT)
-    if E > 0:
-        c1 = tl.minimum(c0 + E, c1)
+    bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_c, E, BT)
     o_k, o_v, o_r = i_k * BK + tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
     p_h, m_h = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]

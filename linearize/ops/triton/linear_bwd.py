@@ -27,8 +27,9 @@ kernels sum the same thing grouped by what ``g_r`` moves — ``exp(G_i)`` for i 
 
 Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward's states again
 (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
-every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it: :func:`state_bwd_h`); ``_dv_kernel`` per (V block, chunk, KV head) and
-``_dqkwg_kernel`` per (chunk, KV head) the rest. Both loop over the G query heads of their KV head, so dk, dv,
+every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it:
+:func:`state_bwd_h`); ``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head)
+the rest. Both loop over the G query heads of their KV head, so dk, dv,
 dw and dg are summed over them without atomics. Dots in the input dtype with fp32 accumulation (IEEE fp32
 for fp32 inputs).
 """
@@ -211,7 +212,8 @@ def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: d
     """``dhs`` (the gradient of the state leaving every chunk) and ``dh0``, by ``_state_bwd_kernel`` over each
     sequence, or where the forward cuts its chain (:func:`~linearize.ops.triton.linear_fwd.linear_segment`) over
     segments: each segment's own gradient from zero and decay, the chain over the segments from the end
-    (:func:`~linearize.ops.triton.linear_fwd.carry_segments`), then each segment again from the gradient leaving it, storing."""
+    (:func:`~linearize.ops.triton.linear_fwd.carry_segments`), then each segment again from the gradient
+    leaving it, storing."""
     E = linear_segment(L, q.device)
     segments, NS = L.groups(E) if E else (L.cu_seqlens, L.N)
     SBV = linear_state_bv(L, q.device, NS)

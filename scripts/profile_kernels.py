@@ -253,17 +253,19 @@ def main():
            "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard, "op": args.op,
            "breakdown_us_per_call": {}}
 
-    def save(rows):  # the file after every row
-        out["breakdown_us_per_call"] = rows
+    def write():
         if args.output:
             args.output.parent.mkdir(parents=True, exist_ok=True)
             args.output.write_text(json.dumps(out, indent=1))
 
-    save(out["breakdown_us_per_call"] if args.no_breakdown else breakdown(shapes, fla, args.op, save))
+    def save(rows):  # after every breakdown row: a run stopped by a time limit keeps what it measured
+        out["breakdown_us_per_call"] = rows
+        write()
+
+    save({} if args.no_breakdown else breakdown(shapes, fla, args.op, save))
     if args.sweep:
         out["sweep_us"] = sweep(shapes, args.sweep.split(","))
-        if args.output:
-            args.output.write_text(json.dumps(out, indent=1))
+        write()
 
 
 if __name__ == "__main__":

@@ -51,10 +51,6 @@ def _scores_kernel(
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     n = tl.minimum(T - i_c * BT, BT)
-    o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    m_t = o_r < n
-    rows = bos + i_c * BT + o_r
-    m_tk, m_tt = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_r < BT)[None, :]
     r0 = bos + i_c * BT
     p0 = (r0 * H + i_h) * K  # the chunk's first row of k and g
     if STORE_P:
@@ -75,6 +71,10 @@ def _scores_kernel(
         sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
                         SUB, G, BT)
     else:
+        o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
+        m_t = o_r < n
+        rows = r0 + o_r
+        m_tk, m_tt = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_r < BT)[None, :]
         p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
         b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
         b_G = chunk_log_decay(g, p_k, m_tk)

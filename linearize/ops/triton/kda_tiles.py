@@ -94,21 +94,11 @@ def decayed_scores(a, b, pb, pg, stride, G, n, K: tl.constexpr, STRICT: tl.const
 
 
 @triton.jit
-def _dot(a, b, dt: tl.constexpr, IEEE: tl.constexpr):
-    """a @ b (float32 tiles) with float32 accumulation: IEEE fp32, or both cast to ``dt`` (the inputs' 16-bit dtype)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    else:
-        return tl.dot(a.to(dt), b.to(dt))
-
-
-@triton.jit
 def _sub_rows(p, stride, s, n, K: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
     """Rows ``s·SUB …`` of sub-chunk ``s`` of the row-major tile at ``p`` (row stride ``stride``), channels < K,
-    0 past the document's ``n`` rows, as float32: a (SUB, BK) tile."""
+    0 past the document's ``n`` rows, in memory's dtype: a (SUB, BK) tile."""
     o, o_k = s * SUB + tl.arange(0, SUB), tl.arange(0, BK)
-    return tl.load(p + o[:, None] * stride + o_k[None, :], mask=(o < n)[:, None] & (o_k < K)[None, :],
-                   other=0.0).to(tl.float32)
+    return tl.load(p + o[:, None] * stride + o_k[None, :], mask=(o < n)[:, None] & (o_k < K)[None, :], other=0.0)
 
 
 @triton.jit
@@ -116,9 +106,9 @@ def cross_blocks(pa, pb, pg, stride_a, stride, n, pw, stride_w, pma, stride_ma, 
                  BK: tl.constexpr, SUB: tl.constexpr, NA: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
     """The entries of :func:`decayed_scores` outside the sub-chunks' strictly lower triangles, in (SUB, SUB)
     blocks: ``M_rj`` for r in sub-chunk s and j in an earlier sub-chunk t, of (b, b) times ``w_r`` (float32, at
-    ``pmb + r·stride_mb + j``) and of (a_h, b) for the
-    ``NA`` matrices a_h (``K`` apart in memory; in ``pma``'s dtype, at ``pma + r·stride_ma + h·BT + j``); the
-    entries on and above the diagonal too: 0, and ``Σ_i a_ri b_ri`` on the diagonal of each (a_h, b). The entries
+    ``pmb + r·stride_mb + j``) and of (a_h, b) for the ``NA`` matrices a_h (``K`` apart in memory; in ``pma``'s
+    dtype, at ``pma + r·stride_ma + h·BT + j``); the entries on and above the diagonal too: 0, and
+    ``Σ_i a_ri b_ri`` on the diagonal of each (a_h, b). The entries
     inside the sub-chunks' strictly lower triangles are :func:`sub_chunk_pairs`'. Pointers and strides as
     :func:`sub_chunk_pairs` takes them; ``w_r`` at ``pw + r·stride_w``.
 
@@ -135,32 +125,33 @@ def cross_blocks(pa, pb, pg, stride_a, stride, n, pw, stride_w, pma, stride_ma, 
             m_r = r < n
             m_u = m_r[:, None] & (r[:, None] <= o_c[None, :])  # on and above the diagonal: 0, or the diagonal
             tl.store(pmb + r[:, None] * stride_mb + o_c[None, :], tl.zeros([SUB, BT], dtype=tl.float32), mask=m_u)
-            b_s = _sub_rows(pb, stride, s, n, K, BK, SUB)
+            b_in = _sub_rows(pb, stride, s, n, K, BK, SUB)  # in the inputs' dtype: the dots' (tiles.mm)
+            b_s = b_in.to(tl.float32)
             for h in range(NA):
-                diag = tl.sum(_sub_rows(pa + h * K, stride_a, s, n, K, BK, SUB) * b_s, 1)
+                diag = tl.sum(_sub_rows(pa + h * K, stride_a, s, n, K, BK, SUB).to(tl.float32) * b_s, 1)
                 tl.store(pma + r[:, None] * stride_ma + h * BT + o_c[None, :],
                          tl.where(r[:, None] == o_c[None, :], diag[:, None], 0.0).to(pma.dtype.element_ty), mask=m_u)
             if s > 0:
                 first = tl.load(pg + (s * SUB) * stride + o_k, mask=m_k, other=0.0).to(tl.float32)
-                ea = tl.exp(tl.where(m_r[:, None], tl.cumsum(_sub_rows(pg, stride, s, n, K, BK, SUB), 0) - first[None, :],
-                                     float("-inf")))
+                g_s = _sub_rows(pg, stride, s, n, K, BK, SUB).to(tl.float32)
+                ea = tl.exp(tl.where(m_r[:, None], tl.cumsum(g_s, 0) - first[None, :], float("-inf")))
                 b_s = b_s * ea
                 w = tl.load(pw + r * stride_w, mask=m_r, other=0.0).to(tl.float32)
                 between = first  # Σ of the log-decays after sub-chunk t's end up to row s·SUB
                 for i in tl.static_range(0, s):
                     t = s - 1 - i  # the sub-chunks before s, nearest first
-                    g_t = _sub_rows(pg, stride, t, n, K, BK, SUB)
+                    g_t = _sub_rows(pg, stride, t, n, K, BK, SUB).to(tl.float32)
                     tot = tl.sum(g_t, 0)
                     # G_s − G_j for j in t: the log-decays after j inside t, the sub-chunks between, row s·SUB's own
-                    bt = tl.trans(_sub_rows(pb, stride, t, n, K, BK, SUB) *
+                    bt = tl.trans(_sub_rows(pb, stride, t, n, K, BK, SUB).to(tl.float32) *
                                   tl.exp(tot[None, :] - tl.cumsum(g_t, 0) + between[None, :]))
                     c = t * SUB + o  # the columns of sub-chunk t
-                    tl.store(pmb + r[:, None] * stride_mb + c[None, :],
-                             _dot(b_s, bt, pb.dtype.element_ty, IEEE) * w[:, None], mask=m_r[:, None])
+                    tl.store(pmb + r[:, None] * stride_mb + c[None, :], mm(b_s, bt, b_in, IEEE) * w[:, None],
+                             mask=m_r[:, None])
                     for h in range(NA):
-                        a_s = _sub_rows(pa + h * K, stride_a, s, n, K, BK, SUB) * ea
+                        a_s = _sub_rows(pa + h * K, stride_a, s, n, K, BK, SUB).to(tl.float32) * ea
                         tl.store(pma + r[:, None] * stride_ma + h * BT + c[None, :],
-                                 _dot(a_s, bt, pb.dtype.element_ty, IEEE).to(pma.dtype.element_ty), mask=m_r[:, None])
+                                 mm(a_s, bt, b_in, IEEE).to(pma.dtype.element_ty), mask=m_r[:, None])
                     between += tot
 
 

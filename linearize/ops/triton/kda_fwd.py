@@ -4,8 +4,8 @@ its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stag
 0. ``_scores_kernel``   per (chunk, KV head): ``G`` the in-chunk cumulative log-decay per channel, the in-chunk
    scores with their pairwise decays per channel, ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))``
    (float32 scratch) and every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r), in the same
-   pass as A (they share the pairwise decays: :func:`kda_tiles.cross_blocks` between sub-chunks, one
-   (16, 16) block at a time, :func:`kda_tiles.sub_chunk_pairs` inside them);
+   pass as A (they share the pairwise decays: :func:`kda_tiles.cross_scores_pair`,
+   :func:`kda_tiles.sub_chunk_pairs`);
    ``_solve_kernel`` per (chunk, KV head), one warp: ``T = (I + A)⁻¹`` as the GDN solve inverts it
    (:func:`solve.store_inverse`). T and P are kept for the backward.
 1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, and for the state kernel
@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .kda_tiles import chunk_log_decay, cross_blocks, decayed_scores, row_of, sub_chunk_pairs
+from .kda_tiles import chunk_log_decay, cross_scores_pair, decayed_scores, row_of, sub_chunk_pairs
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k, sms_for
 from .solve import store_inverse
@@ -45,25 +45,43 @@ def _scores_kernel(
     """Per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (float32, to ``am``) and,
     with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
     dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays: those
-    between sub-chunks once per block pair for A and every head (:func:`kda_tiles.cross_blocks`), those inside a
-    sub-chunk once for the whole GQA group (:func:`kda_tiles.sub_chunk_pairs`)."""
+    between sub-chunks per head (:func:`kda_tiles.cross_scores_pair`), those inside a sub-chunk once for the
+    whole GQA group (:func:`kda_tiles.sub_chunk_pairs`)."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     n = tl.minimum(T - i_c * BT, BT)
-    r0 = bos + i_c * BT
-    p0 = (r0 * H + i_h) * K  # the chunk's first row of k and g
+    o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    m_t = o_r < n
+    rows = bos + i_c * BT + o_r
+    m_tk, m_tt = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_r < BT)[None, :]
+    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+    b_G = chunk_log_decay(g, p_k, m_tk)
+    b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
+    p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
+    p_a = (rows * H + i_h)[:, None] * BT + o_r[None, :]
     if STORE_P:
-        # every product between sub-chunks as (SUB, SUB) blocks, 0 and the diagonal above them, then the entries
-        # inside the sub-chunks, rows by half sub-chunks; A with the first query head, every head's P beside it
-        pa = q + (r0 * HQ + i_h * G) * K
-        pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
-        cross_blocks(pa, k + p0, g + p0, HQ * K, H * K, n, beta + r0 * H + i_h, H, pma, HQ * BT, pmb, H * BT, K, BK,
-                     SUB, G, BT, IEEE)
+        p_q = (rows * HQ + i_h * G)[:, None] * K + o_k[None, :]
+        p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
+        b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
+        # the products between sub-chunks as (BT, BT) tiles, A with the first query head, stored but for the
+        # sub-chunks' strictly lower triangles, which sub_chunk_pairs then stores, rows by half sub-chunks
+        b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
+        m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
+        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
+        tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
+        for i_g in range(1, G):  # the other query heads of a GQA group
+            b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
+            b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
+            tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
         HS: tl.constexpr = SUB // 2
         o_h = tl.arange(0, BT // 2)
         c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
         c_hi = c_lo + HS  # the second half: keys up to SUB − 1 back
+        r0 = bos + i_c * BT
+        pa = q + (r0 * HQ + i_h * G) * K
+        pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
         w_lo = tl.load(beta + (r0 + c_lo) * H + i_h, mask=c_lo < n, other=0.0).to(tl.float32)
         sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_lo, n, w_lo, pma, HQ * BT, pmb, H * BT, K, BK, SUB, HS,
                         G, BT)
@@ -71,16 +89,8 @@ def _scores_kernel(
         sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
                         SUB, G, BT)
     else:
-        o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
-        m_t = o_r < n
-        rows = r0 + o_r
-        m_tk, m_tt = m_t[:, None] & (o_k < K)[None, :], m_t[:, None] & (o_r < BT)[None, :]
-        p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
-        b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
-        b_G = chunk_log_decay(g, p_k, m_tk)
-        b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
         b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE)
-        tl.store(am + (rows * H + i_h)[:, None] * BT + o_r[None, :], b_A * b_beta[:, None], mask=m_tt)
+        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_tt)
 
 
 @triton.jit

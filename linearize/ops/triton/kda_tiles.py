@@ -9,8 +9,7 @@ cumulative log-decay and the three products with a pairwise per-channel decay ``
 ``D`` is never split into ``exp(G_r)·exp(−G_j)``: the second factor overflows float32 once a chunk decays by
 more than e⁸⁸. As in :func:`linearize.ops.kda.decayed_scores`, between sub-chunks of ``SUB`` rows a product goes
 through the log-decay at the start of the row's sub-chunk, ``exp(G_r − G_s)·exp(G_s − G_j)``, both factors
-≤ 1, as one dot per sub-chunk (the forward's scores: one (SUB, SUB) block per pair of sub-chunks,
-:func:`cross_blocks`); inside a sub-chunk the pairwise decays are taken as they are, one
+≤ 1, as one dot per sub-chunk; inside a sub-chunk the pairwise decays are taken as they are, one
 sub-diagonal ``d`` at a time (``SUB − 1`` steps, the rows ``d`` away read again from memory), with the decay
 between the two rows summed from the ``d`` log-decays between them rather than taken as a difference of
 cumulative sums. Only the ``n`` rows inside the document are read; every exponent is masked before ``exp``,
@@ -19,8 +18,8 @@ of A's gradients together, on a slice of the channels (:func:`decayed_pairs`, in
 step d of a sub-chunk's rows then does left's pairs on the rows at least d in and right's on the others, so no
 row idles and one ``exp`` serves all four.
 
-Tiles: (BT, BK) rows of a chunk (BK all of K, or a slice of it), or (SUB, BK) rows of a sub-chunk, G float32;
-products in float32 (the dots in the inputs' dtype, or IEEE fp32).
+Tiles: (BT, BK) rows of a chunk (BK all of K, or a slice of it), G float32; products in float32 (the dots in the
+inputs' dtype, or IEEE fp32).
 """
 
 from __future__ import annotations
@@ -94,65 +93,25 @@ def decayed_scores(a, b, pb, pg, stride, G, n, K: tl.constexpr, STRICT: tl.const
 
 
 @triton.jit
-def _sub_rows(p, stride, s, n, K: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr):
-    """Rows ``s·SUB …`` of sub-chunk ``s`` of the row-major tile at ``p`` (row stride ``stride``), channels < K,
-    0 past the document's ``n`` rows, in memory's dtype: a (SUB, BK) tile."""
-    o, o_k = s * SUB + tl.arange(0, SUB), tl.arange(0, BK)
-    return tl.load(p + o[:, None] * stride + o_k[None, :], mask=(o < n)[:, None] & (o_k < K)[None, :], other=0.0)
-
-
-@triton.jit
-def cross_blocks(pa, pb, pg, stride_a, stride, n, pw, stride_w, pma, stride_ma, pmb, stride_mb, K: tl.constexpr,
-                 BK: tl.constexpr, SUB: tl.constexpr, NA: tl.constexpr, BT: tl.constexpr, IEEE: tl.constexpr):
-    """The entries of :func:`decayed_scores` outside the sub-chunks' strictly lower triangles, in (SUB, SUB)
-    blocks: ``M_rj`` for r in sub-chunk s and j in an earlier sub-chunk t, of (b, b) times ``w_r`` (float32, at
-    ``pmb + r·stride_mb + j``) and of (a_h, b) for the ``NA`` matrices a_h (``K`` apart in memory; in ``pma``'s
-    dtype, at ``pma + r·stride_ma + h·BT + j``); the entries on and above the diagonal too: 0, and
-    ``Σ_i a_ri b_ri`` on the diagonal of each (a_h, b). The entries
-    inside the sub-chunks' strictly lower triangles are :func:`sub_chunk_pairs`'. Pointers and strides as
-    :func:`sub_chunk_pairs` takes them; ``w_r`` at ``pw + r·stride_w``.
-
-    Through the log-decay at sub-chunk s's first row, as :func:`_factors`: ``exp(G_r − G_s)`` is the
-    sub-chunk's own in-chunk cumsum less its first row, and ``exp(G_s − G_j)`` sums the totals of the
-    sub-chunks between, each exponent a sum of log-decays ≤ 0. Each block is one (SUB, K) × (K, SUB) product:
-    (BT, BT) tiles through the factors of one sub-chunk at a time, as :func:`decayed_scores` takes them, would
-    make every product and factor for all BT rows, three quarters of them masked."""
-    o, o_c, o_k = tl.arange(0, SUB), tl.arange(0, BT), tl.arange(0, BK)
-    m_k = o_k < K
-    for s in tl.static_range(0, BT // SUB):
+def cross_scores_pair(a, b, G, n, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
+    """``(M_bb, M_ab)``: the parts of :func:`decayed_scores` of (b, b) (strict; only with ``PAIR``, else 0) and
+    of (a, b) (with the diagonal) outside the sub-chunks' strictly lower triangles, which are 0 here
+    (:func:`sub_chunk_pairs` gives them): the products between sub-chunks, which share their decay factors and
+    b's decayed tiles, and the diagonal of M_ab. Each entry as :func:`decayed_scores` computes it."""
+    BT: tl.constexpr = a.shape[0]
+    o = tl.arange(0, BT)
+    af, bf = a.to(tl.float32), b.to(tl.float32)
+    Mb = tl.zeros([BT, BT], dtype=tl.float32)
+    Ma = tl.zeros([BT, BT], dtype=tl.float32)
+    for s in tl.static_range(1, BT // SUB):
         if s * SUB < n:
-            r = s * SUB + o  # the rows of sub-chunk s
-            m_r = r < n
-            m_u = m_r[:, None] & (r[:, None] <= o_c[None, :])  # on and above the diagonal: 0, or the diagonal
-            tl.store(pmb + r[:, None] * stride_mb + o_c[None, :], tl.zeros([SUB, BT], dtype=tl.float32), mask=m_u)
-            b_in = _sub_rows(pb, stride, s, n, K, BK, SUB)  # in the inputs' dtype: the dots' (tiles.mm)
-            b_s = b_in.to(tl.float32)
-            for h in range(NA):
-                diag = tl.sum(_sub_rows(pa + h * K, stride_a, s, n, K, BK, SUB).to(tl.float32) * b_s, 1)
-                tl.store(pma + r[:, None] * stride_ma + h * BT + o_c[None, :],
-                         tl.where(r[:, None] == o_c[None, :], diag[:, None], 0.0).to(pma.dtype.element_ty), mask=m_u)
-            if s > 0:
-                first = tl.load(pg + (s * SUB) * stride + o_k, mask=m_k, other=0.0).to(tl.float32)
-                g_s = _sub_rows(pg, stride, s, n, K, BK, SUB).to(tl.float32)
-                ea = tl.exp(tl.where(m_r[:, None], tl.cumsum(g_s, 0) - first[None, :], float("-inf")))
-                b_s = b_s * ea
-                w = tl.load(pw + r * stride_w, mask=m_r, other=0.0).to(tl.float32)
-                between = first  # Σ of the log-decays after sub-chunk t's end up to row s·SUB
-                for i in tl.static_range(0, s):
-                    t = s - 1 - i  # the sub-chunks before s, nearest first
-                    g_t = _sub_rows(pg, stride, t, n, K, BK, SUB).to(tl.float32)
-                    tot = tl.sum(g_t, 0)
-                    # G_s − G_j for j in t: the log-decays after j inside t, the sub-chunks between, row s·SUB's own
-                    bt = tl.trans(_sub_rows(pb, stride, t, n, K, BK, SUB).to(tl.float32) *
-                                  tl.exp(tot[None, :] - tl.cumsum(g_t, 0) + between[None, :]))
-                    c = t * SUB + o  # the columns of sub-chunk t
-                    tl.store(pmb + r[:, None] * stride_mb + c[None, :], mm(b_s, bt, b_in, IEEE) * w[:, None],
-                             mask=m_r[:, None])
-                    for h in range(NA):
-                        a_s = _sub_rows(pa + h * K, stride_a, s, n, K, BK, SUB).to(tl.float32) * ea
-                        tl.store(pma + r[:, None] * stride_ma + h * BT + c[None, :],
-                                 mm(a_s, bt, b_in, IEEE).to(pma.dtype.element_ty), mask=m_r[:, None])
-                    between += tot
+            ea, fb = _factors(G, s, SUB)
+            bt = tl.trans(bf * fb)
+            if PAIR:
+                Mb += mm(bf * ea, bt, b, IEEE)
+            Ma += mm(af * ea, bt, a, IEEE)
+    Ma += tl.where(o[:, None] == o[None, :], tl.sum(af * bf, 1)[:, None], 0.0)
+    return Mb, Ma
 
 
 @triton.jit

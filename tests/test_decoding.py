@@ -272,6 +272,35 @@ def test_chunked_prefill_equals_one_prefill(case):
     assert (part - full).abs().max() < 1e-9 * full.abs().max()
 
 
+@pytest.mark.parametrize("keep_softmax", [None, 1], ids=["all-gdn", "hybrid"])
+@pytest.mark.parametrize("family", ["llama", "gemma3_text"])
+def test_chunked_prefill_masks_stay_one_chunk_wide(family, keep_softmax):
+    """Fed in chunks of 4, a model of GDN layers only builds masks over each chunk's own columns, whatever
+    the context so far (the masks' width was the prefill's memory that grew with the prompt); a hybrid's
+    softmax layer still gets the columns of every token seen. Left padding keeps the masks 4-D."""
+    model = converted(family, keep_softmax=keep_softmax, window=4, sinks=2).eval()
+    x, mask = left_padded(model, lengths=(15, 6, 9))
+    widths = []
+    hooks = [layer.self_attn.register_forward_pre_hook(
+        lambda mod, args, kw: widths.append((type(mod).__name__, kw["attention_mask"].shape[-1]))
+        if kw.get("attention_mask") is not None and kw["attention_mask"].dim() == 4 else None, with_kwargs=True)
+        for layer in model.model.layers]
+    try:
+        Decoder(model, graph=False, prefill_chunk=4).generate(x, attention_mask=mask, max_new_tokens=1)
+    finally:
+        for h in hooks:
+            h.remove()
+    assert widths, "the padded prompt should reach the layers as 4-D masks"
+    gdn = [w for name, w in widths if name == "GDNAttention"]
+    softmax = [w for name, w in widths if name != "GDNAttention"]
+    if keep_softmax is None:
+        assert not softmax and max(gdn) <= 4, widths
+    elif family == "llama":
+        assert max(softmax) == x.shape[1], widths  # the last chunk's keys: the whole prompt
+    else:  # Gemma's kept layer slides: the window's older columns beside the chunk's
+        assert max(softmax) > 4, widths
+
+
 def test_static_decoding_of_other_targets_and_one_token():
     """A second static call on blocks without stacked projections (VaLA), and a call of one new token
     (no step at all), give the eager path's tokens."""

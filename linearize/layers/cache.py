@@ -37,10 +37,12 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
     is_compileable = False  # the layer's forward reads the padding mask on the host
     supports_early_init = False
 
-    def __init__(self, **kwargs):
+    def __init__(self, own_columns: bool = False, **kwargs):
         CacheLayerMixin.__init__(self)
         LinearAttentionLayer.__init__(self, number_of_states=20)
         self.seen = 0  # positions processed (padding included): what RoPE/masks count
+        # masks over the new tokens' columns only: where every layer of the model is GDN (see get_mask_sizes)
+        self.own_columns = own_columns
 
     @property
     def state(self) -> torch.Tensor | None:
@@ -107,8 +109,13 @@ class GDNStateLayer(LinearAttentionLayer, CacheLayerMixin):
         raise RuntimeError("a GDN layer keeps a recurrent state, not keys and values; use set_state()")
 
     def get_mask_sizes(self, query_length, *args, **kwargs) -> tuple[int, int]:
+        """``(kv_length, kv_offset)`` of the masks the model builds from this layer. A GDN layer reads only
+        the mask's diagonal (the padding of its new tokens; the window and cache it attends to are its state),
+        so where no softmax layer needs the older columns (``own_columns``) the mask covers the new tokens
+        alone: a prompt fed in chunks builds ``[B, 1, q, q]`` masks, not ``[B, 1, q, seen + q]`` ones that grow
+        with the context (8.6 GB at 64K × 16 in chunks of 8,192). A hybrid's masks span everything seen."""
         q = query_length.shape[0] if isinstance(query_length, torch.Tensor) else int(query_length)
-        return self.seen + q, 0
+        return (q, self.seen) if self.own_columns else (self.seen + q, 0)
 
     def get_seq_length(self, *args, **kwargs) -> int:
         return self.seen
@@ -134,13 +141,14 @@ def _standard(x: torch.Tensor) -> torch.Tensor:
     return x if tuple(stride) == x.stride() else x.clone(memory_format=torch.contiguous_format)
 
 
-def gdn_cache_layer(cache, layer_idx: int) -> GDNStateLayer:
-    """This layer's :class:`GDNStateLayer` inside ``cache``, put there on first use."""
+def gdn_cache_layer(cache, layer_idx: int, own_columns: bool = False) -> GDNStateLayer:
+    """This layer's :class:`GDNStateLayer` inside ``cache``, put there on first use (``own_columns``: the
+    model has no softmax layer, see :meth:`GDNStateLayer.get_mask_sizes`)."""
     layers = cache.layers
     while len(layers) <= layer_idx:
         layers.append(DynamicLayer())
     if not isinstance(layers[layer_idx], GDNStateLayer):
-        layers[layer_idx] = GDNStateLayer()
+        layers[layer_idx] = GDNStateLayer(own_columns=own_columns)
     return layers[layer_idx]
 
 

@@ -204,7 +204,7 @@ class GDNAttention(nn.Module):
         B, T, _ = hidden_states.shape
         cache = attention_cache(past_key_values, cache)
         use_cache = cache is not None and kwargs.get("use_cache", True) is not False
-        layer = gdn_cache_layer(cache, self.layer_idx) if use_cache else None
+        layer = gdn_cache_layer(cache, self.layer_idx, own_columns=self._no_softmax_layer()) if use_cache else None
         initial = layer.sums if layer is not None and layer.state is not None else None
         h0 = layer.state if initial is not None else None
         conv_past = layer.conv_inputs if initial is not None else None
@@ -223,6 +223,11 @@ class GDNAttention(nn.Module):
         if layer is not None:
             layer.set_state(state, sums, T, tails, buffers, sparse)
         return self.o_proj(self._gated(o, hidden_states)), None
+
+    def _no_softmax_layer(self) -> bool:
+        """True where this block's model keeps no softmax layer (a converted config says so); a block alone: False."""
+        info = getattr(getattr(self, "config", None), "linearize", None)
+        return isinstance(info, dict) and info.get("softmax_layers") == []
 
     def attention_output(self, hidden_states: torch.Tensor, position_embeddings, position_ids=None,
                          mask=None) -> torch.Tensor:

@@ -1,13 +1,14 @@
 """Every Triton kernel an operator's forward and backward launch, timed again under other launch settings.
 
     python scripts/tune_launches.py --op kda --shape 2x8192 --output results/tune_launches_kda_2x8192.json
-    python scripts/tune_launches.py --op deltanet --shape smollm2 --warps 2 4 8 --stages 1 2 3
+    python scripts/tune_launches.py --op deltanet --shape smollm2 --warps 2 4 8 --stages 1 2 3 --maxnreg 128
 
 One forward+backward of the operator (``bench_kernels.py``'s inputs and call, bf16) runs with
 ``JITFunction.run`` wrapped: every launch is recorded (kernel, arguments, grid, settings) and runs as
 usual. Then each distinct launch is replayed on the same tensors, timed (``triton.testing.do_bench``,
 median) at the launcher's own ``num_warps``/``num_stages`` and at every other pair of ``--warps`` ×
-``--stages``; a pair that does not compile (shared memory, registers) is recorded as such. The replays
+``--stages`` (and, with ``--maxnreg``, at its own pair with registers capped); a setting that does not
+compile (shared memory, registers) is recorded as such. The replays
 overwrite the kernels' outputs, which only the timing reads. What it says: how much each kernel would
 gain from its best launch settings alone, the first thing to try before rewriting a kernel, and where
 the operator's time goes kernel by kernel. Needs a CUDA GPU (the interpreter has no launch settings).
@@ -72,6 +73,9 @@ def main():
     p.add_argument("--shape", default="2x8192", help="BxT (16 heads of 128) or smollm2 / llama3-8b")
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
+    p.add_argument("--maxnreg", type=int, nargs="*", default=[],
+                   help="also each kernel at its own warps and stages with registers capped (e.g. 128: two "
+                        "8-warp programs an SM)")
     p.add_argument("--forward-only", action="store_true")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
@@ -96,19 +100,23 @@ def main():
         for w in sorted(set(args.warps) | {now[0]}):
             for s in sorted(set(args.stages) | {now[1]}):
                 timed[(w, s)] = time_launch(fn, fargs, grid, {**kwargs, "num_warps": w, "num_stages": s})
+        capped = {n: time_launch(fn, fargs, grid, {**kwargs, "num_warps": now[0], "num_stages": now[1], "maxnreg": n})
+                  for n in args.maxnreg}
         ok = {ws: ms for ws, ms in timed.items() if isinstance(ms, float)}
         best = min(ok, key=ok.get) if ok else None
         row = {"kernel": f"{fn.fn.__module__.rsplit('.', 1)[-1]}.{fn.__name__}", "grid": str(grid),
                "now": {"warps": now[0], "stages": now[1], "ms": timed[now]},
                "best": {"warps": best[0], "stages": best[1], "ms": ok[best]} if best else None,
-               "settings": [{"warps": w, "stages": s, "ms": ms} for (w, s), ms in timed.items()]}
+               "settings": [{"warps": w, "stages": s, "ms": ms} for (w, s), ms in timed.items()],
+               "maxnreg": [{"maxnreg": n, "ms": ms} for n, ms in capped.items()]}
         rows.append(row)
         gain = (f"{row['now']['ms'] / row['best']['ms']:.2f}×" if best and isinstance(row["now"]["ms"], float)
                 else "-")
         now_ms = row["now"]["ms"] if isinstance(row["now"]["ms"], float) else float("nan")
         print(f"{row['kernel']:36s} now w{now[0]} s{now[1]} {now_ms:8.3f} ms   best "
-              f"w{best[0] if best else '-'} s{best[1] if best else '-'} {ok.get(best, float('nan')):8.3f} ms  {gain}",
-              flush=True)
+              f"w{best[0] if best else '-'} s{best[1] if best else '-'} {ok.get(best, float('nan')):8.3f} ms  {gain}"
+              + "".join(f"  maxnreg {n}: {ms:.3f} ms" if isinstance(ms, float) else f"  maxnreg {n}: {ms}"
+                        for n, ms in capped.items()), flush=True)
     total_now = sum(r["now"]["ms"] for r in rows if isinstance(r["now"]["ms"], float))
     total_best = sum(r["best"]["ms"] for r in rows if r["best"])
     op_ms = triton.testing.do_bench(run, warmup=10, rep=50, return_mode="median")

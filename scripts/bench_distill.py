@@ -3,6 +3,7 @@
     python scripts/bench_distill.py --batch 16 --seq-len 2048 --output results/bench_distill.json
     python scripts/bench_distill.py --variants --output results/bench_distill_variants.json
     python scripts/bench_distill.py --profile --output results/bench_distill_profile.json
+    python scripts/bench_distill.py --doc-len 512 --window 64 --sinks 4 --as-trained --output results/bench_distill_as_trained.json
 
 ``--variants`` times, in one run, rows of one document and packed rows (documents of ``--doc-len`` or 512
 tokens, positions restarting as in real data), each with the fused Triton front (the default on CUDA) and
@@ -13,7 +14,9 @@ CUDA. Timed per step with CUDA events (median after warm-up):
 - teacher: full-model forward + backward of next-token cross-entropy, every parameter trainable;
 - align: one teacher forward (no grad) + every GDN block on the teacher's input, backward; the teacher's
   capturing forward alone is timed too (``teacher_capture_s``; ``align_gdn_blocks_s`` is the rest);
-- distill: teacher forward (no grad) + student forward + chunked KL, backward into the attention blocks.
+- distill: teacher forward (no grad) + student forward + chunked KL, backward into the attention blocks;
+- with ``--as-trained``, also the distill step as the recipes' distill stages run it: every parameter trained
+  (float32 masters), the loss read back, gradients clipped, the AdamW and schedule steps, the finite checks.
 Targets: align ≥ 2×, distill ≥ 0.7× the teacher's tokens/s.
 
 ``--tiny`` runs a 2-layer model on the CPU: a check of the script, not a measurement.
@@ -172,6 +175,42 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     return rows
 
 
+def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: dict | None = None) -> dict:
+    """Seconds of a distill step as a recipe's distill stage runs it (``trainable: all``, the default): every
+    parameter a float32 master (as setup makes them), the loss read back for the finite check, gradients
+    clipped at the default norm, the AdamW and schedule steps, the parameters checked finite — where the
+    ``distill`` row trains the attention blocks alone and takes no optimizer step."""
+    from linearize.distill.parallel import all_finite, clip_gradients
+    from linearize.layers import GDNOptions
+
+    dev, dt = ids.device, next(teacher.parameters()).dtype
+    pos = batch_positions(pos, dev)
+    teacher.requires_grad_(False)
+    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, teacher.config.vocab_size,
+                                (1, 512), device=dev), options=GDNOptions(fused_front=fused_front, **(block or {})))
+    st = StageConfig(name="distill", trainable="all", kl_chunk=4096)
+    float32_trainables(student, set(trainable_names(student, st)), dt)
+    opt, sched, _ = make_optimizer(student, st, OptimConfig(), fsdp=False)
+    objective = objective_for(st, student, teacher, fsdp=False)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    student.train()
+
+    def step():
+        loss = objective(ids, pos)[0]
+        student.zero_grad(set_to_none=True)
+        loss.backward()
+        loss.detach().item()  # the trainer reads the loss back to check it is finite
+        clip_gradients(params, OptimConfig().grad_clip)
+        opt.step()
+        sched.step()
+        all_finite(params, dev)
+
+    rows = {}
+    rows["distill_as_trained_s"], rows["distill_as_trained_steps_s"] = timed(step, iters)
+    rows["distill_as_trained_tokens_per_s"] = ids.numel() / rows["distill_as_trained_s"]
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batch", type=int, default=16)
@@ -192,6 +231,9 @@ def main():
     p.add_argument("--sinks", type=int, default=0, help="GDNOptions.sinks (with --window)")
     p.add_argument("--output-gate", action="store_true", help="GDNOptions.output_gate")
     p.add_argument("--mix-order", type=int, default=1, help="GDNOptions.mix_order (with --window)")
+    p.add_argument("--as-trained", action="store_true",
+                   help="also time the distill step as a recipe's distill stage runs it: every parameter trained "
+                        "(float32 masters), gradient clipping, the AdamW step, the finite checks")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: checks the script, measures nothing")
     args = p.parse_args()
     if not args.tiny and not torch.cuda.is_available():
@@ -225,6 +267,10 @@ def main():
     variants = []
     for name, pos, fused in plan:
         row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile, args.host_profile, block)}
+        if args.as_trained:
+            row.update(measure_as_trained(teacher, ids, pos, fused, args.iters, block))
+            row["distill_as_trained_vs_teacher"] = (row["distill_as_trained_tokens_per_s"]
+                                                    / row["teacher_fwd_bwd_tokens_per_s"])
         variants.append(row)
         print(json.dumps(row, indent=1), flush=True)
     if args.variants:

@@ -272,13 +272,20 @@ def test_chunked_prefill_equals_one_prefill(case):
     assert (part - full).abs().max() < 1e-9 * full.abs().max()
 
 
+@pytest.mark.parametrize("reload", [False, True], ids=["converted", "reloaded"])
 @pytest.mark.parametrize("keep_softmax", [None, 1], ids=["all-gdn", "hybrid"])
 @pytest.mark.parametrize("family", ["llama", "gemma3_text"])
-def test_chunked_prefill_masks_stay_one_chunk_wide(family, keep_softmax):
+def test_chunked_prefill_masks_stay_one_chunk_wide(family, keep_softmax, reload, tmp_path):
     """Fed in chunks of 4, a model of GDN layers only builds masks over each chunk's own columns, whatever
     the context so far (the masks' width was the prefill's memory that grew with the prompt); a hybrid's
-    softmax layer still gets the columns of every token seen. Left padding keeps the masks 4-D."""
+    softmax layer still gets the columns of every token seen. Left padding keeps the masks 4-D. The same
+    for the model saved and loaded back (its config says which layers are softmax)."""
     model = converted(family, keep_softmax=keep_softmax, window=4, sinks=2).eval()
+    if reload:
+        from linearize.saving import load, save
+
+        save(model, None, tmp_path / "m")
+        model = load(tmp_path / "m")
     x, mask = left_padded(model, lengths=(15, 6, 9))
     widths = []
     hooks = [layer.self_attn.register_forward_pre_hook(

@@ -26,7 +26,9 @@
 # passkey only, with N named keys a prompt (`linearize eval --passkey-keys N`), into quality_keys.json and teacher_keys.json;
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
 # precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU,
-# ALIGN_EVAL=0 the evaluation of the model after align (MMLU comes after it).
+# ALIGN_EVAL=0 the evaluation of the model after align; OVERLAP=0 runs the evaluations one after the other (by
+# default the after-align one starts beside the distill stage as soon as model-align/ is saved, and MMLU beside
+# the final evaluation, so that they do not add up after the training; untimed on a GPU so far).
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:
 #   setsid nohup scripts/recover_smollm2.sh /root/w /root/w/out 1300 > /root/w/recover.log 2>&1 < /dev/null &
@@ -119,19 +121,40 @@ after_align() {  # RUN_DIR: the model the align stage ended with (output.save_st
     # shellcheck disable=SC2086  # the options are words
     [ ! -f "$1/model-align/config.json" ] || eval_once "$1/model-align" "$1/quality_align.json" --teacher none $eval_options
 }
+align_beside() {  # RUN_DIR: the after-align evaluation as soon as model-align/ is saved, beside the distill stage
+    while [ ! -f "$1/model-align/config.json" ] && [ ! -f "$1/model/config.json" ]; do  # (saved atomically)
+        [ "$(left)" -gt "$EVAL_SECONDS" ] || return 0
+        sleep 10
+    done
+    wait_ev || return 0
+    after_align "$1"
+    records "$w" "$out"
+}
 recover() {  # NAME RECIPE [OVERRIDES]
     local keys="output.save_stages=true ${3:-}"  # model-align/ too, for the after-align column
+    local beside=
+    if [ "${OVERLAP:-1}" = 1 ]; then  # beside the training, not after it
+        align_beside "$w/runs/$1" > "$w/$1_align.log" 2>&1 &
+        beside=$!
+    fi
     bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
     records "$w" "$out"
     rope "$w/runs/$1/model" "$w/runs/$1/quality_rope.json" "${ROPE_LAYERS:-all}"  # first: it is why ROPE is set
     records "$w" "$out"
-    wait_ev || return 0
+    wait_ev || { [ -z "$beside" ] || wait "$beside"; return 0; }
+    local mmlu_pid=
+    if [ "${OVERLAP:-1}" = 1 ]; then  # MMLU beside the final evaluation, not after it
+        { mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"; records "$w" "$out"; } > "$w/$1_mmlu.log" 2>&1 &
+        mmlu_pid=$!
+    fi
     EVAL=$eval_options bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
     records "$w" "$out"
     named_keys "$w/runs/$1/model" "$w/runs/$1/quality_keys.json"
     records "$w" "$out"
-    after_align "$w/runs/$1"
+    [ -z "$beside" ] || wait "$beside"
+    after_align "$w/runs/$1"  # (measured already where it ran beside the training: eval_once skips it)
     records "$w" "$out"
+    [ -z "$mmlu_pid" ] || wait "$mmlu_pid"
     mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"
     records "$w" "$out"
 }

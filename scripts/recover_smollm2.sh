@@ -138,6 +138,9 @@ recover() {  # NAME RECIPE [OVERRIDES]
         beside=$!
     fi
     bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
+    if [ -n "$beside" ] && [ ! -f "$w/runs/$1/model-align/config.json" ]; then  # no align stage saved: nothing to
+        kill "$beside" 2> /dev/null; wait "$beside" 2> /dev/null; beside=  # wait for (the later call measures it)
+    fi
     records "$w" "$out"
     rope "$w/runs/$1/model" "$w/runs/$1/quality_rope.json" "${ROPE_LAYERS:-all}"  # first: it is why ROPE is set
     records "$w" "$out"

@@ -109,11 +109,18 @@ def host_profile(step, iters: int = 3, top: int = 30) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
 
 
+def student_of(teacher, fused_front: bool, block: dict | None):
+    """The teacher converted (a copy), calibrated on random ids as the benchmark's rows are."""
+    from linearize.layers import GDNOptions
+
+    calib = torch.randint(0, teacher.config.vocab_size, (1, 512), device=next(teacher.parameters()).device)
+    return linearize.convert(copy.deepcopy(teacher), calibration_ids=calib,
+                             options=GDNOptions(fused_front=fused_front, **(block or {})))
+
+
 def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = False, host: bool = False,
             block: dict | None = None) -> dict:
     """Seconds per step of the teacher's forward+backward and of the align and distill steps."""
-    from linearize.layers import GDNOptions
-
     dev, dt = ids.device, next(teacher.parameters()).dtype
     teacher.requires_grad_(True)
     pos = batch_positions(pos, dev)  # as the trainer passes them: None for rows of one document each
@@ -128,9 +135,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     if profile and dev.type == "cuda":
         rows["teacher_fwd_bwd_profile"] = gpu_profile(teacher_step)[0]
     teacher.requires_grad_(False)
-    vocab = teacher.config.vocab_size
-    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, vocab, (1, 512), device=dev),
-                                options=GDNOptions(fused_front=fused_front, **(block or {})))
+    student = student_of(teacher, fused_front, block)
     float32_trainables(student, set(trainable_names(student, StageConfig(trainable="self_attn"))), dt)  # as setup does
     # the part of an align step that is the teacher's own forward (no grad, capturing every layer's
     # attention input and output): what is left of the step is the GDN blocks' forward, loss and backward
@@ -181,16 +186,14 @@ def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: 
     clipped at the default norm, the AdamW and schedule steps, the parameters checked finite — where the
     ``distill`` row trains the attention blocks alone and takes no optimizer step."""
     from linearize.distill.parallel import all_finite, clip_gradients
-    from linearize.layers import GDNOptions
 
     dev, dt = ids.device, next(teacher.parameters()).dtype
     pos = batch_positions(pos, dev)
     teacher.requires_grad_(False)
-    student = linearize.convert(copy.deepcopy(teacher), calibration_ids=torch.randint(0, teacher.config.vocab_size,
-                                (1, 512), device=dev), options=GDNOptions(fused_front=fused_front, **(block or {})))
-    st = StageConfig(name="distill", trainable="all", kl_chunk=4096)
+    student = student_of(teacher, fused_front, block)
+    st, optim = StageConfig(name="distill", trainable="all", kl_chunk=4096), OptimConfig()
     float32_trainables(student, set(trainable_names(student, st)), dt)
-    opt, sched, _ = make_optimizer(student, st, OptimConfig(), fsdp=False)
+    opt, sched, _ = make_optimizer(student, st, optim, fsdp=False)
     objective = objective_for(st, student, teacher, fsdp=False)
     params = [p for g in opt.param_groups for p in g["params"]]
     student.train()
@@ -200,7 +203,7 @@ def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: 
         student.zero_grad(set_to_none=True)
         loss.backward()
         loss.detach().item()  # the trainer reads the loss back to check it is finite
-        clip_gradients(params, OptimConfig().grad_clip)
+        clip_gradients(params, optim.grad_clip)
         opt.step()
         sched.step()
         all_finite(params, dev)

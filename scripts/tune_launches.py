@@ -1,7 +1,7 @@
 """Every Triton kernel an operator's forward and backward launch, timed again under other launch settings.
 
     python scripts/tune_launches.py --op kda --shape 2x8192 --output results/tune_launches_kda_2x8192.json
-    python scripts/tune_launches.py --op deltanet --shape smollm2 --warps 2 4 8 --stages 1 2 3 --maxnreg 128
+    python scripts/tune_launches.py --op deltanet --shape smollm2-16x2048 --warps 2 4 8 --stages 1 2 3 --maxnreg 128
 
 One forward+backward of the operator (``bench_kernels.py``'s inputs and call, bf16) runs with
 ``JITFunction.run`` wrapped: every launch is recorded (kernel, arguments, grid, settings) and runs as
@@ -28,11 +28,11 @@ from triton.runtime.jit import JITFunction
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_kernels import fwd_bwd, inputs, operators  # noqa: E402
-
-SHAPES = {"smollm2": (4, 4096, 9, 3, 64, 64), "llama3-8b": (2, 4096, 32, 8, 128, 128)}  # B, T, HQ, H, K, V
+from profile_kernels import SHAPES  # noqa: E402  (the named shapes of the per-kernel breakdown and ncu)
 
 
 def shape_of(name: str) -> tuple:
+    """``(B, T, HQ, H, K, V)`` of a named shape of ``profile_kernels.SHAPES``, or of ``BxT`` at 16 heads of 128."""
     if name in SHAPES:
         return SHAPES[name]
     B, T = (int(x) for x in name.split("x"))
@@ -70,7 +70,7 @@ def time_launch(fn, args, grid, kwargs) -> float | str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", choices=("gdn", "linear", "kda", "deltanet"), default="kda")
-    p.add_argument("--shape", default="2x8192", help="BxT (16 heads of 128) or smollm2 / llama3-8b")
+    p.add_argument("--shape", default="2x8192", help=f"BxT (16 heads of 128) or one of {', '.join(SHAPES)}")
     p.add_argument("--warps", type=int, nargs="+", default=[2, 4, 8])
     p.add_argument("--stages", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--maxnreg", type=int, nargs="*", default=[],

@@ -180,7 +180,8 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
     return rows
 
 
-def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: dict | None = None) -> dict:
+def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: dict | None = None,
+                       profile: bool = False) -> dict:
     """Seconds of a distill step as a recipe's distill stage runs it (``trainable: all``, the default): every
     parameter a float32 master (as setup makes them), the loss read back for the finite check, gradients
     clipped at the default norm, the AdamW and schedule steps, the parameters checked finite — where the
@@ -211,6 +212,15 @@ def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: 
     rows = {}
     rows["distill_as_trained_s"], rows["distill_as_trained_steps_s"] = timed(step, iters)
     rows["distill_as_trained_tokens_per_s"] = ids.numel() / rows["distill_as_trained_s"]
+    if profile and dev.type == "cuda":
+        prof, ops = gpu_profile(step)
+        rows["distill_as_trained_profile"], rows["distill_as_trained_ops"] = prof, ops
+        print(f"distill as trained: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
+        for kname, ms in prof["top_kernels_ms"].items():
+            print(f"  {ms:8.2f} ms  {kname}")
+        print("distill as trained: GPU ms per step by operator (self time)")
+        for op, r in ops.items():
+            print(f"  {r['ms']:8.2f} ms {r['calls']:6.0f}  {op}")
     return rows
 
 
@@ -271,7 +281,7 @@ def main():
     for name, pos, fused in plan:
         row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile, args.host_profile, block)}
         if args.as_trained:
-            row.update(measure_as_trained(teacher, ids, pos, fused, args.iters, block))
+            row.update(measure_as_trained(teacher, ids, pos, fused, args.iters, block, args.profile))
             row["distill_as_trained_vs_teacher"] = (row["distill_as_trained_tokens_per_s"]
                                                     / row["teacher_fwd_bwd_tokens_per_s"])
         variants.append(row)

@@ -95,15 +95,18 @@ class StepClock:
         return (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else None
 
 
-def cache_bytes(model, ids) -> int:
-    """Bytes of the decoding cache after a prefill of ``ids`` (KV cache or GDN states)."""
+def cache_bytes(model, ids, chunk: int | None = None) -> int:
+    """Bytes of the decoding cache after a prefill of ``ids`` (KV cache or GDN states), fed ``chunk`` tokens at
+    a time as the decoder feeds them (None: at once)."""
     from transformers import DynamicCache
 
     from linearize.compat import cache_kwargs
 
     cache = DynamicCache(config=model.config)
+    step = chunk or ids.shape[1]
     with torch.no_grad():
-        model(ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
+        for i in range(0, ids.shape[1], step):
+            model(ids[:, i:i + step], **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
     total = 0
     for layer in cache.layers:
         if hasattr(layer, "nbytes"):
@@ -275,7 +278,8 @@ def main():
             for name in ("teacher", "converted"):
                 with torch.no_grad():
                     try:
-                        row.setdefault(name, {})["cache_bytes"] = cache_bytes(teacher if name == "teacher" else converted, ids)
+                        row.setdefault(name, {})["cache_bytes"] = cache_bytes(teacher if name == "teacher" else converted, ids,
+                                                                              args.prefill_chunk)
                     except torch.OutOfMemoryError:
                         pass
             for mine in ("converted", "converted_compiled"):

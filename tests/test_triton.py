@@ -399,3 +399,31 @@ def test_row_squared_errors_equal_float64(poisoned, dtype, tol):
     assert torch.isfinite(o.grad).all() and rel(o.grad, o64.grad) < tol
     with pytest.raises(ValueError, match="refs must be 2 tensors"):
         row_squared_errors(o, refs[:1])
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_output_launches_sliced_past_the_grid_limit(poisoned, monkeypatch, group):
+    """More chunks (or chunk groups) than CUDA's 65,535 programs on a grid's second dimension — a prompt of
+    4M tokens in one call — go out as several launches, each from its own first chunk: with the limit
+    patched down to 2, GDN's output (packed documents, GQA) and the linear operator's equal the float64
+    reference, and more than one launch was made."""
+    from linearize.ops.linear import linear_attention, linear_attention_reference
+    from linearize.ops.triton import chunk_fwd, layout, linear_fwd, output
+
+    monkeypatch.setattr(layout, "GRID_Y_MAX", 2)
+    monkeypatch.setattr(chunk_fwd, "output_group", lambda K: group)
+    slices = []
+    for module in (output, linear_fwd):  # each launcher's own name for it, counted
+        monkeypatch.setattr(module, "grid_slices", lambda n: slices.append(layout.grid_slices(n)) or slices[-1])
+    B, T, H, G, K, V, cu = CASES[2]
+    q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=7, dtype=torch.float64, beta_scale=2.0)
+    cu = torch.tensor(cu)
+    ref_o, _ = gated_delta_rule(q, k, v, g, beta, scale=0.5, cu_seqlens=cu, backend="reference")
+    o, _ = gated_delta_rule(*(x.float() for x in (q, k, v, g, beta)), scale=0.5, cu_seqlens=cu, backend="triton")
+    assert rel(o, ref_o) < 1e-5
+    w = torch.rand(B, T, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    ref_l, _ = linear_attention_reference(q, k, v, g, w, scale=0.5, cu_seqlens=cu)
+    o_l, _ = linear_attention(q.float(), k.float(), v.float(), g.float(), w.float(), scale=0.5, cu_seqlens=cu,
+                              backend="triton")
+    assert rel(o_l, ref_l) < 1e-5
+    assert len(slices) >= 2 and all(len(s) > 1 and all(n <= 2 for _, n in s) for s in slices)

@@ -14,6 +14,13 @@ import triton.language as tl
 from ..common import TRITON_MAX_K, LastTensorMemo, cdiv
 
 BT = 64  # chunk size
+GRID_Y_MAX = 65535  # CUDA's limit on a grid's second and third dimensions
+
+
+def grid_slices(n: int) -> list[tuple[int, int]]:
+    """``(first, count)`` of each launch that covers ``n`` programs on a grid's second dimension: one launch
+    up to :data:`GRID_Y_MAX` (a prompt of 4M tokens is 65,536 chunks), several of that many beyond."""
+    return [(p, min(GRID_Y_MAX, n - p)) for p in range(0, n, GRID_Y_MAX)]
 
 
 @triton.jit

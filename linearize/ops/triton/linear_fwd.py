@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .layout import BT, Layout, chain_at, chunk_at
+from .layout import BT, Layout, chain_at, chunk_at, grid_slices
 from .settings import block_k, sms_for, state_bv
 from .tiles import mm
 
@@ -146,11 +146,11 @@ def _linear_carry_kernel(hloc, dseg, hin, h0, ht, seg_offsets, H: tl.constexpr, 
 
 @triton.jit
 def _linear_output_kernel(
-    q, k, v, g, w, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    q, k, v, g, w, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale, p0,
     H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
-    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first chunk
     i_h = i_hq // (HQ // H)  # query heads h·G … h·G + G − 1 read KV head h
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     t0 = i_c * BT
@@ -285,7 +285,8 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
     linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
-    _linear_output_kernel[(cdiv(V, BV), L.NC, HQ)](
-        qf, kf, vf, gf, wf, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), HQ=HQ,
-        USE_OFFSET=v_offset is not None, **common, num_warps=4)
+    for p0, n in grid_slices(L.NC):
+        _linear_output_kernel[(cdiv(V, BV), n, HQ)](
+            qf, kf, vf, gf, wf, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), p0, HQ=HQ,
+            USE_OFFSET=v_offset is not None, **common, num_warps=4)
     return o.view(B, T, HQ, V), ht

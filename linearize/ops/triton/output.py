@@ -11,14 +11,14 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .layout import BT, Layout, chunk_at, sequence_at, state_slot
+from .layout import BT, Layout, chunk_at, grid_slices, sequence_at, state_slot
 from .settings import block_k, frozen
 from .tiles import log_decay
 
 
 @triton.jit
 def _output_kernel(
-    q, k, v_new, gcum, hs, o, vm, group_indices, cu_seqlens, chunk_offsets, scale,
+    q, k, v_new, gcum, hs, o, vm, group_indices, cu_seqlens, chunk_offsets, scale, p0,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, HAS_VM: tl.constexpr,
     E: tl.constexpr, USE_G: tl.constexpr = True,
@@ -31,7 +31,7 @@ def _output_kernel(
     update, on the Δ it stored — so the states cost 1/E of their traffic, and the loop lets Triton load
     the next chunk under this one's products. ``E = 1`` (``group_indices`` = the chunk table): one chunk, no
     loop, the state read in the dots' dtype."""
-    i_v, i_p, i_hq = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_v, i_p, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first group
     i_h = i_hq // G
     HQ: tl.constexpr = H * G
     o_r = tl.arange(0, BT)
@@ -129,8 +129,9 @@ def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torc
     if L.NC:
         fn, c, warps, stages = output_settings(L.H, L.G, L.K, L.V, L.ieee, every)
         groups, NG = L.groups(every)
-        fn[(cdiv(L.V, c["BV"]), NG, L.HQ)](
-            q, k, v_new, o if gcum is None else gcum, hs, o, v_offset if v_offset is not None else o, groups,
-            L.cu_seqlens, L.chunk_offsets, scale, **{**c, "HAS_VM": v_offset is not None}, USE_G=gcum is not None,
-            num_warps=warps, num_stages=stages)
+        for p0, n in grid_slices(NG):
+            fn[(cdiv(L.V, c["BV"]), n, L.HQ)](
+                q, k, v_new, o if gcum is None else gcum, hs, o, v_offset if v_offset is not None else o, groups,
+                L.cu_seqlens, L.chunk_offsets, scale, p0, **{**c, "HAS_VM": v_offset is not None},
+                USE_G=gcum is not None, num_warps=warps, num_stages=stages)
     return o

@@ -109,6 +109,38 @@ def host_profile(step, iters: int = 3, top: int = 30) -> list[dict]:
     return sorted(rows, key=lambda r: -r["own_ms_per_step"])[:top]
 
 
+def sync_sites(step, top: int = 25) -> list[dict]:
+    """Where one step makes the host wait for the GPU: the step run once under CUDA's sync debug mode, every
+    synchronizing call's innermost frame of this project (or the script) counted — each one drains the
+    launch queue, and the GPU then idles while Python launches the next kernels."""
+    import collections
+    import traceback
+    import warnings
+
+    step()
+    torch.cuda.synchronize()
+    sites = collections.Counter()
+    root = str(Path(__file__).resolve().parents[1])
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        ours = [f for f in traceback.extract_stack()[:-1] if f.filename.startswith(root)]
+        f = ours[-1] if ours else traceback.extract_stack()[-2]
+        sites[f"{Path(f.filename).relative_to(root) if f.filename.startswith(root) else f.filename}:{f.lineno}: "
+              f"{(f.line or '').strip()[:100]}"] += 1
+
+    shown = warnings.showwarning
+    warnings.showwarning = show
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = shown
+    return [{"site": k, "calls_per_step": n} for k, n in sites.most_common(top)]
+
+
 def student_of(teacher, fused_front: bool, block: dict | None):
     """The teacher converted (a copy), calibrated on random ids as the benchmark's rows are."""
     from linearize.layers import GDNOptions
@@ -181,7 +213,7 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
 
 
 def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: dict | None = None,
-                       profile: bool = False) -> dict:
+                       profile: bool = False, host: bool = False) -> dict:
     """Seconds of a distill step as a recipe's distill stage runs it (``trainable: all``, the default): every
     parameter a float32 master (as setup makes them), the loss read back for the finite check, gradients
     clipped at the default norm, the AdamW and schedule steps, the parameters checked finite — where the
@@ -212,6 +244,15 @@ def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: 
     rows = {}
     rows["distill_as_trained_s"], rows["distill_as_trained_steps_s"] = timed(step, iters)
     rows["distill_as_trained_tokens_per_s"] = ids.numel() / rows["distill_as_trained_s"]
+    if host and dev.type == "cuda":
+        rows["distill_as_trained_host_profile"] = hp = host_profile(step)
+        print("distill as trained: host time per step by function (own ms, calls)")
+        for r in hp[:20]:
+            print(f"  {r['own_ms_per_step']:8.2f} ms {r['calls_per_step']:7.0f}  {r['function']}")
+        rows["distill_as_trained_syncs"] = syncs = sync_sites(step)
+        print("distill as trained: calls that wait for the GPU, per step")
+        for r in syncs:
+            print(f"  {r['calls_per_step']:5d}  {r['site']}")
     if profile and dev.type == "cuda":
         prof, ops = gpu_profile(step)
         rows["distill_as_trained_profile"], rows["distill_as_trained_ops"] = prof, ops
@@ -239,7 +280,8 @@ def main():
     p.add_argument("--profile", action="store_true",
                    help="also profile the align and distill steps: GPU ms per kernel name, kernel total against wall")
     p.add_argument("--host-profile", action="store_true",
-                   help="also cProfile the align and distill steps: host ms per function (is the step Python-bound?)")
+                   help="also cProfile the align and distill steps: host ms per function (is the step Python-bound?); "
+                        "with --as-trained also that step's, and the calls in it that wait for the GPU")
     p.add_argument("--window", type=int, default=0, help="GDNOptions.window: the sink + sliding-window block")
     p.add_argument("--sinks", type=int, default=0, help="GDNOptions.sinks (with --window)")
     p.add_argument("--output-gate", action="store_true", help="GDNOptions.output_gate")
@@ -281,7 +323,7 @@ def main():
     for name, pos, fused in plan:
         row = {"variant": name, "doc_len": int(pos.max()) + 1, "fused_front": fused, **measure(teacher, ids, pos, fused, args.iters, args.profile, args.host_profile, block)}
         if args.as_trained:
-            row.update(measure_as_trained(teacher, ids, pos, fused, args.iters, block, args.profile))
+            row.update(measure_as_trained(teacher, ids, pos, fused, args.iters, block, args.profile, args.host_profile))
             row["distill_as_trained_vs_teacher"] = (row["distill_as_trained_tokens_per_s"]
                                                     / row["teacher_fwd_bwd_tokens_per_s"])
         variants.append(row)

@@ -249,6 +249,28 @@ def chunk_warps(K: int) -> int:
     return 4 if block_k(K) <= 64 else 8
 
 
+def replay_warps(K: int, ieee: bool) -> int:
+    """Warps of the prepare kernel and of the backward's ``_dqk_kernel`` and ``_intra_bwd_kernel``: 4 for 16-bit
+    key heads up to 128 wide, where each launch replayed at other settings (``scripts/tune_launches.py``, H100,
+    bf16, 16 heads of 128, 2×8192) ran faster at 4 than at 8 — prepare 1.41× (forward) and 1.25× (backward's
+    call), ``_dqk_kernel`` 1.09×, ``_intra_bwd_kernel`` 1.18× (with 2 stages; ``results/tune_launches_kda_2x8192_h100.json``);
+    :func:`chunk_warps` for wider heads and float32 tiles, which the replays did not take."""
+    return 4 if block_k(K) <= 128 and not ieee else chunk_warps(K)
+
+
+def state_launch(layout: Layout, bv: int) -> tuple[int, int]:
+    """``(num_warps, num_stages)`` of the forward state kernel: where its (sequence, KV head, V block)
+    programs are no more than the SMs (a long sequence, a small batch: one program an SM whatever its
+    size), 8 warps and 3 stages — 1.23× faster than (4, 2) in the replays at 2×8192 (H100, bf16, K = 128);
+    else (4, 2), two programs sharing an SM (best of the replays at 8×2048, where 256 programs run). Wider
+    or float32 tiles keep (4, 2) (:func:`kda_stages`: shared memory)."""
+    L = layout
+    sms = sms_for(L.N * L.H, L.device)
+    if sms is not None and not L.ieee and block_k(L.K) <= 128 and L.N * L.H * cdiv(L.V, bv) <= sms:
+        return 8, 3
+    return 4, kda_stages(L.K, L.ieee, "state")
+
+
 def kda_stages(K: int, ieee: bool, kernel: str, G: int = 1) -> int:
     """Pipelining stages of the kernels that loop over whole (64, K) or (K, BV) tiles: ``kernel`` "state" (the
     forward state kernel), "state_bwd" (the backward one, ``G`` query heads per KV head) or "wy_bwd". A block
@@ -310,7 +332,7 @@ def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float 
             k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k, float(scale),
             L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
             BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None,
-            num_warps=chunk_warps(L.K))
+            num_warps=replay_warps(L.K, L.ieee))
     return tm, w, u, kd, gc, qg
 
 
@@ -335,10 +357,11 @@ def kda_states(*, layout: Layout, kd, gc, w, u, h0=None, ht=None) -> tuple[torch
     hs = torch.empty(max(L.NC, 1), L.H, L.K, L.V, dtype=torch.float32 if L.ieee else kd.dtype, device=L.device)
     v_new = torch.empty_like(u)
     BV = kda_state_bv(L)
+    warps, stages = state_launch(L, BV)
     _state_kernel[(cdiv(L.V, BV), L.N * L.H)](
         kd, gc, w, u, hs, v_new, h0 if h0 is not None else hs, ht if ht is not None else hs, L.cu_seqlens,
         L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K), BV=BV, USE_H0=h0 is not None,
-        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=4, num_stages=kda_stages(L.K, L.ieee, "state"))
+        STORE_HT=ht is not None, IEEE=L.ieee, num_warps=warps, num_stages=stages)
     return hs, v_new
 
 

@@ -229,7 +229,14 @@ def main():
                         "the gated delta rule with a decay per key channel (kda), or the delta rule (deltanet, g = 0)")
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
+    p.add_argument("--linear-segment-output", action="store_true",
+                   help="linear: the forward of a cut state chain through the segment output kernel "
+                        "(ops/triton/linear_fwd.py, SEGMENT_OUTPUT), no chunk's state stored")
     args = p.parse_args()
+    if args.linear_segment_output:
+        from linearize.ops.triton import linear_fwd
+
+        linear_fwd.SEGMENT_OUTPUT = True
     if args.render:
         runs = [json.loads(path.read_text()) for path in args.render]
         rows = [row for run in runs for row in run["rows"]]
@@ -253,7 +260,7 @@ def main():
               ("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": NOTES[args.op]}
+            "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

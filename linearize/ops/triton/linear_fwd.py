@@ -10,6 +10,9 @@
    state entering each (:func:`_linear_carry_kernel`), then each segment again from that state, storing;
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
+   With ``SEGMENT_OUTPUT`` (off until timed on a GPU), a cut chain skips the second pass over its segments:
+   per (V block, segment, query head), :func:`_linear_segment_output_kernel` starts from the state entering
+   the segment and carries it through the segment's chunks itself, storing no chunk's state.
 
 ``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0, and the
 decays between two tokens are summed from the g between them (:func:`chunk_gates`, :func:`pair_decays`). The backward
@@ -173,12 +176,51 @@ def _linear_output_kernel(
     tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+@triton.jit
+def _linear_segment_output_kernel(
+    q, k, v, g, w, coef, decay, hin, o, v_offset, cu_seqlens, chunk_offsets, segments, scale, p0,
+    H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, E: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per (V block, segment of ``E`` chunks, query head), chunk by chunk: :func:`_linear_output_kernel`'s
+    output from the state ``hin`` entering the segment, which the program carries to the next chunk itself
+    (``h ← exp(G_C) h + Σ_j coef_j k_j v_jᵀ``, the state kernel's step) — so no state of a chunk is stored or
+    read, and the chain's second pass over the segments (:func:`linear_fwd_h`'s storing one) is not run."""
+    i_v, i_s, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first segment
+    i_h = i_hq // (HQ // H)
+    bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_s, E, BT)
+    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
+    m_k, m_v = o_k < K, o_v < V
+    b_h = tl.load(hin + (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
+                  other=0.0)
+    for i_c in range(c0, c1):
+        t0 = i_c * BT
+        m_t = o_r < T - t0
+        rows = bos + t0 + o_r
+        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
+        b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
+        b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
+        b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
+        b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
+        b_d = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)
+        b_s = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_d * b_w[None, :]
+        b_o = (b_o + mm(b_s, b_v, b_v, IEEE)) * scale
+        if USE_OFFSET:
+            b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
+        tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        b_c = tl.load(coef + rows * H + i_h, mask=m_t, other=0.0)
+        b_h = b_h * tl.load(decay + (boh + i_c) * H + i_h) + mm(tl.trans(b_k.to(tl.float32) * b_c[:, None]), b_v, b_v,
+                                                                 IEEE)
+
+
 def linear_bv(K: int, V: int) -> int:
     """V block of every linear-attention kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
 
 
 SEGMENT = 16  # chunks per segment of a cut state chain (linear_segment)
+SEGMENT_OUTPUT = False  # forward of a cut chain through _linear_segment_output_kernel (untimed on a GPU so far)
 SEGMENT_FROM = 256  # the chunks of the longest sequence from which a chain is cut, where pairs are few
 
 
@@ -238,6 +280,22 @@ def carry_segments(L: Layout, E: int, BK: int, BV: int, hloc, dseg, hin, h0, ht,
         num_warps=4)
 
 
+def segment_states(L: Layout, E: int, k, v, coef, decay, h0, ht) -> torch.Tensor:
+    """``hin [NS, H, K, V]`` float32: the state entering each segment of ``E`` chunks (``Layout.groups(E)``) —
+    each segment's own state from zero and total decay in parallel, then the chain over the segments
+    (:func:`carry_segments`) from ``h0``, which fills ``ht`` when given."""
+    segments, NS = L.groups(E)
+    BV = linear_state_bv(L, k.device, NS)
+    BK = linear_state_bk(L, BV, k.device, NS)
+    hloc, hin = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device) for _ in range(2))
+    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
+    _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), NS * L.H)](
+        k, v, coef, decay, hloc, hloc, hloc, dseg, L.cu_seqlens, L.chunk_offsets, segments, H=L.H, K=L.K, V=L.V,
+        BT=BT, BK=BK, BV=BV, E=E, USE_H0=False, STORE_HS=False, STORE_HT=True, IEEE=L.ieee, num_warps=4)
+    carry_segments(L, E, BK, BV, hloc, dseg, hin, h0, ht, reverse=False)
+    return hin
+
+
 def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> None:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
@@ -251,13 +309,8 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
     BK = linear_state_bk(L, BV, k.device, NS)
     grid = (cdiv(L.V, BV), cdiv(L.K, BK), NS * L.H)
     common = {"H": L.H, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "E": E, "IEEE": L.ieee, "num_warps": 4}
-    if E:  # each segment's own state and decay, the chain over the segments, then each segment from its state
-        hloc, hin = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device) for _ in range(2))
-        dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
-        _linear_state_kernel[grid](k, v, coef, decay, hs, hs, hloc, dseg, L.cu_seqlens, L.chunk_offsets, segments,
-                                   USE_H0=False, STORE_HS=False, STORE_HT=True, **common)
-        carry_segments(L, E, BK, BV, hloc, dseg, hin, h0, ht, reverse=False)
-        h0, ht = hin, None
+    if E:  # the state entering each segment, then each segment again from it, storing
+        h0, ht = segment_states(L, E, k, v, coef, decay, h0, ht), None
     _linear_state_kernel[grid](
         k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, decay, L.cu_seqlens,
         L.chunk_offsets, segments, USE_H0=h0 is not None, STORE_HS=True, STORE_HT=ht is not None, **common)
@@ -274,7 +327,6 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
     gf, wf = (x.float() for x in Layout.flat(g, w))
     BK = block_k(K)
     BV = linear_bv(K, V)
-    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
     ht = torch.empty(L.N, H, K, V, dtype=torch.float32, device=q.device) if output_final_state else None
     h0 = initial_state.to(torch.float32).contiguous() if initial_state is not None else None
     o = torch.empty(L.tokens, HQ, V, dtype=v.dtype, device=q.device)
@@ -282,9 +334,20 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
         if ht is not None:
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return o.view(B, T, HQ, V), ht
-    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
+    E = linear_segment(L, q.device) if SEGMENT_OUTPUT else 0
+    if E:  # the output carries the state through each segment from the state entering it: no state stored a chunk
+        coef, decay, _ = linear_gates(L, gf, wf)
+        hin = segment_states(L, E, kf, vf, coef, decay, h0, ht)
+        segments, NS = L.groups(E)
+        for p0, n in grid_slices(NS):
+            _linear_segment_output_kernel[(cdiv(V, BV), n, HQ)](
+                qf, kf, vf, gf, wf, coef, decay, hin, o, off, L.cu_seqlens, L.chunk_offsets, segments, float(scale),
+                p0, HQ=HQ, E=E, USE_OFFSET=v_offset is not None, **common, num_warps=4)
+        return o.view(B, T, HQ, V), ht
+    hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
+    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     for p0, n in grid_slices(L.NC):
         _linear_output_kernel[(cdiv(V, BV), n, HQ)](
             qf, kf, vf, gf, wf, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), p0, HQ=HQ,

@@ -191,8 +191,8 @@ def _linear_segment_output_kernel(
     bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_s, E, BT)
     o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v = o_k < K, o_v < V
-    b_h = tl.load(hin + (i_s * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :],
-                  other=0.0)
+    b_h = tl.load(hin + (i_s.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=m_k[:, None] & m_v[None, :], other=0.0)
     for i_c in range(c0, c1):
         t0 = i_c * BT
         m_t = o_r < T - t0

@@ -148,15 +148,13 @@ def _linear_carry_kernel(hloc, dseg, hin, h0, ht, seg_offsets, H: tl.constexpr, 
 
 
 @triton.jit
-def _linear_output_kernel(
-    q, k, v, g, w, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale, p0,
-    H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
-):
-    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first chunk
-    i_h = i_hq // (HQ // H)  # query heads h·G … h·G + G − 1 read KV head h
-    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    t0 = i_c * BT
+def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, scale, H: tl.constexpr,
+                 HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+                 BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr):
+    """Store the output rows of the chunk at token ``t0`` of the sequence at ``bos`` (``T`` tokens) for query
+    head ``i_hq`` and V block ``i_v``, from ``b_h`` (K × BV), the state entering the chunk:
+    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``. Returns the
+    chunk's ``(k, v, token mask, token rows)``, what a caller carrying the state on needs."""
     o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v, m_t = o_k < K, o_v < V, o_r < T - t0
     rows = bos + t0 + o_r  # (BT,) int64: the chunk's tokens
@@ -165,8 +163,6 @@ def _linear_output_kernel(
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
     b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
-    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.0)
     b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
     b_d = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)  # exp(G_r − G_j), 0 above the diagonal
     b_s = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_d * b_w[None, :]
@@ -174,6 +170,24 @@ def _linear_output_kernel(
     if USE_OFFSET:
         b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
     tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+    return b_k, b_v, m_t, rows
+
+
+@triton.jit
+def _linear_output_kernel(
+    q, k, v, g, w, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale, p0,
+    H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Per (V block, chunk, query head): :func:`chunk_output` from the state stored for the chunk."""
+    i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first chunk
+    i_h = i_hq // (HQ // H)  # query heads h·G … h·G + G − 1 read KV head h
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
+    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+    chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, i_c * BT, i_h, i_hq, i_v, scale, H, HQ, K, V, BT, BK, BV,
+                 USE_OFFSET, IEEE)
 
 
 @triton.jit
@@ -182,33 +196,19 @@ def _linear_segment_output_kernel(
     H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, E: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (V block, segment of ``E`` chunks, query head), chunk by chunk: :func:`_linear_output_kernel`'s
-    output from the state ``hin`` entering the segment, which the program carries to the next chunk itself
-    (``h ← exp(G_C) h + Σ_j coef_j k_j v_jᵀ``, the state kernel's step) — so no state of a chunk is stored or
-    read, and the chain's second pass over the segments (:func:`linear_fwd_h`'s storing one) is not run."""
+    """Per (V block, segment of ``E`` chunks, query head), chunk by chunk: :func:`chunk_output` from the state
+    ``hin`` entering the segment, which the program carries to the next chunk itself (``h ← exp(G_C) h +
+    Σ_j coef_j k_j v_jᵀ``, the state kernel's step) — so no state of a chunk is stored or read, and the chain's
+    second pass over the segments (:func:`linear_fwd_h`'s storing one) is not run."""
     i_v, i_s, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first segment
     i_h = i_hq // (HQ // H)
     bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_s, E, BT)
-    o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
-    m_k, m_v = o_k < K, o_v < V
+    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
     b_h = tl.load(hin + (i_s.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=m_k[:, None] & m_v[None, :], other=0.0)
+                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
     for i_c in range(c0, c1):
-        t0 = i_c * BT
-        m_t = o_r < T - t0
-        rows = bos + t0 + o_r
-        m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
-        b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-        b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
-        b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
-        b_d = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)
-        b_s = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_d * b_w[None, :]
-        b_o = (b_o + mm(b_s, b_v, b_v, IEEE)) * scale
-        if USE_OFFSET:
-            b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
-        tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
+        b_k, b_v, m_t, rows = chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, i_c * BT, i_h, i_hq, i_v, scale,
+                                           H, HQ, K, V, BT, BK, BV, USE_OFFSET, IEEE)
         b_c = tl.load(coef + rows * H + i_h, mask=m_t, other=0.0)
         b_h = b_h * tl.load(decay + (boh + i_c) * H + i_h) + mm(tl.trans(b_k.to(tl.float32) * b_c[:, None]), b_v, b_v,
                                                                  IEEE)

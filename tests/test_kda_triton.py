@@ -72,3 +72,23 @@ GPU_SHAPES = [SHAPES[0], SHAPES[2], SHAPES[3], (2, 2048, 4, 4, 128, 128, None, 1
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=ids)
 def test_kda_triton_gpu_equals_reference(dtype, shape, compiled):
     check(dtype, "cuda", *shape)
+
+
+def test_state_kernel_launch_follows_programs_against_sms(monkeypatch):
+    """The forward state kernel takes (8 warps, 3 stages) only where its programs are no more than the SMs
+    and the tiles are 16-bit with keys up to 128 wide (the replays' case): on a GPU of 132 SMs, 2×8192 at 16
+    heads of 128 (V blocks of 32: 128 programs) does, 8×2048 (256 programs) keeps (4, 2), as do float32
+    tiles and 256-wide keys; off CUDA nothing changes."""
+    from linearize.ops.triton import kda_fwd
+    from linearize.ops.triton.layout import Layout
+
+    def launch(B, T, K=128, dtype=torch.bfloat16, sms=132):
+        monkeypatch.setattr(kda_fwd, "sms_for", lambda programs, device: sms)
+        L = Layout(torch.zeros(B, T, 16, K, dtype=dtype), torch.zeros(B, T, 16, 128, dtype=dtype), None)
+        return kda_fwd.state_launch(L, kda_fwd.kda_state_bv(L))
+
+    assert launch(2, 8192) == (8, 3)
+    assert launch(8, 2048) == (4, 2)
+    assert launch(2, 8192, dtype=torch.float32) == (4, kda_fwd.kda_stages(128, True, "state"))
+    assert launch(2, 8192, K=256) == (4, 2)
+    assert launch(2, 8192, sms=None) == (4, 2)

@@ -44,7 +44,18 @@ import triton
 import triton.language as tl
 
 from ..common import TRITON_DTYPES, cdiv, wants_grad
-from .kda_fwd import SUB, chunk_warps, kda_bv, kda_fwd, kda_prepare, kda_stages, kda_state_bv, kda_states, replay_warps
+from .kda_fwd import (
+    SUB,
+    chunk_warps,
+    kda_bv,
+    kda_fwd,
+    kda_prepare,
+    kda_stages,
+    kda_state_bv,
+    kda_states,
+    replay_warps,
+    replayed,
+)
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
@@ -371,7 +382,7 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     _wy_bwd_kernel[(L.NC, H)](
         kf, vf, gf, bf, tm, v_new, hs, dhs, dd, dk_p, dG_p, dam, dv, dbp, L.cu_seqlens, L.chunk_indices,
         L.chunk_offsets, **c, num_warps=chunk_warps(K), num_stages=kda_stages(K, ieee, "wy_bwd"))
-    iw, ist = (4, 2) if block_k(K) <= 128 and not ieee else (8, 3)  # (4, 2): 1.18× in the replays (replay_warps)
+    iw, ist = (4, 2) if replayed(K, ieee) else (8, 3)  # (4, 2): 1.18× in the replays (replay_warps)
     _intra_bwd_kernel[(NK, L.NC, H)](
         qf, kf, gf, bf, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, L.tokens * H, L.cu_seqlens, L.chunk_indices,
         L.chunk_offsets, H=H, G=G, K=K, BT=BT, BK=BKI, SUB=SUB, IEEE=ieee, num_warps=iw, num_stages=ist)

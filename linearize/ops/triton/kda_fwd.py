@@ -249,13 +249,18 @@ def chunk_warps(K: int) -> int:
     return 4 if block_k(K) <= 64 else 8
 
 
+def replayed(K: int, ieee: bool) -> bool:
+    """Whether launches of this key width and precision take the settings that replays at other settings
+    found faster (``scripts/tune_launches.py``, H100, bf16, 16 heads of 128; ``results/tune_launches_kda_*_h100.json``):
+    16-bit tiles, keys up to 128 wide. Wider heads and float32 tiles keep the settings they had."""
+    return block_k(K) <= 128 and not ieee
+
+
 def replay_warps(K: int, ieee: bool) -> int:
-    """Warps of the prepare kernel and of the backward's ``_dqk_kernel`` and ``_intra_bwd_kernel``: 4 for 16-bit
-    key heads up to 128 wide, where each launch replayed at other settings (``scripts/tune_launches.py``, H100,
-    bf16, 16 heads of 128, 2×8192) ran faster at 4 than at 8 — prepare 1.41× (forward) and 1.25× (backward's
-    call), ``_dqk_kernel`` 1.09×, ``_intra_bwd_kernel`` 1.18× (with 2 stages; ``results/tune_launches_kda_2x8192_h100.json``);
-    :func:`chunk_warps` for wider heads and float32 tiles, which the replays did not take."""
-    return 4 if block_k(K) <= 128 and not ieee else chunk_warps(K)
+    """Warps of the prepare kernel and of the backward's ``_dqk_kernel``: 4 where :func:`replayed` — at 2×8192
+    faster than 8, prepare 1.41× (forward) and 1.25× (backward's call), ``_dqk_kernel`` 1.09× (the backward's
+    ``_intra_bwd_kernel`` 1.18× at 4 warps and 2 stages) — else :func:`chunk_warps`."""
+    return 4 if replayed(K, ieee) else chunk_warps(K)
 
 
 def state_launch(layout: Layout, bv: int) -> tuple[int, int]:
@@ -266,7 +271,7 @@ def state_launch(layout: Layout, bv: int) -> tuple[int, int]:
     or float32 tiles keep (4, 2) (:func:`kda_stages`: shared memory)."""
     L = layout
     sms = sms_for(L.N * L.H, L.device)
-    if sms is not None and not L.ieee and block_k(L.K) <= 128 and L.N * L.H * cdiv(L.V, bv) <= sms:
+    if sms is not None and replayed(L.K, L.ieee) and L.N * L.H * cdiv(L.V, bv) <= sms:
         return 8, 3
     return 4, kda_stages(L.K, L.ieee, "state")
 

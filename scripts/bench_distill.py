@@ -141,6 +141,31 @@ def sync_sites(step, top: int = 25) -> list[dict]:
     return [{"site": k, "calls_per_step": n} for k, n in sites.most_common(top)]
 
 
+def profiled(rows: dict, name: str, step, profile: bool, host: bool, syncs: bool = False) -> None:
+    """Into ``rows`` under ``name``, and printed: with ``host`` the step's cProfile (and with ``syncs`` the
+    call sites that wait for the GPU, :func:`sync_sites`), with ``profile`` its GPU time per kernel and per
+    operator (:func:`gpu_profile`)."""
+    if host:
+        rows[f"{name}_host_profile"] = hp = host_profile(step)
+        print(f"{name}: host time per step by function (own ms, calls)")
+        for r in hp[:20]:
+            print(f"  {r['own_ms_per_step']:8.2f} ms {r['calls_per_step']:7.0f}  {r['function']}")
+        if syncs:
+            rows[f"{name}_syncs"] = sites = sync_sites(step)
+            print(f"{name}: calls that wait for the GPU, per step")
+            for r in sites:
+                print(f"  {r['calls_per_step']:5d}  {r['site']}")
+    if profile:
+        prof, ops = gpu_profile(step)
+        rows[f"{name}_profile"], rows[f"{name}_ops"] = prof, ops
+        print(f"{name}: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
+        for kname, ms in prof["top_kernels_ms"].items():
+            print(f"  {ms:8.2f} ms  {kname}")
+        print(f"{name}: GPU ms per step by operator (self time)")
+        for op, r in ops.items():
+            print(f"  {r['ms']:8.2f} ms {r['calls']:6.0f}  {op}")
+
+
 def student_of(teacher, fused_front: bool, block: dict | None):
     """The teacher converted (a copy), calibrated on random ids as the benchmark's rows are."""
     from linearize.layers import GDNOptions
@@ -189,20 +214,8 @@ def measure(teacher, ids, pos, fused_front: bool, iters: int, profile: bool = Fa
         host_times = []
         rows[f"{name}_s"], rows[f"{name}_steps_s"] = timed(step, iters, host_times)
         rows[f"{name}_host_s"] = statistics.median(host_times)
-        if host and dev.type == "cuda":
-            rows[f"{name}_host_profile"] = hp = host_profile(step)
-            print(f"{name}: host time per step by function (own ms, calls)")
-            for r in hp[:20]:
-                print(f"  {r['own_ms_per_step']:8.2f} ms {r['calls_per_step']:7.0f}  {r['function']}")
-        if profile and dev.type == "cuda":
-            prof, ops = gpu_profile(step)
-            rows[f"{name}_profile"], rows[f"{name}_ops"] = prof, ops
-            print(f"{name}: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
-            for kname, ms in prof["top_kernels_ms"].items():
-                print(f"  {ms:8.2f} ms  {kname}")
-            print(f"{name}: GPU ms per step by operator (self time)")
-            for op, r in ops.items():
-                print(f"  {r['ms']:8.2f} ms {r['calls']:6.0f}  {op}")
+        if dev.type == "cuda":
+            profiled(rows, name, step, profile, host)
     tokens = ids.numel()
     for k in ("teacher_fwd_bwd", "align", "distill"):
         rows[f"{k}_tokens_per_s"] = tokens / rows[f"{k}_s"]
@@ -244,24 +257,8 @@ def measure_as_trained(teacher, ids, pos, fused_front: bool, iters: int, block: 
     rows = {}
     rows["distill_as_trained_s"], rows["distill_as_trained_steps_s"] = timed(step, iters)
     rows["distill_as_trained_tokens_per_s"] = ids.numel() / rows["distill_as_trained_s"]
-    if host and dev.type == "cuda":
-        rows["distill_as_trained_host_profile"] = hp = host_profile(step)
-        print("distill as trained: host time per step by function (own ms, calls)")
-        for r in hp[:20]:
-            print(f"  {r['own_ms_per_step']:8.2f} ms {r['calls_per_step']:7.0f}  {r['function']}")
-        rows["distill_as_trained_syncs"] = syncs = sync_sites(step)
-        print("distill as trained: calls that wait for the GPU, per step")
-        for r in syncs:
-            print(f"  {r['calls_per_step']:5d}  {r['site']}")
-    if profile and dev.type == "cuda":
-        prof, ops = gpu_profile(step)
-        rows["distill_as_trained_profile"], rows["distill_as_trained_ops"] = prof, ops
-        print(f"distill as trained: kernels {prof['kernel_ms_total']:.1f} ms per step, wall {prof['wall_ms_profiled']:.1f} ms")
-        for kname, ms in prof["top_kernels_ms"].items():
-            print(f"  {ms:8.2f} ms  {kname}")
-        print("distill as trained: GPU ms per step by operator (self time)")
-        for op, r in ops.items():
-            print(f"  {r['ms']:8.2f} ms {r['calls']:6.0f}  {op}")
+    if dev.type == "cuda":
+        profiled(rows, "distill_as_trained", step, profile, host, syncs=True)
     return rows
 
 

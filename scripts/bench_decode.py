@@ -120,7 +120,8 @@ def cache_bytes(model, ids, chunk: int | None = None) -> int:
 def measure(run, steps: int, repeats: int) -> dict:
     """``run(n)`` generates n tokens and returns its decode seconds a token (clocked inside the loop). Times
     ``run(1)`` and ``run(steps)`` ``repeats`` times each after one untimed warm-up of each: medians of the
-    clocked cost and of the wall times."""
+    clocked cost and of the wall times. ``peak_bytes``: the allocator's peak over the timed runs;
+    ``prefill_peak_bytes``: over one more ``run(1)`` alone (the prompt's prefill and one token)."""
     cuda = torch.cuda.is_available()
     run(1), run(steps)
     if cuda:
@@ -130,8 +131,14 @@ def measure(run, steps: int, repeats: int) -> dict:
     clocked = [b[1] for _, b in pairs if b[1] is not None]
     diff = (tn - t1) / (steps - 1)
     per = statistics.median(clocked) if clocked else diff
+    peak = prefill_peak = None
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        run(1)
+        prefill_peak = torch.cuda.max_memory_allocated()
     return {"ttft_s": t1, "ms_per_token": per * 1e3, "ms_per_token_diff": diff * 1e3, "total_s": tn,
-            "peak_bytes": torch.cuda.max_memory_allocated() if cuda else None}
+            "peak_bytes": peak, "prefill_peak_bytes": prefill_peak}
 
 
 def paths(teacher, converted, ids, eager: bool, cpu: bool = False, compiled: bool = False, chunk: int | None = None,

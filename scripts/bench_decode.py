@@ -202,6 +202,9 @@ def plot(rows: list[dict], batch: int, path: Path) -> None:
         if pts:
             ax.plot(*zip(*pts), "o-", label=name)
     ax.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="decode tokens/s", title=f"batch {batch}")
+    contexts = sorted({r["context"] for r in rows if r["batch"] == batch})
+    ax.set_xticks(contexts, [f"{c // 1024}K" if c >= 1024 else str(c) for c in contexts])
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend()
     fig.tight_layout()

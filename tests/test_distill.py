@@ -636,6 +636,29 @@ def test_distill_nan_parameters_stop_before_a_bad_checkpoint(tiny_dir, tmp_path,
         assert all(torch.isfinite(t).all() for t in torch.load(p, weights_only=True)["params"].values()), p
 
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_all_finite_finds_one_bad_value_among_many_parameters(device):
+    """The trainer's finite check (one foreach max-norm over the parameters) against the element-wise
+    ``torch.isfinite``: one NaN, +inf or −inf anywhere in one tensor of many, of either float dtype, is found;
+    parameters holding values near float32's largest are finite."""
+    from linearize.distill.parallel import all_finite
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    dev = torch.device(device)
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(n, generator=g).to(dev, dt) for n in (3, 1000, 70_000, 5) for dt in (torch.float32, torch.bfloat16)]
+    params.append(torch.full((4,), 3.0e38, device=dev))
+    assert all_finite(params, dev) and all(torch.isfinite(p).all() for p in params)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for i, at in ((0, 2), (5, 65_537), (len(params) - 1, 0)):
+            poisoned = [p.clone() for p in params]
+            poisoned[i][at] = bad
+            assert not all_finite(poisoned, dev), (bad, i, at)
+    assert all_finite([], dev)
+
+
 # bad input through the CLI ----------------------------------------------------------------------
 
 

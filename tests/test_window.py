@@ -376,3 +376,63 @@ def test_second_order_mix_from_the_cli_and_recipe(tiny_dir, tmp_path):
     assert load_recipe(None, [f"teacher.model={tiny_dir}", "convert.window=4", "convert.mix_order=2"]).convert.mix_order == 2
     with pytest.raises(Exception, match="convert.mix_order"):
         load_recipe(None, [f"teacher.model={tiny_dir}", "convert.mix_order=2"])
+
+
+def test_fresh_layout_is_shared_by_the_layers_of_one_forward_and_follows_its_documents():
+    """The index part of ``fresh_inputs`` is laid out once for the same ``cu_seqlens`` (the same tensors
+    come back, as the layers of one forward see them), and laid out again for other documents, for the
+    same ``cu_seqlens`` written in place, and under inference mode; each equals a layout made afresh."""
+    from linearize.ops import window_inputs as wi
+
+    def fresh(cu):
+        return wi._layout(1, 40, 8, 2, cu, None, torch.device("cpu"), True)
+
+    def same(a, b):
+        return all((x is None and y is None) or torch.equal(x, y) for x, y in
+                   zip((a.key_doc, a.query_doc, a.old_ok, a.pos, a.sink_index, a.sink_ok),
+                       (b.key_doc, b.query_doc, b.old_ok, b.pos, b.sink_index, b.sink_ok)))
+
+    cu = torch.tensor([0, 13, 40])
+    one = wi.fresh_layout(1, 40, 8, 2, cu, None, cu.device)
+    assert wi.fresh_layout(1, 40, 8, 2, cu, None, cu.device) is one and same(one, fresh(cu))
+    other = torch.tensor([0, 25, 40])
+    assert not same(wi.fresh_layout(1, 40, 8, 2, other, None, cu.device), one)
+    assert same(wi.fresh_layout(1, 40, 8, 2, other, None, cu.device), fresh(other))
+    cu[1] = 30  # in place: the version moves on
+    assert same(wi.fresh_layout(1, 40, 8, 2, cu, None, cu.device), fresh(torch.tensor([0, 30, 40])))
+    rows = wi.fresh_layout(2, 40, 8, 2, None, None, cu.device)
+    assert wi.fresh_layout(2, 40, 8, 2, None, None, cu.device) is rows
+    with torch.inference_mode():
+        assert wi.fresh_layout(2, 40, 8, 2, None, None, cu.device) is not rows
+    assert same(wi.fresh_layout(2, 40, 8, 2, None, None, cu.device), wi._layout(2, 40, 8, 2, None, None, cu.device, True))
+
+
+def test_flex_block_mask_is_kept_for_the_same_tensors_and_built_again_when_they_change():
+    """FlexAttention's block mask is built once for the tensors a forward's layers share, found again
+    without reading them back, and built again when they are written in place: the output then equals
+    the banded softmax on the new documents (a mask kept by mistake would mix the old ones)."""
+    import warnings
+
+    from linearize.ops import window as win
+    from linearize.ops.window_inputs import fresh_inputs
+
+    g = torch.Generator().manual_seed(0)
+    T, W, S = 120, 16, 3
+    q = torch.randn(1, T, 4, 16, generator=g) * 0.5
+    k, v = (torch.randn(1, T, 2, 16, generator=g) for _ in range(2))
+    cu = torch.tensor([0, 50, T])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        inp = fresh_inputs(k, v, W, S, cu, None, gather_sinks=False)
+        docs = (inp.key_doc[:, W:], inp.query_doc, inp.pos)
+        first = win._block_mask(*docs, W, S, False)
+        assert win._block_mask(inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, False) is first  # another view
+        new = fresh_inputs(k, v, W, S, torch.tensor([0, 90, T]), None)
+        inp.key_doc.copy_(new.key_doc)
+        inp.query_doc.copy_(new.query_doc)
+        inp.pos.copy_(new.pos)
+        o, lse = win.sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, compiled=False)
+    assert win._MASK["last"][2] is not first
+    o_ref, lse_ref = win.sink_window_softmax(q, new.k, new.v, new.key_doc, new.query_doc, W, new.sink_k, new.sink_v,
+                                             new.sink_ok)
+    assert (o - o_ref).abs().max() < 1e-5 and (lse - lse_ref).abs().max() < 1e-5

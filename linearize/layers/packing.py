@@ -35,9 +35,13 @@ def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Ten
     attend to itself? — which holds for full and sliding-window masks alike and is False only for
     padding; 2-D masks are the user's padding mask itself.
     """
-    if attention_mask is None:
+    if not torch.is_tensor(attention_mask):
         return None
-    m = attention_mask
+    # every layer of one forward passes the same mask: read back (a sync) once, not once a layer
+    return _LAST_MASK.get(attention_mask, lambda: _token_mask(attention_mask, B, T), key=(B, T))
+
+
+def _token_mask(m: torch.Tensor, B: int, T: int) -> torch.Tensor | None:
     if m.dim() == 4:
         if m.shape[-2] < T:
             return None
@@ -75,3 +79,4 @@ def _document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
 
 
 _LAST_PACKING = LastTensorMemo()  # every layer of one forward passes the same position_ids
+_LAST_MASK = LastTensorMemo()

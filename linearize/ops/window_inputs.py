@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .common import LastTensorMemo
 from .taylor import _documents
 
 
@@ -70,19 +71,54 @@ class WindowBuffers:
                    torch.zeros(B, window, **long), torch.zeros(B, **long), torch.zeros(B, **long))
 
 
-def _with_empty_window(k, v, pos, window):
-    B, _, H, D = k.shape
-    cat = lambda a, b: torch.cat([a.to(b.dtype), b], 1)  # noqa: E731
-    return cat(k.new_zeros(B, window, H, D), k), cat(v.new_zeros(B, window, H, D), v), cat(pos.new_zeros(B, window), pos)
-
-
 def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_seqlens: torch.Tensor | None = None,
                  mask: torch.Tensor | None = None, gather_sinks: bool = True) -> WindowInputs:
     """A sequence from its start. k, v ``(B, T, H, D)``; ``cu_seqlens``: packed documents (B = 1);
     ``mask`` ``(B, T)`` bool: False for padding (not with ``cu_seqlens``). ``gather_sinks=False`` leaves the
     per-query sinks out (None): FlexAttention reads them through its mask from ``pos`` instead."""
-    B, T = k.shape[:2]
-    dev = k.device
+    B, T, H, D = k.shape
+    lay = fresh_layout(B, T, window, sinks, cu_seqlens, mask, k.device, gather_sinks)
+    pad = lambda x: torch.cat([x.new_zeros(B, window, H, D), x], 1)  # noqa: E731  W empty slots before the first
+    sink_k = sink_v = None
+    if lay.sink_index is not None:
+        index = lay.sink_index
+        gather = lambda x: torch.gather(x.flatten(2), 1, index.reshape(B, -1, 1).expand(-1, -1, x[0, 0].numel()))  # noqa: E731
+        sink_k, sink_v = (gather(x).view(B, -1, sinks, *x.shape[2:]) for x in (k, v))
+    return WindowInputs(pad(k), pad(v), lay.key_doc, lay.query_doc, sink_k, sink_v, lay.sink_ok, lay.old_ok, lay.pos)
+
+
+@dataclass
+class FreshLayout:
+    """What :func:`fresh_inputs` lays out from the rows' documents alone, whatever the keys and values."""
+
+    key_doc: torch.Tensor
+    query_doc: torch.Tensor
+    old_ok: torch.Tensor
+    pos: torch.Tensor  # padding 0
+    sink_index: torch.Tensor | None  # (B, T or 1, S): the token each query's sink j is
+    sink_ok: torch.Tensor | None
+
+
+def fresh_layout(B: int, T: int, window: int, sinks: int, cu_seqlens: torch.Tensor | None, mask: torch.Tensor | None,
+                 device, gather_sinks: bool = True) -> FreshLayout:
+    """The index part of :func:`fresh_inputs`, laid out once for the layers of one forward: every layer passes
+    the same ``cu_seqlens`` (or none, and no mask), so its tensors are the same objects from layer to layer
+    (no launch a layer, and :func:`linearize.ops.window.sink_window_flex` knows its block mask by them)."""
+    key = (B, T, window, sinks, gather_sinks, str(device), torch.is_inference_mode_enabled())
+    if mask is not None:
+        return _layout(B, T, window, sinks, cu_seqlens, mask, device, gather_sinks)
+    if cu_seqlens is not None:
+        return _LAYOUTS.get(cu_seqlens, lambda: _layout(B, T, window, sinks, cu_seqlens, None, device, gather_sinks), key)
+    if _ROWS.get("key") != key:  # rows of one document each: the layout depends on the shape alone
+        _ROWS.update(key=key, layout=_layout(B, T, window, sinks, None, None, device, gather_sinks))
+    return _ROWS["layout"]
+
+
+_LAYOUTS = LastTensorMemo()
+_ROWS: dict = {}
+
+
+def _layout(B, T, window, sinks, cu_seqlens, mask, dev, gather_sinks) -> FreshLayout:
     valid = torch.ones(B, T, dtype=torch.bool, device=dev) if mask is None else mask.bool()
     ar = torch.arange(T, device=dev)
     if cu_seqlens is not None:
@@ -93,11 +129,11 @@ def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_s
         doc = torch.zeros(B, T, dtype=torch.long, device=dev)
         pos = valid.long().cumsum(1) * valid
     query_doc = torch.where(valid, doc, -2)
-    kk, vv, pos_c = _with_empty_window(k, v, pos, window)
+    pos_c = torch.cat([pos.new_zeros(B, window), pos], 1)
     key_doc = torch.cat([doc.new_full((B, window), -1), torch.where(valid, doc, -1)], 1)
     # the token leaving the window at t is written even when t itself is padding, as decoding does
     old_ok = (key_doc[:, :T] == doc) & (pos_c[:, :T] > sinks)
-    sink_k = sink_v = sink_ok = None
+    index = sink_ok = None
     if sinks and gather_sinks:
         j = torch.arange(sinks, device=dev)
         if cu_seqlens is not None:  # sink j of a query is its document's token j
@@ -106,11 +142,9 @@ def fresh_inputs(k: torch.Tensor, v: torch.Tensor, window: int, sinks: int, cu_s
             hit = valid[:, None, :] & (pos[:, None, :] == (j + 1)[None, :, None])  # (B, S, T)
             index = hit.int().argmax(-1)[:, None, :].expand(B, T, sinks)
         sink_ok = (pos[..., None] >= j + 1) & (index <= ar[None, :, None] - window) & valid[..., None]
-        gather = lambda x: torch.gather(x.flatten(2), 1, index.reshape(B, -1, 1).expand(-1, -1, x[0, 0].numel()))  # noqa: E731
         if cu_seqlens is None:  # one set of sinks per row
             index = index[:, :1]
-        sink_k, sink_v = (gather(x).view(B, -1, sinks, *x.shape[2:]) for x in (k, v))
-    return WindowInputs(kk, vv, key_doc, query_doc, sink_k, sink_v, sink_ok, old_ok, pos * valid)
+    return FreshLayout(key_doc, query_doc, old_ok, pos * valid, index, sink_ok)
 
 
 def cached_inputs(k: torch.Tensor, v: torch.Tensor, buffers: WindowBuffers, window: int, sinks: int,

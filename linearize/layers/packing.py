@@ -37,6 +37,8 @@ def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Ten
     """
     if not torch.is_tensor(attention_mask):
         return None
+    if torch.compiler.is_compiling():  # (a trace keeps nothing between calls)
+        return _token_mask(attention_mask, B, T)
     # every layer of one forward passes the same mask: read back (a sync) once, not once a layer
     return _LAST_MASK.get(attention_mask, lambda: _token_mask(attention_mask, B, T), key=(B, T))
 

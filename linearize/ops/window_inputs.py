@@ -105,7 +105,7 @@ def fresh_layout(B: int, T: int, window: int, sinks: int, cu_seqlens: torch.Tens
     the same ``cu_seqlens`` (or none, and no mask), so its tensors are the same objects from layer to layer
     (no launch a layer, and :func:`linearize.ops.window.sink_window_flex` knows its block mask by them)."""
     key = (B, T, window, sinks, gather_sinks, str(device), torch.is_inference_mode_enabled())
-    if mask is not None:
+    if mask is not None or torch.compiler.is_compiling():  # (a trace keeps nothing between calls)
         return _layout(B, T, window, sinks, cu_seqlens, mask, device, gather_sinks)
     if cu_seqlens is not None:
         return _LAYOUTS.get(cu_seqlens, lambda: _layout(B, T, window, sinks, cu_seqlens, None, device, gather_sinks), key)

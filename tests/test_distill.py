@@ -659,6 +659,44 @@ def test_all_finite_finds_one_bad_value_among_many_parameters(device):
     assert all_finite([], dev)
 
 
+
+@pytest.mark.parametrize("keep_softmax", [None, "1"])
+def test_student_forward_builds_no_causal_mask_and_computes_the_same(keep_softmax, monkeypatch):
+    """``last_hidden`` (the distill stage's forward) skips transformers' causal mask for a model of converted
+    blocks only: no packed-sequence search (a GPU sync), the same hidden states as the model's own forward
+    with the mask, on packed documents; the configs' attention implementation is restored after. A hybrid
+    (one softmax layer) keeps its mask: without it, its softmax layer would attend across the documents."""
+    import transformers.masking_utils as mu
+    from conftest import tiny_model
+
+    import linearize
+    from linearize.distill.losses import last_hidden
+    from linearize.layers import GDNOptions
+
+    teacher = tiny_model("llama")
+    calib = torch.randint(1, 96, (1, 64), generator=torch.Generator().manual_seed(1))
+    model = linearize.convert(teacher, calibration_ids=calib, options=GDNOptions(window=8, sinks=2),
+                              keep_softmax=keep_softmax).eval()
+    ids = torch.randint(1, 96, (2, 48), generator=torch.Generator().manual_seed(2))
+    pos = (torch.arange(48) % 20).expand(2, 48).contiguous()  # packed documents of 20 tokens
+    calls = {"n": 0}
+    real = mu.find_packed_sequence_indices
+
+    def counted(*a, **k):
+        calls["n"] += 1
+        return real(*a, **k)
+
+    monkeypatch.setattr(mu, "find_packed_sequence_indices", counted)
+    before = (model.config._attn_implementation, model.model.config._attn_implementation)
+    with torch.no_grad():
+        ref = model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=True).hidden_states[-1]
+        assert calls["n"] == 1
+        got = last_hidden(model, ids, pos)
+    assert calls["n"] == (2 if keep_softmax else 1)
+    assert torch.equal(got, ref)
+    assert (model.config._attn_implementation, model.model.config._attn_implementation) == before
+
+
 # bad input through the CLI ----------------------------------------------------------------------
 
 

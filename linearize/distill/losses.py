@@ -8,6 +8,8 @@ during the backward. The teacher is held outside the module tree (it is frozen a
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from torch import nn
 
@@ -142,8 +144,36 @@ def next_token_labels(ids, pos):
 def last_hidden(model, ids, pos) -> torch.Tensor:
     """The final (normed) hidden states, through the model's own forward — which FSDP needs — with
     logits for one position only: the LM head then runs chunk by chunk."""
-    out = model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
+    with no_causal_mask(model):
+        out = model(input_ids=ids, position_ids=pos, use_cache=False, output_hidden_states=True, logits_to_keep=1)
     return out.hidden_states[-1]
+
+
+_NO_MASK = "linearize_no_causal_mask"  # an attention implementation no mask function knows
+
+
+@contextmanager
+def no_causal_mask(model):
+    """While in it, a student whose every layer is a converted block gets no causal mask from transformers:
+    none of its layers reads one (they take packing from ``position_ids``, and padding from a mask, which
+    training never passes), and building it found the packed documents by reading ``position_ids`` back from
+    the GPU (a sync a forward) and laid out a ``(B, 1, T, T)`` mask. transformers builds none for an
+    attention implementation no mask function is registered for; the configs get such a name, restored
+    after. Models with softmax layers (hybrids, teachers) are left as they are."""
+    from ..decoding import all_gdn
+
+    if not all_gdn(model):
+        yield
+        return
+    configs = {id(c): c for c in (model.config, getattr(model.base_model, "config", None)) if c is not None}
+    saved = [(c, c._attn_implementation) for c in configs.values()]
+    try:
+        for c, _ in saved:
+            c._attn_implementation = _NO_MASK
+        yield
+    finally:
+        for c, name in saved:
+            c._attn_implementation = name
 
 
 def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, ce_weight: float):

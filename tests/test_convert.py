@@ -612,6 +612,23 @@ def test_token_mask_reads_padding_and_additive_masks():
     assert token_mask(torch.ones(2, 3, dtype=torch.long), 2, 3) is None  # no padding: no mask
 
 
+def test_token_mask_is_read_once_for_one_mask_and_again_when_it_changes():
+    """The layers of one forward pass the same mask: it is read once (the same tensor comes back), read again
+    when written in place or for another shape, and one read under inference mode is not handed to a forward
+    that trains (an inference tensor cannot be saved for the backward)."""
+    from linearize.layers.gdn_attention import token_mask
+
+    pad = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    first = token_mask(pad, 2, 3)
+    assert token_mask(pad, 2, 3) is first
+    pad[1, 0] = 0  # in place
+    assert torch.equal(token_mask(pad, 2, 3), torch.tensor([[False, True, True], [False, True, True]]))
+    assert token_mask(pad, 2, 2) is None  # the last two columns: no padding
+    with torch.inference_mode():
+        assert token_mask(pad, 2, 3).is_inference()
+    assert not token_mask(pad, 2, 3).is_inference()
+
+
 @pytest.mark.parametrize("options", [dict(), dict(window=4, sinks=2, output_gate=True)], ids=["pure", "window-gate"])
 def test_calibration_steps_fit_the_new_parameters_and_leave_the_teachers(options):
     """convert(calibration_steps=N) lowers each block's error against the teacher on the calibration rows,

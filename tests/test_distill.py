@@ -639,9 +639,9 @@ def test_distill_nan_parameters_stop_before_a_bad_checkpoint(tiny_dir, tmp_path,
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_all_finite_finds_one_bad_value_among_many_parameters(device):
-    """The trainer's finite check (one foreach max-norm over the parameters) against the element-wise
+    """The trainer's finite check (foreach max-norms over the parameters) against the element-wise
     ``torch.isfinite``: one NaN, +inf or −inf anywhere in one tensor of many, of either float dtype, is found;
-    parameters holding values near float32's largest are finite."""
+    parameters holding values near float32's largest are finite, and so is an empty one."""
     from linearize.distill.parallel import all_finite
 
     if device == "cuda" and not torch.cuda.is_available():
@@ -650,9 +650,10 @@ def test_all_finite_finds_one_bad_value_among_many_parameters(device):
     g = torch.Generator().manual_seed(0)
     params = [torch.randn(n, generator=g).to(dev, dt) for n in (3, 1000, 70_000, 5) for dt in (torch.float32, torch.bfloat16)]
     params.append(torch.full((4,), 3.0e38, device=dev))
+    params.append(torch.empty(0, device=dev))  # an FSDP shard of a parameter with fewer rows than processes
     assert all_finite(params, dev) and all(torch.isfinite(p).all() for p in params)
     for bad in (float("nan"), float("inf"), float("-inf")):
-        for i, at in ((0, 2), (5, 65_537), (len(params) - 1, 0)):
+        for i, at in ((0, 2), (5, 65_537), (len(params) - 2, 0)):
             poisoned = [p.clone() for p in params]
             poisoned[i][at] = bad
             assert not all_finite(poisoned, dev), (bad, i, at)

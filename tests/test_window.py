@@ -409,30 +409,40 @@ def test_fresh_layout_is_shared_by_the_layers_of_one_forward_and_follows_its_doc
 
 def test_flex_block_mask_is_kept_for_the_same_tensors_and_built_again_when_they_change():
     """FlexAttention's block mask is built once for the tensors a forward's layers share, found again
-    without reading them back, and built again when they are written in place: the output then equals
-    the banded softmax on the new documents (a mask kept by mistake would mix the old ones)."""
+    without reading them back, and built again for other tensors of the same shape (other documents) and
+    for the same tensors written in place: the output then equals the banded softmax on those documents (a
+    mask kept by mistake would mix the old ones)."""
     import warnings
 
     from linearize.ops import window as win
     from linearize.ops.window_inputs import fresh_inputs
 
     g = torch.Generator().manual_seed(0)
-    T, W, S = 120, 16, 3
+    T, W, S = 512, 16, 3  # four of FlexAttention's blocks of 128
     q = torch.randn(1, T, 4, 16, generator=g) * 0.5
     k, v = (torch.randn(1, T, 2, 16, generator=g) for _ in range(2))
-    cu = torch.tensor([0, 50, T])
+
+    def flex_equals_banded(inp, ref):
+        o, lse = win.sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, compiled=False)
+        o_ref, lse_ref = win.sink_window_softmax(q, ref.k, ref.v, ref.key_doc, ref.query_doc, W, ref.sink_k,
+                                                 ref.sink_v, ref.sink_ok)
+        return (o - o_ref).abs().max() < 1e-5 and (lse - lse_ref).abs().max() < 1e-5
+
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        inp = fresh_inputs(k, v, W, S, cu, None, gather_sinks=False)
-        docs = (inp.key_doc[:, W:], inp.query_doc, inp.pos)
-        first = win._block_mask(*docs, W, S, False)
+        inp = fresh_inputs(k, v, W, S, torch.tensor([0, 256, T]), None, gather_sinks=False)
+        first = win._block_mask(inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, False)
         assert win._block_mask(inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, False) is first  # another view
-        new = fresh_inputs(k, v, W, S, torch.tensor([0, 90, T]), None)
-        inp.key_doc.copy_(new.key_doc)
-        inp.query_doc.copy_(new.query_doc)
-        inp.pos.copy_(new.pos)
-        o, lse = win.sink_window_flex(q, k, v, inp.key_doc[:, W:], inp.query_doc, inp.pos, W, S, compiled=False)
-    assert win._MASK["last"][2] is not first
-    o_ref, lse_ref = win.sink_window_softmax(q, new.k, new.v, new.key_doc, new.query_doc, W, new.sink_k, new.sink_v,
-                                             new.sink_ok)
-    assert (o - o_ref).abs().max() < 1e-5 and (lse - lse_ref).abs().max() < 1e-5
+        other = fresh_inputs(k, v, W, S, torch.tensor([0, 100, 300, T]), None)  # new tensors, version 0 as well
+        assert flex_equals_banded(other, other)
+        kept = win._MASK["last"][2]
+        assert kept is not first
+        # in place, one document: the last block's queries now need the first block's sinks, a block the mask
+        # built for three documents does not visit (it reads its tensors when it runs, but which blocks it
+        # visits was fixed when it was built; on the CPU FlexAttention runs densely, so the output alone
+        # cannot tell: the mask must be a new one)
+        new = fresh_inputs(k, v, W, S, None, None)
+        for a, b in ((other.key_doc, new.key_doc), (other.query_doc, new.query_doc), (other.pos, new.pos)):
+            a.copy_(b)  # the version moves on
+        assert win._block_mask(other.key_doc[:, W:], other.query_doc, other.pos, W, S, False) is not kept
+        assert flex_equals_banded(other, new)

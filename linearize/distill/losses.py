@@ -166,14 +166,16 @@ def no_causal_mask(model):
         yield
         return
     configs = {id(c): c for c in (model.config, getattr(model.base_model, "config", None)) if c is not None}
-    saved = [(c, c._attn_implementation) for c in configs.values()]
+    # the attribute behind transformers' property (whose setter also rewrites sub-configs), else the plain one
+    attr = lambda c: "_attn_implementation_internal" if "_attn_implementation_internal" in vars(c) else "_attn_implementation"  # noqa: E731
+    saved = [(c, attr(c), getattr(c, attr(c))) for c in configs.values()]
     try:
-        for c, _ in saved:
-            c._attn_implementation = _NO_MASK
+        for c, a, _ in saved:
+            setattr(c, a, _NO_MASK)
         yield
     finally:
-        for c, name in saved:
-            c._attn_implementation = name
+        for c, a, name in saved:
+            setattr(c, a, name)
 
 
 def chunked_kl(student_h, teacher_h, lm_s, lm_t, labels, T: float, chunk: int, ce_weight: float):

@@ -35,12 +35,13 @@ def token_mask(attention_mask: torch.Tensor | None, B: int, T: int) -> torch.Ten
     attend to itself? — which holds for full and sliding-window masks alike and is False only for
     padding; 2-D masks are the user's padding mask itself.
     """
-    if not torch.is_tensor(attention_mask):
+    if attention_mask is None:
         return None
-    if torch.compiler.is_compiling():  # (a trace keeps nothing between calls)
+    if not torch.is_tensor(attention_mask) or torch.compiler.is_compiling():  # (a trace keeps nothing between calls)
         return _token_mask(attention_mask, B, T)
     # every layer of one forward passes the same mask: read back (a sync) once, not once a layer
-    return _LAST_MASK.get(attention_mask, lambda: _token_mask(attention_mask, B, T), key=(B, T))
+    return _LAST_MASK.get(attention_mask, lambda: _token_mask(attention_mask, B, T),
+                          key=(B, T, torch.is_inference_mode_enabled()))
 
 
 def _token_mask(m: torch.Tensor, B: int, T: int) -> torch.Tensor | None:

@@ -89,6 +89,47 @@ def test_kda_triton_grads_channel_slices():
     check(torch.float32, "cpu", 1, 100, 1, 2, 72, 16, [0, 30, 100], 3.0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kda_backward_from_the_kept_forward_equals_the_one_that_computes_it_again(dtype, monkeypatch):
+    """With the forward's prepare and state outputs kept (``KEEP_FORWARD``), the backward runs neither again
+    and its outputs are the very values of the backward that computes them again (fp16 through the prepare
+    kernel's scale·γ⊙q written by the forward's pass); a forward that wants no gradient keeps nothing."""
+    needs_interpreter()
+    from linearize.ops.triton import kda_bwd
+    from linearize.ops.triton.kda_bwd import kda_triton
+
+    q, k, v, g, beta = kda_inputs(1, 100, 1, 2, 32, 16, seed=5, decay=3.0)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    g, beta = g.float(), beta.float()
+    h0 = torch.randn(2, 1, 32, 16, generator=torch.Generator().manual_seed(2))
+    offset = torch.randn(1, 100, 1, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
+    cu = torch.tensor([0, 40, 100])
+    calls = {"kda_prepare": 0, "kda_states": 0}
+
+    def counted(name):
+        real = getattr(kda_bwd, name)
+
+        def run(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return run
+
+    for name in calls:  # the backward's own calls (the forward's are kda_fwd's)
+        monkeypatch.setattr(kda_bwd, name, counted(name))
+    monkeypatch.setattr(kda_bwd, "KEEP_FORWARD", False)
+    again = grads(kda_triton, q, k, v, g, beta, h0, offset, cu)
+    assert calls == {"kda_prepare": 1, "kda_states": 1}
+    monkeypatch.setattr(kda_bwd, "KEEP_FORWARD", True)
+    kept = grads(kda_triton, q, k, v, g, beta, h0, offset, cu)
+    assert calls == {"kda_prepare": 1, "kda_states": 1}  # none more
+    for name, a, b in zip(NAMES, kept, again):
+        assert (a is None and b is None) or torch.equal(a, b), name
+    with torch.no_grad():  # nothing to keep: the forward alone, its output the same
+        o, _ = kda_triton(q, k, v, g, beta, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                          v_offset=offset)
+    assert torch.equal(o, kept[0])
+
+
 def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():
     """``gated_delta_rule(backend="triton")`` with a per-channel g differentiates through the KDA kernels
     (equal to the chunkwise PyTorch form); ``"auto"`` off CUDA keeps the PyTorch form."""

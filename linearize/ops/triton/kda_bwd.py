@@ -336,11 +336,13 @@ def intra_bk(K: int) -> int:
     return min(32, block_k(K))
 
 
-def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens, tm=None, pm=None) -> tuple:
+def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlens, tm=None, pm=None,
+            kept=None) -> tuple:
     """``(dq, dk, dv, dg, dbeta, dh0)`` of :func:`kda_fwd`'s output and final state, each in its input's dtype
     (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]`` or None;
     ``tm`` the forward's T (:func:`kda_fwd`), or None to solve again; ``pm`` the forward's in-chunk scores
-    (``kda_fwd(..., return_scores=True)``), or None to compute them again."""
+    (``kda_fwd(..., return_scores=True)``), or None to compute them again; ``kept`` the forward's
+    :class:`~linearize.ops.triton.kda_fwd.Kept` (``keep=True``), or None to run its prepare and states again."""
     B, T, HQ, K = q.shape
     L = Layout(q, v, cu_seqlens)
     H, V, G, ieee, dev = L.H, L.V, L.G, L.ieee, q.device
@@ -355,9 +357,12 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         if dh0 is not None:
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
-    tm, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale)
-    hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0)
-    del u
+    if kept is None:
+        tm, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale)
+        hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0)
+        del u
+    else:
+        w, kd, gc, qg, hs, v_new = kept
     dhs = torch.empty_like(hs)
     f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
     dd, dk_p, dG_p, dqh, dpm, dam = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K), f32(HQ, BT), f32(H, BT)
@@ -390,24 +395,31 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
 
 
+# keep the forward's prepare and state outputs for the backward (``kda_fwd.Kept``) rather than run both again
+KEEP_FORWARD = True
+
+
 class KDAFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset):
-        o, ht, tm, pm = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                output_final_state=output_final_state, cu_seqlens=cu_seqlens, v_offset=v_offset,
-                                return_scores=True)
-        # of the intermediates T and the scores P are kept (their pairwise decays per channel are the costly
-        # part); the backward recomputes W, U and the states
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm, pm)
+        keep = KEEP_FORWARD and any(ctx.needs_input_grad)
+        o, ht, tm, pm, *kept = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                                       output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                       v_offset=v_offset, return_scores=True, keep=keep)
+        kept = kept[0] if kept else None
+        # T and the scores P are kept (their pairwise decays per channel are the costly part), and with
+        # KEEP_FORWARD W, K̃, G_C, scale·γ⊙q, the states and Δ; else the backward computes those again
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm, pm, *(kept or ()))
         ctx.scale = scale
         ctx.offset_dtype = v_offset.dtype if v_offset is not None else None
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        q, k, v, g, beta, h0, cu_seqlens, tm, pm = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, tm, pm, *kept = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = kda_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=ctx.scale, initial_state=h0,
-                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, tm=tm, pm=pm)
+                                             do=do.contiguous(), dht=dht, cu_seqlens=cu_seqlens, tm=tm, pm=pm,
+                                             kept=kept or None)
         dvo = None
         if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
             B, T, HQ, V = do.shape

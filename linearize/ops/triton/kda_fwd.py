@@ -22,6 +22,8 @@ inputs).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -371,11 +373,12 @@ def kda_states(*, layout: Layout, kd, gc, w, u, h0=None, ht=None) -> tuple[torch
 
 
 def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state: bool, cu_seqlens,
-            v_offset=None, return_scores: bool = False) -> tuple:
+            v_offset=None, return_scores: bool = False, keep: bool = False) -> tuple:
     """Host pipeline: ``(o [B, T, G·H, V] in v's dtype, final float32 state [N, H, K, V] or None, T)``, T the
     ``(I + A)⁻¹`` of every chunk (:func:`kda_solve`; None without tokens), which the backward reuses; with
     ``return_scores`` also P, every query head's in-chunk scores (:func:`kda_solve`; None without tokens),
-    which the backward reuses too. Inputs as :func:`linearize.ops.gated_delta_rule` with a per-channel
+    which the backward reuses too; with ``keep`` last :class:`Kept`, what the backward would otherwise
+    compute again (None without tokens). Inputs as :func:`linearize.ops.gated_delta_rule` with a per-channel
     ``g [B, T, H, K]`` (checked there); ``v_offset`` ``[B, T, H, V]`` or None is added to every query head's
     output of its KV head."""
     B, T, HQ, K = q.shape
@@ -388,15 +391,31 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
     if L.NC == 0:  # no tokens: the state passes through
         if ht is not None:
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
-        return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ())
+        return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ()) + ((None,) if keep else ())
     tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
-    _, w, u, kd, gc, _ = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+    # kept for the backward: its prepare's scale·γ⊙q too (the forward's prepare computes it in the same pass)
+    _, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, **(dict(q=qf, scale=scale) if keep else {}))
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
-    del w, u, kd, gc
+    kept = Kept(w, kd, gc, qg, hs, v_new) if keep else None
+    del w, u, kd, gc, qg
     BV = kda_bv(K, L.V)
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     _output_kernel[(L.NC, HQ)](
         qf, gf, v_new, hs, pm, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
         K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, USE_OFFSET=v_offset is not None, IEEE=L.ieee,
         num_warps=chunk_warps(K))
-    return (o.view(B, T, HQ, L.V), ht, tm) + ((pm,) if return_scores else ())
+    return (o.view(B, T, HQ, L.V), ht, tm) + ((pm,) if return_scores else ()) + ((kept,) if keep else ())
+
+
+class Kept(NamedTuple):
+    """What :func:`kda_fwd` computed that the backward reads: :func:`kda_prepare`'s W, K̃, G_C and scale·γ⊙q,
+    and :func:`kda_states`' states entering every chunk and Δ. Kept, the backward runs neither again: at 2×8192,
+    16 heads of 128, bf16, ~400 MB held from the forward to the backward, where the backward's prepare and state
+    kernels took 0.29 and 0.24 ms of the 6.2 ms of launches on an H100 (``results/tune_launches_kda_2x8192_h100.json``)."""
+
+    w: torch.Tensor
+    kd: torch.Tensor
+    gc: torch.Tensor
+    qg: torch.Tensor
+    hs: torch.Tensor
+    v_new: torch.Tensor

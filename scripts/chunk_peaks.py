@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
@@ -82,6 +83,7 @@ def main():
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
 
+    from bench_decode import SMOLLM2
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import linearize
@@ -89,8 +91,8 @@ def main():
     from linearize.layers import GDNOptions
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=args.layers, num_attention_heads=9,
-                      num_key_value_heads=3, vocab_size=1000, max_position_embeddings=args.chunk * args.chunks)
+    # SmolLM2-135M's shapes, fewer layers and a small vocabulary (the LM head reads one position a chunk)
+    cfg = LlamaConfig(**{**SMOLLM2, "num_hidden_layers": args.layers, "vocab_size": 1000})
     teacher = LlamaForCausalLM(cfg).eval().to(args.device)
     calib = torch.randint(0, cfg.vocab_size, (1, 256), generator=torch.Generator().manual_seed(1)).to(args.device)
     options = GDNOptions(window=64, sinks=4, fused_front=args.front == "fused")

@@ -394,7 +394,7 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
         return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ()) + ((None,) if keep else ())
     tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
     # kept for the backward: its prepare's scale·γ⊙q too (the forward's prepare computes it in the same pass)
-    _, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, **(dict(q=qf, scale=scale) if keep else {}))
+    _, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf if keep else None, scale=scale)
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
     kept = Kept(w, kd, gc, qg, hs, v_new) if keep else None
     del w, u, kd, gc, qg

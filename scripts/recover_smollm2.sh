@@ -6,7 +6,8 @@
 # same rows. Resumable: rerun it and a trained model is not trained again, a measured one not measured.
 #   W    a folder holding smollm2.gguf and corpus/, the parts scripts/device_carry.sh makes, joined there;
 #        the task data may come later: when training ends without W/ev/hf_datasets, each run waits for it
-#        (until EVAL_SECONDS are left). The runs go to W/runs.
+#        (until EVAL_SECONDS are left; default 180: on an H100 a trained model's evaluation takes ~65 s and MMLU
+#        ~100 s beside it). The runs go to W/runs.
 #   OUT  where the records go: OUT/records.tgz (every run's metrics.jsonl, recipe.yaml, initial_eval.json,
 #        quality*.json/.md, the teacher's, the logs), rewritten as each run ends
 # usage: scripts/recover_smollm2.sh W OUT [DEADLINE seconds, default 560]
@@ -83,7 +84,7 @@ done
 cd "$(dirname "$0")/.." || exit 2
 mkdir -p "$out"
 echo $$ > "$w/recover.pid"  # for a caller that waits on it (scripts/device_calls.sh wait)
-export START=${START:-$(date +%s)} DEADLINE=${3:-560} EVAL_SECONDS=${EVAL_SECONDS:-300}
+export START=${START:-$(date +%s)} DEADLINE=${3:-560} EVAL_SECONDS=${EVAL_SECONDS:-180}
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
 export COMMON="teacher.model=$w/smollm2.gguf data.source=corpus:$w/corpus"
 eval_options=$(eval_options "$w")

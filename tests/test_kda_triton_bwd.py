@@ -196,3 +196,37 @@ def test_kda_triton_grads_gpu_equal_reference(dtype, shape, compiled):
             check(dtype, "cuda", *shape)
         pytest.skip(f"ptxas {version} miscompiles the 16-bit backward (refused); set TRITON_PTXAS_PATH to 12.9+")
     check(dtype, "cuda", *shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeypatch):
+    """The pairs inside the sub-chunks as dots through anchored offsets (``kda_fwd.SUB_CHUNK_DOTS``): forward and
+    every gradient against the float64 reference, where the spans allow them (decays down to e⁻¹ a step: the
+    dots), where they do not (e⁻⁵: the row-by-row steps, in the programs whose span passes the limit) and on
+    packed documents; the mild case's outputs differ from the steps' in their last bits (the dots ran); with
+    no limit, the strong decays' factors leave fp16 and the result with them (the limit is what keeps it)."""
+    needs_interpreter()
+    from linearize.ops.triton import kda_fwd
+    from linearize.ops.triton.kda_bwd import kda_triton
+
+    mild, strong, packed = SHAPES[1], SHAPES[0], SHAPES[2]
+    inputs = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(kda_inputs(*mild[:6], seed=3, decay=mild[7]))]
+
+    def output_and_dq(forward, backward):  # SUB_CHUNK_DOTS in the forward's launches, then in the backward's
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", forward)
+        o = kda_triton(*leaves, scale=0.7)[0]
+        monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", backward)
+        (o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum().backward()
+        return o.detach(), leaves[0].grad
+
+    steps, dots_forward, dots_backward = output_and_dq(False, False), output_and_dq(True, False), output_and_dq(False, True)
+    assert not torch.equal(dots_forward[0], steps[0])
+    assert torch.equal(dots_backward[0], steps[0]) and not torch.equal(dots_backward[1], steps[1])
+    monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
+    for shape in (mild, strong, packed):
+        check(dtype, "cpu", *shape)
+    if dtype == torch.float16:
+        monkeypatch.setitem(kda_fwd.SUB_CHUNK_SPAN, torch.float16, float("inf"))
+        with pytest.raises(AssertionError):
+            check(dtype, "cpu", *strong)

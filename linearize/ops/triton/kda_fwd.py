@@ -29,20 +29,34 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .kda_tiles import chunk_log_decay, cross_scores_pair, decayed_scores, row_of, sub_chunk_pairs
+from .kda_tiles import (
+    chunk_log_decay,
+    cross_scores_pair,
+    decayed_scores,
+    row_of,
+    sub_chunk_dots,
+    sub_chunk_dots_fit,
+    sub_chunk_pairs,
+)
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k, sms_for
 from .solve import store_inverse
 from .tiles import mm
 
 SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_tiles)
+# the pairs inside the sub-chunks as tensor-core dots through anchored offsets (kda_tiles.sub_chunk_dots), in the
+# programs whose span allows it; off until timed on a GPU against the row-by-row steps
+SUB_CHUNK_DOTS = False
+# fp16 ends at 65504 (e^11.1) and turns subnormal below 6e-5: its factors exp(±E) stay within e^6; bf16 and fp32
+# reach e^±88, and e^±30 leaves any q, k and the masked products beyond the triangles room
+SUB_CHUNK_SPAN = {torch.float16: 6.0, None: 30.0}
 
 
 @triton.jit
 def _scores_kernel(
     q, k, g, beta, am, pm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-    STORE_P: tl.constexpr, IEEE: tl.constexpr,
+    STORE_P: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr,
 ):
     """Per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (float32, to ``am``) and,
     with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
@@ -68,28 +82,39 @@ def _scores_kernel(
         p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
         b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
         # the products between sub-chunks as (BT, BT) tiles, A with the first query head, stored but for the
-        # sub-chunks' strictly lower triangles, which sub_chunk_pairs then stores, rows by half sub-chunks
+        # sub-chunks' strictly lower triangles: those as dots too where DIAG allows (kda_tiles.sub_chunk_dots),
+        # else sub_chunk_pairs stores them after, rows by half sub-chunks
         b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
         m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
+        dots = sub_chunk_dots_fit(b_G, SUB, DIAG)
+        if dots:
+            b_dA, b_dP = sub_chunk_dots(b_q, b_k, b_G, SUB, True, IEEE)
+            b_A += b_dA
+            b_P += b_dP
+            m_x = m_tt
         tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
         tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
         for i_g in range(1, G):  # the other query heads of a GQA group
             b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
             b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
+            if dots:
+                b_none, b_dP = sub_chunk_dots(b_q, b_k, b_G, SUB, False, IEEE)
+                b_P += b_dP
             tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
-        HS: tl.constexpr = SUB // 2
-        o_h = tl.arange(0, BT // 2)
-        c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
-        c_hi = c_lo + HS  # the second half: keys up to SUB − 1 back
-        r0 = bos + i_c * BT
-        pa = q + (r0 * HQ + i_h * G) * K
-        pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
-        w_lo = tl.load(beta + (r0 + c_lo) * H + i_h, mask=c_lo < n, other=0.0).to(tl.float32)
-        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_lo, n, w_lo, pma, HQ * BT, pmb, H * BT, K, BK, SUB, HS,
-                        G, BT)
-        w_hi = tl.load(beta + (r0 + c_hi) * H + i_h, mask=c_hi < n, other=0.0).to(tl.float32)
-        sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
-                        SUB, G, BT)
+        if dots == 0:
+            HS: tl.constexpr = SUB // 2
+            o_h = tl.arange(0, BT // 2)
+            c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
+            c_hi = c_lo + HS  # the second half: keys up to SUB − 1 back
+            r0 = bos + i_c * BT
+            pa = q + (r0 * HQ + i_h * G) * K
+            pma, pmb = pm + (r0 * HQ + i_h * G) * BT, am + (r0 * H + i_h) * BT
+            w_lo = tl.load(beta + (r0 + c_lo) * H + i_h, mask=c_lo < n, other=0.0).to(tl.float32)
+            sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_lo, n, w_lo, pma, HQ * BT, pmb, H * BT, K, BK, SUB, HS,
+                            G, BT)
+            w_hi = tl.load(beta + (r0 + c_hi) * H + i_h, mask=c_hi < n, other=0.0).to(tl.float32)
+            sub_chunk_pairs(pa, k + p0, g + p0, HQ * K, H * K, c_hi, n, w_hi, pma, HQ * BT, pmb, H * BT, K, BK, SUB,
+                            SUB, G, BT)
     else:
         b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE)
         tl.store(am + p_a, b_A * b_beta[:, None], mask=m_tt)
@@ -240,6 +265,12 @@ def _output_kernel(
         tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
+def sub_chunk_dot_limit(dtype: torch.dtype) -> float:
+    """The kernels' ``DIAG``: the largest anchored span (:func:`kda_tiles.anchored_offsets`) at which a program
+    takes the pairs inside its sub-chunks as dots, 0 with :data:`SUB_CHUNK_DOTS` off (:data:`SUB_CHUNK_SPAN`)."""
+    return SUB_CHUNK_SPAN.get(dtype, SUB_CHUNK_SPAN[None]) if SUB_CHUNK_DOTS else 0.0
+
+
 def kda_bv(K: int, V: int) -> int:
     """V block of every KDA kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
@@ -316,7 +347,8 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
         _scores_kernel[(L.NC, L.H)](
             q if q is not None else k, k, g, beta, am, pm if pm is not None else am, L.chunk_indices, L.cu_seqlens,
             L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BK=block_k(L.K), SUB=SUB, STORE_P=q is not None,
-            IEEE=L.ieee, num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
+            IEEE=L.ieee, DIAG=sub_chunk_dot_limit(k.dtype),
+            num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
         _solve_kernel[(L.NC, L.H)](am, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, BT=BT, IEEE=L.ieee,
                                    num_warps=1, num_stages=1)
     return tm, pm

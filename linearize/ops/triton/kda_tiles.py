@@ -18,6 +18,15 @@ of A's gradients together, on a slice of the channels (:func:`decayed_pairs`, in
 step d of a sub-chunk's rows then does left's pairs on the rows at least d in and right's on the others, so no
 row idles and one ``exp`` serves all four.
 
+Inside the sub-chunks the products can also run as tensor-core dots (``DIAG``, a limit > 0): with each row's
+log-decay taken from the one at its sub-chunk's middle row m, ``E_r = G_r − G_m``, a pair of one sub-chunk has
+``exp(G_r − G_j) = exp(E_r)·exp(−E_j)``, so one (BT, BT) product of ``a ⊙ exp(E)`` and ``b ⊙ exp(−E)``, kept on the
+sub-chunks' strictly lower triangles, gives every such entry at once (:func:`anchored_offsets`,
+:func:`sub_chunk_dots`). Each factor is at most ``e^span``, span the largest |E| of the tile (half a
+sub-chunk's decay at most); where it passes the limit (the factors would leave the dots' dtype, or lose its
+precision) the program takes the row-by-row steps instead. The dots round ``a ⊙ exp(E)`` and ``b ⊙ exp(−E)`` to
+the dots' dtype as the products between sub-chunks round theirs.
+
 Tiles: (BT, BK) rows of a chunk (BK all of K, or a slice of it), G float32; products in float32 (the dots in the
 inputs' dtype, or IEEE fp32).
 """
@@ -54,6 +63,56 @@ def _factors(G, s, SUB: tl.constexpr):
     ea = tl.exp(tl.where((o // SUB == s)[:, None], G - ref[None, :], float("-inf")))
     fb = tl.exp(tl.where((o < s * SUB)[:, None], ref[None, :] - G, float("-inf")))
     return ea, fb
+
+
+@triton.jit
+def anchored_offsets(G, SUB: tl.constexpr):
+    """``(E, span)``: ``E_r = G_r − G_m``, ``G_m`` the log-decay at the middle row of r's sub-chunk (rows past the
+    document's end hold its last row's G), and ``span``, the largest ``|E|`` of the tile (a scalar): for rows r, j
+    of one sub-chunk ``exp(E_r)·exp(−E_j) = exp(G_r − G_j)``, each factor at most ``e^span``."""
+    BT: tl.constexpr = G.shape[0]
+    o = tl.arange(0, BT)
+    Gm = tl.zeros(G.shape, dtype=tl.float32)
+    for s in tl.static_range(0, BT // SUB):
+        Gm += tl.where((o // SUB == s)[:, None], row_of(G, s * SUB + SUB // 2)[None, :], 0.0)
+    E = G - Gm
+    return E, tl.max(tl.max(tl.abs(E), 1), 0)
+
+
+@triton.jit
+def sub_chunk_dots_fit(G, SUB: tl.constexpr, DIAG: tl.constexpr):
+    """Whether the tile's anchored span (:func:`anchored_offsets`) is within ``DIAG``, so that the pairs inside
+    its sub-chunks go as dots (a scalar); with ``DIAG`` 0 a constant false the compiler folds their branches
+    away on. The dots take E again (:func:`anchored_offsets`) rather than hold it through the steps' branch."""
+    dots = tl.zeros([], dtype=tl.int1)
+    if DIAG > 0:
+        _, span = anchored_offsets(G, SUB)
+        dots = span <= DIAG
+    return dots
+
+
+@triton.jit
+def inside_sub_chunks(BT: tl.constexpr, SUB: tl.constexpr):
+    """(BT, BT) mask of the pairs j < r of one sub-chunk."""
+    o = tl.arange(0, BT)
+    return (o[:, None] // SUB == o[None, :] // SUB) & (o[None, :] < o[:, None])
+
+
+@triton.jit
+def sub_chunk_dots(a, b, G, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
+    """``(M_bb, M_ab)`` of :func:`decayed_scores` on the sub-chunks' strictly lower triangles, 0 elsewhere (M_bb
+    only with ``PAIR``, else 0), as tensor-core products through :func:`anchored_offsets` of G: the entries
+    :func:`sub_chunk_pairs` stores row by row, with the factors ``exp(±E)`` rounded to the dots' dtype."""
+    BT: tl.constexpr = a.shape[0]
+    inside = inside_sub_chunks(BT, SUB)
+    E, _ = anchored_offsets(G, SUB)
+    ea = tl.exp(E)
+    bt = tl.trans(b.to(tl.float32) * tl.exp(-E))
+    Ma = tl.where(inside, mm(a.to(tl.float32) * ea, bt, a, IEEE), 0.0)
+    Mb = tl.zeros([BT, BT], dtype=tl.float32)
+    if PAIR:
+        Mb = tl.where(inside, mm(b.to(tl.float32) * ea, bt, b, IEEE), 0.0)
+    return Mb, Ma
 
 
 @triton.jit
@@ -148,34 +207,13 @@ def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb,
 
 
 @triton.jit
-def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a, stride_beta,
-                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr):
-    """``(L_P, L_A, R + R_P + R_A)``, each (BT, BK) float32, on one slice of BK channels (``m_k``: those inside K):
-    ``L_P,r = Σ_{j<r} P_rj k_j⊙D_rj``, ``R_P,j = Σ_{r>j} P_rj q_r⊙D_rj``, and with ``WITH_A`` (else L_A = 0 and
-    no R_A) ``L_A,r = Σ_{j<r} A_rj k_j⊙D_rj``, ``R_A,j = Σ_{r>j} A_rj β_r k_r⊙D_rj``: one ``exp`` per pair for all
-    four, and the right products summed into R (the gradient takes them only summed, so one tile holds them).
-    P, A: (BT, BT) float32, strictly lower, zero on rows past the document's end; k, q: (BT, BK) in the dots'
-    dtype, beta (BT,) float32, G and R (BT, BK) float32. ``pk``, ``pq``, ``pg``: the chunk's first row of the slice of
-    k, q and the log-decays (g's row stride is k's); ``pp``, ``pa``, ``pbeta``: the first row of P, A (in memory
-    too: the steps inside a sub-chunk read their weights from there) and β.
-
-    Between sub-chunks the products go through the log-decay at the later sub-chunk's start (:func:`_factors`),
-    the factors taken once for all four. Inside the sub-chunks step d pairs row r at position p = r % SUB with
-    r − d while d ≤ p (the left products' pair (r, r − d)), then with r + d − p, the row at d in its sub-chunk
-    (the right products' pair (r + d − p, r)): every row works at every step, and the decay of the pair is a
-    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it."""
-    BT: tl.constexpr = k.shape[0]
-    BK: tl.constexpr = k.shape[1]
+def _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a, stride_beta, n, m_k,
+                    BT: tl.constexpr, BK: tl.constexpr, WITH_A: tl.constexpr, SUB: tl.constexpr):
+    """:func:`decayed_pairs`' products inside the sub-chunks, row by row (its docstring): ``(Lp, La, R)`` with them
+    added, in float32 from the operands in memory."""
     o, o_k = tl.arange(0, BT), tl.arange(0, BK)
-    kf, qf = k.to(tl.float32), q.to(tl.float32)
-    bk = kf * beta[:, None]
-    Lp = tl.zeros(k.shape, dtype=tl.float32)
-    La = tl.zeros(k.shape, dtype=tl.float32)
-    if not IEEE:  # the dots' operands: held in their dtype
-        P = P.to(k.dtype)
-        A = A.to(k.dtype)
     p = o % SUB
-    S = tl.zeros(k.shape, dtype=tl.float32)
+    S = tl.zeros([BT, BK], dtype=tl.float32)
     for d in range(1, SUB):
         left = p >= d
         top = o - p + d  # the row at d in r's sub-chunk: the right products' later row
@@ -199,6 +237,52 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
             wa = tl.where(left, wa, wa * tl.load(pbeta + top * stride_beta, mask=m_r, other=0.0).to(tl.float32))
             La = tl.where(left[:, None], La + wa[:, None] * xk, La)
             R = tl.where(left[:, None], R, R + wa[:, None] * xk)
+    return Lp, La, R
+
+
+@triton.jit
+def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a, stride_beta,
+                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr = 0.0):
+    """``(L_P, L_A, R + R_P + R_A)``, each (BT, BK) float32, on one slice of BK channels (``m_k``: those inside K):
+    ``L_P,r = Σ_{j<r} P_rj k_j⊙D_rj``, ``R_P,j = Σ_{r>j} P_rj q_r⊙D_rj``, and with ``WITH_A`` (else L_A = 0 and
+    no R_A) ``L_A,r = Σ_{j<r} A_rj k_j⊙D_rj``, ``R_A,j = Σ_{r>j} A_rj β_r k_r⊙D_rj``: one ``exp`` per pair for all
+    four, and the right products summed into R (the gradient takes them only summed, so one tile holds them).
+    P, A: (BT, BT) float32, strictly lower, zero on rows past the document's end; k, q: (BT, BK) in the dots'
+    dtype, beta (BT,) float32, G and R (BT, BK) float32. ``pk``, ``pq``, ``pg``: the chunk's first row of the slice of
+    k, q and the log-decays (g's row stride is k's); ``pp``, ``pa``, ``pbeta``: the first row of P, A (in memory
+    too: the steps inside a sub-chunk read their weights from there) and β.
+
+    Between sub-chunks the products go through the log-decay at the later sub-chunk's start (:func:`_factors`),
+    the factors taken once for all four. Inside the sub-chunks step d pairs row r at position p = r % SUB with
+    r − d while d ≤ p (the left products' pair (r, r − d)), then with r + d − p, the row at d in its sub-chunk
+    (the right products' pair (r + d − p, r)): every row works at every step, and the decay of the pair is a
+    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it. With ``DIAG`` (a limit > 0)
+    and the slice's anchored span within it, the pairs inside the sub-chunks are four dots instead, as those
+    between sub-chunks, through :func:`anchored_offsets`."""
+    BT: tl.constexpr = k.shape[0]
+    BK: tl.constexpr = k.shape[1]
+    kf, qf = k.to(tl.float32), q.to(tl.float32)
+    bk = kf * beta[:, None]
+    Lp = tl.zeros(k.shape, dtype=tl.float32)
+    La = tl.zeros(k.shape, dtype=tl.float32)
+    if not IEEE:  # the dots' operands: held in their dtype
+        P = P.to(k.dtype)
+        A = A.to(k.dtype)
+    dots = sub_chunk_dots_fit(G, SUB, DIAG)
+    if dots == 0:
+        Lp, La, R = _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a,
+                                    stride_beta, n, m_k, BT, BK, WITH_A, SUB)
+    if dots:
+        inside = inside_sub_chunks(BT, SUB)
+        E, _ = anchored_offsets(G, SUB)
+        ea, fb = tl.exp(E), tl.exp(-E)
+        kb, Pi = kf * fb, tl.where(inside, P, 0.0).to(P.dtype)
+        Lp += ea * mm(Pi, kb, k, IEEE)
+        R += fb * mm(tl.trans(Pi), qf * ea, q, IEEE)
+        if WITH_A:
+            Ai = tl.where(inside, A, 0.0).to(A.dtype)
+            La += ea * mm(Ai, kb, k, IEEE)
+            R += fb * mm(tl.trans(Ai), bk * ea, k, IEEE)
     # the products between sub-chunks after the steps: the steps then carry their sums in a plain layout, where
     # before the dots they carried them in the dots' and converted three tiles through shared memory every step
     # (compiled for sm_90: 259 → 200 instructions and 12 → 0 barriers a step)

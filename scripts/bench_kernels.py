@@ -232,11 +232,18 @@ def main():
     p.add_argument("--linear-segment-output", action="store_true",
                    help="linear: the forward of a cut state chain through the segment output kernel "
                         "(ops/triton/linear_fwd.py, SEGMENT_OUTPUT), no chunk's state stored")
+    p.add_argument("--kda-sub-chunk-dots", action="store_true",
+                   help="kda: the pairs inside the sub-chunks as dots through anchored offsets "
+                        "(ops/triton/kda_fwd.py, SUB_CHUNK_DOTS)")
     args = p.parse_args()
     if args.linear_segment_output:
         from linearize.ops.triton import linear_fwd
 
         linear_fwd.SEGMENT_OUTPUT = True
+    if args.kda_sub_chunk_dots:
+        from linearize.ops.triton import kda_fwd
+
+        kda_fwd.SUB_CHUNK_DOTS = True
     if args.render:
         runs = [json.loads(path.read_text()) for path in args.render]
         rows = [row for run in runs for row in run["rows"]]
@@ -260,7 +267,8 @@ def main():
               ("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output}
+            "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output,
+            "kda_sub_chunk_dots": args.kda_sub_chunk_dots}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

@@ -230,3 +230,16 @@ def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeyp
         monkeypatch.setitem(kda_fwd.SUB_CHUNK_SPAN, torch.float16, float("inf"))
         with pytest.raises(AssertionError):
             check(dtype, "cpu", *strong)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], GPU_SHAPES[3]], ids=ids)
+def test_sub_chunk_dots_gpu_equal_reference(shape, monkeypatch, compiled):
+    """The dots inside the sub-chunks compiled (``kda_fwd.SUB_CHUNK_DOTS``), bf16: forward and every gradient
+    against the float64 reference, on strong decays (the steps in most programs), packed documents, and a real
+    head size."""
+    from linearize.ops.triton import kda_fwd
+
+    monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
+    check(torch.bfloat16, "cuda", *shape)

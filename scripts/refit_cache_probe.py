@@ -1,11 +1,14 @@
 """Refit the sparse-cache probes of a trained model on its own hidden states and q/k, and save it anew.
 
     python scripts/refit_cache_probe.py runs/smollm2-135m-gdn-corpus/model runs/refit/model
+    python scripts/refit_cache_probe.py runs/L_d1600/model runs/grafted/model --add 1024
 
 A converted block's probe (``GDNOptions.sparse_cache``) is fitted at conversion on the teacher; distillation then
 trains the blocks' q/k and (with ``trainable: all``) the MLPs under it. This refits every probe as conversion
 does (:func:`linearize.conversion.refit_cache_probes`), on the trained model, and writes the model to OUT, to be
-measured beside the original (``linearize eval --passkey``).
+measured beside the original (``linearize eval --passkey``). With ``--add C`` the window blocks of a model trained
+without a sparse cache get one of C slots per KV head first, its probe fitted the same way: the cache grafted on
+after training, which the model never trained with.
 """
 
 from __future__ import annotations
@@ -16,11 +19,35 @@ import time
 import torch
 
 
+def graft_sparse_cache(model, size: int) -> int:
+    """Give every window block of ``model`` without a sparse cache one of ``size`` slots per KV head (its probe
+    zero until fitted), and the saved config with it. Returns the blocks changed."""
+    from dataclasses import replace
+
+    from linearize.layers.options import GDNOptions
+
+    changed = 0
+    for module in model.modules():
+        opts = getattr(module, "options", None)
+        if isinstance(opts, GDNOptions) and opts.window and not opts.sparse_cache:
+            module.options = replace(opts, sparse_cache=size)
+            p = module.q_proj.weight
+            module.register_buffer("cache_probe", torch.zeros(module.num_kv_heads, module.q_proj.in_features + 1,
+                                                              device=p.device, dtype=p.dtype))
+            changed += 1
+    saved = (getattr(model.config, "linearize", None) or {}).get("options")
+    if changed and isinstance(saved, dict):
+        saved["sparse_cache"] = size
+    return changed
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a converted (trained) model directory")
     p.add_argument("out", help="the directory to write the refitted model to")
     p.add_argument("--force", action="store_true", help="replace OUT")
+    p.add_argument("--add", type=int, default=0, metavar="C",
+                   help="first give the window blocks without a sparse cache one of C slots per KV head")
     args = p.parse_args()
 
     from transformers import AutoTokenizer
@@ -32,6 +59,8 @@ def main():
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = load(args.model, dtype=torch.bfloat16 if dev == "cuda" else torch.float32).to(dev)
     tok = AutoTokenizer.from_pretrained(args.model)
+    if args.add:
+        print(f"grafted a sparse cache of {args.add} slots onto {graft_sparse_cache(model, args.add)} blocks")
     t0 = time.time()
     n = refit_cache_probes(model, tok)
     if not n:

@@ -226,10 +226,10 @@ def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeyp
     monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
     for shape in (mild, strong, packed):
         check(dtype, "cpu", *shape)
-    if dtype == torch.float16:
+    if dtype == torch.float16:  # the strong decays' factors, unbounded, leave fp16: inf and NaN come out
         monkeypatch.setitem(kda_fwd.SUB_CHUNK_SPAN, torch.float16, float("inf"))
-        with pytest.raises(AssertionError):
-            check(dtype, "cpu", *strong)
+        x = [t.to(dtype) if i < 3 else t.float() for i, t in enumerate(kda_inputs(*strong[:6], seed=5, decay=strong[7]))]
+        assert not torch.isfinite(kda_triton(*x, scale=0.7)[0]).all()
 
 
 @pytest.mark.gpu

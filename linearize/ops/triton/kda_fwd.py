@@ -47,8 +47,9 @@ SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_t
 # the pairs inside the sub-chunks as tensor-core dots through anchored offsets (kda_tiles.sub_chunk_dots), in the
 # programs whose span allows it; off until timed on a GPU against the row-by-row steps
 SUB_CHUNK_DOTS = False
-# fp16 ends at 65504 (e^11.1) and turns subnormal below 6e-5: its factors exp(±E) stay within e^6; bf16 and fp32
-# reach e^±88, and e^±30 leaves any q, k and the masked products beyond the triangles room
+# fp16 ends at 65504 (e^11.1) and turns subnormal below 6e-5: its factors exp(±E) stay within e^6, which holds
+# |q|, |k| up to ~160 (the steps have no such bound); bf16 and fp32 reach e^±88, and e^±30 leaves any q, k and
+# the masked products beyond the triangles room
 SUB_CHUNK_SPAN = {torch.float16: 6.0, None: 30.0}
 
 
@@ -62,7 +63,8 @@ def _scores_kernel(
     with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
     dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays: those
     between sub-chunks per head (:func:`kda_tiles.cross_scores_pair`), those inside a sub-chunk once for the
-    whole GQA group (:func:`kda_tiles.sub_chunk_pairs`)."""
+    whole GQA group (:func:`kda_tiles.sub_chunk_pairs`), or, where ``DIAG`` allows, as dots per head
+    (:func:`kda_tiles.sub_chunk_dots`)."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)

@@ -136,6 +136,27 @@ def refit_cache_probes(model, tokenizer=None, calibration_ids: torch.Tensor | No
     return len(blocks)
 
 
+def graft_sparse_cache(model, size: int, tokenizer=None, calibration_ids: torch.Tensor | None = None) -> int:
+    """Give every window block of ``model`` without a sparse cache one of ``size`` slots per KV head and fit its
+    probe on the model as :func:`refit_cache_probes` does (the text as there): a cache for a model converted, or
+    trained, without one, which it never trained with. The saved config follows. Returns the blocks given one."""
+    from .eval import attention_modules
+
+    blocks = [m for m in attention_modules(model) if getattr(getattr(m, "options", None), "window", 0)
+              and not m.options.sparse_cache]
+    for m in blocks:
+        m.options = replace(m.options, sparse_cache=size)
+        p = m.q_proj.weight
+        m.register_buffer("cache_probe", torch.zeros(m.num_kv_heads, m.q_proj.in_features + 1, device=p.device,
+                                                     dtype=p.dtype))
+    if blocks:
+        saved = (getattr(model.config, "linearize", None) or {}).get("options")
+        if isinstance(saved, dict):
+            saved["sparse_cache"] = size  # what save_pretrained writes
+        refit_cache_probes(model, tokenizer, calibration_ids)
+    return len(blocks)
+
+
 def _parameters(model) -> dict[str, tuple[int, torch.Size]]:
     return {n: (p.data_ptr(), p.shape) for n, p in model.named_parameters()}
 

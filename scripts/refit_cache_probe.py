@@ -19,28 +19,6 @@ import time
 import torch
 
 
-def graft_sparse_cache(model, size: int) -> int:
-    """Give every window block of ``model`` without a sparse cache one of ``size`` slots per KV head (its probe
-    zero until fitted), and the saved config with it. Returns the blocks changed."""
-    from dataclasses import replace
-
-    from linearize.layers.options import GDNOptions
-
-    changed = 0
-    for module in model.modules():
-        opts = getattr(module, "options", None)
-        if isinstance(opts, GDNOptions) and opts.window and not opts.sparse_cache:
-            module.options = replace(opts, sparse_cache=size)
-            p = module.q_proj.weight
-            module.register_buffer("cache_probe", torch.zeros(module.num_kv_heads, module.q_proj.in_features + 1,
-                                                              device=p.device, dtype=p.dtype))
-            changed += 1
-    saved = (getattr(model.config, "linearize", None) or {}).get("options")
-    if changed and isinstance(saved, dict):
-        saved["sparse_cache"] = size
-    return changed
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("model", help="a converted (trained) model directory")
@@ -52,20 +30,24 @@ def main():
 
     from transformers import AutoTokenizer
 
-    from linearize.conversion import refit_cache_probes
+    from linearize.conversion import graft_sparse_cache, refit_cache_probes
     from linearize.saving import check_output_dir, load, save
 
     check_output_dir(args.out, args.force)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     model = load(args.model, dtype=torch.bfloat16 if dev == "cuda" else torch.float32).to(dev)
     tok = AutoTokenizer.from_pretrained(args.model)
-    if args.add:
-        print(f"grafted a sparse cache of {args.add} slots onto {graft_sparse_cache(model, args.add)} blocks")
     t0 = time.time()
-    n = refit_cache_probes(model, tok)
-    if not n:
-        raise SystemExit(f"error: {args.model} has no sparse cache to refit")
-    print(f"refitted {n} probes in {time.time() - t0:.1f} s")
+    if args.add:
+        n = graft_sparse_cache(model, args.add, tok)
+        if not n:
+            raise SystemExit(f"error: {args.model} has no window block without a sparse cache to give one")
+        print(f"grafted a sparse cache of {args.add} slots onto {n} blocks, probes fitted in {time.time() - t0:.1f} s")
+    else:
+        n = refit_cache_probes(model, tok)
+        if not n:
+            raise SystemExit(f"error: {args.model} has no sparse cache to refit")
+        print(f"refitted {n} probes in {time.time() - t0:.1f} s")
     save(model, tok, args.out, force=args.force)
     print(f"saved to {args.out}")
 

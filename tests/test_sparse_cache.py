@@ -591,3 +591,32 @@ def test_a_repeated_token_is_kept_alike_whatever_the_call():
             parts = [m(x[:, a:b], **cache_kwargs(cache), use_cache=True).logits
                      for a, b in zip([0, *cuts], [*cuts, x.shape[1]])]
         assert (torch.cat(parts, 1) - whole).abs().max() < 1e-10 * whole.abs().max()
+
+
+def test_a_grafted_cache_is_the_one_conversion_gives_a_one_layer_model(tmp_path):
+    """``graft_sparse_cache`` on a model converted without a cache: every window block gets the slots and a probe
+    fitted on the model. With one layer, whose input and q/k are the teacher's either way, the grafted model is
+    the model converted with the cache: the same probe, the same logits over rows longer than window + sinks +
+    cache (the cache picks), other logits than without it; the saved config says the size, and loads so."""
+    from linearize.conversion import graft_sparse_cache
+    from linearize.saving import load, save
+
+    c = calib(tiny_model("llama"))
+    convert = lambda **kw: linearize.convert(tiny_model("llama", num_hidden_layers=1), calibration_ids=c,  # noqa: E731
+                                             options=GDNOptions(window=4, sinks=2, **kw))
+    with_cache, plain, grafted = convert(sparse_cache=3), convert(), convert()
+    assert graft_sparse_cache(grafted, 3, calibration_ids=c) == 1
+    assert graft_sparse_cache(with_cache, 3, calibration_ids=c) == 0  # it has one already
+    block, want = grafted.model.layers[0].self_attn, with_cache.model.layers[0].self_attn
+    assert block.options.sparse_cache == 3
+    assert torch.allclose(block.cache_probe, want.cache_probe, rtol=1e-5, atol=1e-6)
+    x = ids(grafted, T=32)
+    with torch.no_grad():
+        got, ref, without = (m(x).logits for m in (grafted, with_cache, plain))
+    assert torch.allclose(got, ref, rtol=1e-4, atol=1e-5)
+    assert (got - without).abs().max() > 1e-3
+    save(grafted, None, tmp_path / "m")
+    again = load(tmp_path / "m")
+    assert again.model.layers[0].self_attn.options.sparse_cache == 3
+    with torch.no_grad():
+        assert torch.allclose(again(x).logits, got, rtol=1e-5, atol=1e-6)

@@ -88,9 +88,9 @@ def _scores_kernel(
         # else sub_chunk_pairs stores them after, rows by half sub-chunks
         b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
         m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
-        dots = sub_chunk_dots_fit(b_G, SUB, DIAG)
+        b_E, dots = sub_chunk_dots_fit(b_G, SUB, DIAG)
         if dots:
-            b_dA, b_dP = sub_chunk_dots(b_q, b_k, b_G, SUB, True, IEEE)
+            b_dA, b_dP = sub_chunk_dots(b_q, b_k, b_E, SUB, True, IEEE)
             b_A += b_dA
             b_P += b_dP
             m_x = m_tt
@@ -100,7 +100,7 @@ def _scores_kernel(
             b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
             b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
             if dots:
-                b_none, b_dP = sub_chunk_dots(b_q, b_k, b_G, SUB, False, IEEE)
+                b_none, b_dP = sub_chunk_dots(b_q, b_k, b_E, SUB, False, IEEE)
                 b_P += b_dP
             tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
         if dots == 0:

@@ -81,14 +81,15 @@ def anchored_offsets(G, SUB: tl.constexpr):
 
 @triton.jit
 def sub_chunk_dots_fit(G, SUB: tl.constexpr, DIAG: tl.constexpr):
-    """Whether the tile's anchored span (:func:`anchored_offsets`) is within ``DIAG``, so that the pairs inside
-    its sub-chunks go as dots (a scalar); with ``DIAG`` 0 a constant false the compiler folds their branches
-    away on. The dots take E again (:func:`anchored_offsets`) rather than hold it through the steps' branch."""
+    """``(E, dots)``: :func:`anchored_offsets`' E and whether the tile's span is within ``DIAG``, so that the pairs
+    inside its sub-chunks go as dots (a scalar), taken once a program for every query head; with ``DIAG`` 0,
+    ``(G, false)``, a constant the compiler folds the dots' branches away on."""
+    E = G
     dots = tl.zeros([], dtype=tl.int1)
     if DIAG > 0:
-        _, span = anchored_offsets(G, SUB)
+        E, span = anchored_offsets(G, SUB)
         dots = span <= DIAG
-    return dots
+    return E, dots
 
 
 @triton.jit
@@ -99,13 +100,12 @@ def inside_sub_chunks(BT: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def sub_chunk_dots(a, b, G, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
+def sub_chunk_dots(a, b, E, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
     """``(M_bb, M_ab)`` of :func:`decayed_scores` on the sub-chunks' strictly lower triangles, 0 elsewhere (M_bb
-    only with ``PAIR``, else 0), as tensor-core products through :func:`anchored_offsets` of G: the entries
+    only with ``PAIR``, else 0), as tensor-core products through :func:`anchored_offsets`' ``E``: the entries
     :func:`sub_chunk_pairs` stores row by row, with the factors ``exp(±E)`` rounded to the dots' dtype."""
     BT: tl.constexpr = a.shape[0]
     inside = inside_sub_chunks(BT, SUB)
-    E, _ = anchored_offsets(G, SUB)
     ea = tl.exp(E)
     bt = tl.trans(b.to(tl.float32) * tl.exp(-E))
     Ma = tl.where(inside, mm(a.to(tl.float32) * ea, bt, a, IEEE), 0.0)
@@ -242,7 +242,7 @@ def _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, st
 
 @triton.jit
 def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a, stride_beta,
-                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr = 0.0):
+                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr, E, dots):
     """``(L_P, L_A, R + R_P + R_A)``, each (BT, BK) float32, on one slice of BK channels (``m_k``: those inside K):
     ``L_P,r = Σ_{j<r} P_rj k_j⊙D_rj``, ``R_P,j = Σ_{r>j} P_rj q_r⊙D_rj``, and with ``WITH_A`` (else L_A = 0 and
     no R_A) ``L_A,r = Σ_{j<r} A_rj k_j⊙D_rj``, ``R_A,j = Σ_{r>j} A_rj β_r k_r⊙D_rj``: one ``exp`` per pair for all
@@ -256,9 +256,9 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
     the factors taken once for all four. Inside the sub-chunks step d pairs row r at position p = r % SUB with
     r − d while d ≤ p (the left products' pair (r, r − d)), then with r + d − p, the row at d in its sub-chunk
     (the right products' pair (r + d − p, r)): every row works at every step, and the decay of the pair is a
-    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it. With ``DIAG`` (a limit > 0)
-    and the slice's anchored span within it, the pairs inside the sub-chunks are four dots instead, as those
-    between sub-chunks, through :func:`anchored_offsets`."""
+    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it. Where ``dots`` (the slice's
+    anchored span within the limit, with its ``E``: :func:`sub_chunk_dots_fit`), the pairs inside the
+    sub-chunks are four dots instead, as those between sub-chunks."""
     BT: tl.constexpr = k.shape[0]
     BK: tl.constexpr = k.shape[1]
     kf, qf = k.to(tl.float32), q.to(tl.float32)
@@ -268,13 +268,11 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
     if not IEEE:  # the dots' operands: held in their dtype
         P = P.to(k.dtype)
         A = A.to(k.dtype)
-    dots = sub_chunk_dots_fit(G, SUB, DIAG)
     if dots == 0:
         Lp, La, R = _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a,
                                     stride_beta, n, m_k, BT, BK, WITH_A, SUB)
     if dots:
         inside = inside_sub_chunks(BT, SUB)
-        E, _ = anchored_offsets(G, SUB)
         ea, fb = tl.exp(E), tl.exp(-E)
         kb, Pi = kf * fb, tl.where(inside, P, 0.0).to(P.dtype)
         Lp += ea * mm(Pi, kb, k, IEEE)

@@ -20,7 +20,7 @@ import torch
 from .calibration import NEW_PARAMETERS, fit_block
 from .config import GLOBAL, global_candidates
 from .layers.gdn_attention import GDNAttention
-from .layers.options import GDNOptions, check_target, keep_count
+from .layers.options import GDNOptions, check_target, keep_count, save_option
 from .models.adapters import decoder_layers
 from .models.families import FAMILIES, PREFIX, Family, family_of
 
@@ -145,14 +145,9 @@ def graft_sparse_cache(model, size: int, tokenizer=None, calibration_ids: torch.
     blocks = [m for m in attention_modules(model) if getattr(getattr(m, "options", None), "window", 0)
               and not m.options.sparse_cache]
     for m in blocks:
-        m.options = replace(m.options, sparse_cache=size)
-        p = m.q_proj.weight
-        m.register_buffer("cache_probe", torch.zeros(m.num_kv_heads, m.q_proj.in_features + 1, device=p.device,
-                                                     dtype=p.dtype))
+        m.add_sparse_cache(size)
     if blocks:
-        saved = (getattr(model.config, "linearize", None) or {}).get("options")
-        if isinstance(saved, dict):
-            saved["sparse_cache"] = size  # what save_pretrained writes
+        save_option(model, "sparse_cache", size)
         refit_cache_probes(model, tokenizer, calibration_ids)
     return len(blocks)
 

@@ -29,6 +29,8 @@ identity:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -99,8 +101,20 @@ class GDNAttention(nn.Module):
             self.fused_step = False
         if self.options.mix_order == 2:  # nor the old keys' second moment
             self.fused_step = False
-        if self.options.sparse_cache:  # the sparse cache's score: (H, hidden + 1), its weights then its bias
-            self.register_buffer("cache_probe", torch.zeros(self.num_kv_heads, hidden + 1, device=p.device, dtype=p.dtype))
+        if self.options.sparse_cache:
+            self._add_cache_probe()
+
+    def _add_cache_probe(self) -> None:  # the sparse cache's score, zero until fitted: its weights, then its bias
+        p = self.q_proj.weight
+        self.register_buffer("cache_probe", torch.zeros(self.num_kv_heads, self.q_proj.in_features + 1, device=p.device,
+                                                        dtype=p.dtype))
+
+    def add_sparse_cache(self, size: int) -> None:
+        """A sparse cache of ``size`` slots for a window block without one; its probe zero until fitted."""
+        if self.options.sparse_cache:
+            raise ValueError(f"the block has a sparse cache of {self.options.sparse_cache} already")
+        self.options = replace(self.options, sparse_cache=size)  # (checked there: a window block)
+        self._add_cache_probe()
 
     def _add_corrections(self, hidden: int, p: torch.Tensor) -> None:
         """The Taylor-GDN's own parameters: ρ, the β factor and, where the state decays, the decay correction."""

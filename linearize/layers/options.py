@@ -152,7 +152,13 @@ def resize_sparse_cache(model, size: int) -> int:
         if isinstance(opts, GDNOptions) and opts.sparse_cache:
             module.options = replace(opts, sparse_cache=size)
             changed += 1
-    saved = (getattr(model.config, "linearize", None) or {}).get("options")
-    if changed and isinstance(saved, dict):
-        saved["sparse_cache"] = size  # what save_pretrained writes
+    if changed:
+        save_option(model, "sparse_cache", size)
     return changed
+
+
+def save_option(model, name: str, value) -> None:
+    """Set a block option in what ``save_pretrained`` writes (``config.linearize["options"]``), where there is one."""
+    saved = (getattr(model.config, "linearize", None) or {}).get("options")
+    if isinstance(saved, dict):
+        saved[name] = value

@@ -29,8 +29,6 @@ identity:
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 from torch import nn
 
@@ -105,14 +103,13 @@ class GDNAttention(nn.Module):
             self._add_cache_probe()
 
     def _add_cache_probe(self) -> None:  # the sparse cache's score, zero until fitted: its weights, then its bias
-        p = self.q_proj.weight
-        self.register_buffer("cache_probe", torch.zeros(self.num_kv_heads, self.q_proj.in_features + 1, device=p.device,
-                                                        dtype=p.dtype))
+        self.register_buffer("cache_probe", self.q_proj.weight.new_zeros(self.num_kv_heads, self.q_proj.in_features + 1))
 
     def add_sparse_cache(self, size: int) -> None:
         """A sparse cache of ``size`` slots for a window block without one; its probe zero until fitted."""
         if self.options.sparse_cache:
             raise ValueError(f"the block has a sparse cache of {self.options.sparse_cache} already")
+        from dataclasses import replace
         self.options = replace(self.options, sparse_cache=size)  # (checked there: a window block)
         self._add_cache_probe()
 

@@ -232,18 +232,18 @@ def main():
     p.add_argument("--linear-segment-output", action="store_true",
                    help="linear: the forward of a cut state chain through the segment output kernel "
                         "(ops/triton/linear_fwd.py, SEGMENT_OUTPUT), no chunk's state stored")
-    p.add_argument("--kda-sub-chunk-dots", action="store_true",
-                   help="kda: the pairs inside the sub-chunks as dots through anchored offsets "
-                        "(ops/triton/kda_fwd.py, SUB_CHUNK_DOTS)")
+    p.add_argument("--kda-sub-chunk-steps", action="store_true",
+                   help="kda: the pairs inside the sub-chunks row by row, not as dots through anchored offsets "
+                        "(ops/triton/kda_fwd.py, SUB_CHUNK_DOTS off)")
     args = p.parse_args()
     if args.linear_segment_output:
         from linearize.ops.triton import linear_fwd
 
         linear_fwd.SEGMENT_OUTPUT = True
-    if args.kda_sub_chunk_dots:
+    if args.kda_sub_chunk_steps:
         from linearize.ops.triton import kda_fwd
 
-        kda_fwd.SUB_CHUNK_DOTS = True
+        kda_fwd.SUB_CHUNK_DOTS = False
     if args.render:
         runs = [json.loads(path.read_text()) for path in args.render]
         rows = [row for run in runs for row in run["rows"]]
@@ -268,7 +268,7 @@ def main():
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
             "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output,
-            "kda_sub_chunk_dots": args.kda_sub_chunk_dots}
+            "kda_sub_chunk_dots": not args.kda_sub_chunk_steps}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

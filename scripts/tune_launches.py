@@ -77,14 +77,15 @@ def main():
                    help="also each kernel at its own warps and stages with registers capped (e.g. 128: two "
                         "8-warp programs an SM)")
     p.add_argument("--forward-only", action="store_true")
-    p.add_argument("--kda-sub-chunk-dots", action="store_true",
-                   help="kda: the pairs inside the sub-chunks as dots (ops/triton/kda_fwd.py, SUB_CHUNK_DOTS)")
+    p.add_argument("--kda-sub-chunk-steps", action="store_true",
+                   help="kda: the pairs inside the sub-chunks row by row, not as dots (ops/triton/kda_fwd.py, "
+                        "SUB_CHUNK_DOTS off)")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
-    if args.kda_sub_chunk_dots:
+    if args.kda_sub_chunk_steps:
         from linearize.ops.triton import kda_fwd
 
-        kda_fwd.SUB_CHUNK_DOTS = True
+        kda_fwd.SUB_CHUNK_DOTS = False
     if not torch.cuda.is_available():
         print("error: tune_launches.py times launches on a CUDA GPU; run it on a machine with one", file=sys.stderr)
         sys.exit(2)

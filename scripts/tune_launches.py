@@ -80,12 +80,20 @@ def main():
     p.add_argument("--kda-sub-chunk-steps", action="store_true",
                    help="kda: the pairs inside the sub-chunks row by row, not as dots (ops/triton/kda_fwd.py, "
                         "SUB_CHUNK_DOTS off)")
+    p.add_argument("--kda-flush-exp", action="store_true",
+                   help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
     if args.kda_sub_chunk_steps:
         from linearize.ops.triton import kda_fwd
 
         kda_fwd.SUB_CHUNK_DOTS = False
+    if args.kda_flush_exp:
+        import triton.language as tl
+
+        from linearize.ops.triton import tiles
+
+        tiles.FLUSH_EXP = tl.constexpr(True)
     if not torch.cuda.is_available():
         print("error: tune_launches.py times launches on a CUDA GPU; run it on a machine with one", file=sys.stderr)
         sys.exit(2)

@@ -5,6 +5,11 @@ and compiled on a CUDA GPU (``-m gpu``, NaN-poisoned buffers, fp32 and bf16)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import needs_interpreter
@@ -243,3 +248,22 @@ def test_sub_chunk_dots_gpu_equal_reference(shape, monkeypatch, compiled):
 
     monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
     check(torch.bfloat16, "cuda", *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_flushed_exps_gpu_equal_reference(compiled):
+    """The decays' exps as one ex2 with denormals flushed (``tiles.FLUSH_EXP``), bf16: forward and every gradient
+    against the float64 reference on strong decays (factors far below e^-87), packed documents and a real head
+    size — in a process of its own, since the flag is read when the kernels compile."""
+    code = ("import torch, triton.language as tl\n"
+            "from linearize.ops.triton import tiles\n"
+            "tiles.FLUSH_EXP = tl.constexpr(True)\n"
+            "from test_kda_triton import GPU_SHAPES, SHAPES\n"
+            "from test_kda_triton_bwd import check\n"
+            "for shape in (SHAPES[0], SHAPES[2], GPU_SHAPES[3]):\n"
+            "    check(torch.bfloat16, 'cuda', *shape)\n")
+    tests = Path(__file__).parent
+    env = {**os.environ, "TRITON_INTERPRET": "0",
+           "PYTHONPATH": os.pathsep.join([str(tests), str(tests.parent), os.environ.get("PYTHONPATH", "")])}
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=900)

@@ -60,7 +60,7 @@ from .kda_fwd import (
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of, sub_chunk_dots_fit
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
-from .tiles import mm
+from .tiles import exp_ftz, mm
 
 
 @triton.jit
@@ -135,7 +135,7 @@ def _state_bwd_kernel(
         tl.store(dd + p_tv, b_dd, mask=m_tv)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         g_last = tl.load(gc + i_t * (H * K) + o_k, mask=m_k, other=0.0)
-        b_dh = b_dh * tl.exp(g_last)[:, None] - mm(tl.trans(b_w), b_dd, b_w, IEEE)
+        b_dh = b_dh * exp_ftz(g_last)[:, None] - mm(tl.trans(b_w), b_dd, b_w, IEEE)
         for i_g in range(G):
             b_q = tl.load(qg + (t0 + o_r)[:, None] * (HQ * K) + i_g * K + o_k[None, :], mask=m_tk, other=0.0)
             b_do = tl.load(do + (t0 + o_r)[:, None] * (HQ * V) + i_g * V + o_v[None, :], mask=m_tv, other=0.0)
@@ -165,7 +165,7 @@ def _dqk_kernel(
     p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
     p_s = ((boh + i_c) * H + i_h) * K * V
     b_kf = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    b_gs = tl.exp(chunk_log_decay(g, p_k, m_tk)) * scale
+    b_gs = exp_ftz(chunk_log_decay(g, p_k, m_tk)) * scale
     diag, before = o_r[:, None] == o_r[None, :], o_r[None, :] < o_r[:, None]
     b_dk = tl.zeros([BT, BK], dtype=tl.float32)
     b_dG = tl.zeros([BT, BK], dtype=tl.float32)
@@ -240,14 +240,14 @@ def _wy_bwd_kernel(
         b_bv = b_v.to(tl.float32) * b_beta[:, None]
         b_db += tl.sum(b_tdu * b_v.to(tl.float32), 1)
         b_dT += mm(b_dd, tl.trans(b_bv), b_v, IEEE)
-    b_kg = b_kf * tl.exp(b_G)  # γ⊙k
+    b_kg = b_kf * exp_ftz(b_G)  # γ⊙k
     b_tdw = mm(tl.trans(b_T), b_dW, b_k, IEEE)  # Tᵀ dW
     b_dT += mm(b_dW, tl.trans(b_kg * b_beta[:, None]), b_k, IEEE)
     b_dA = -mm(mm(tl.trans(b_T), b_dT, b_k, IEEE), tl.trans(b_T), b_k, IEEE)
     tl.store(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], tl.where(o_r[None, :] < o_r[:, None], b_dA, 0.0),
              mask=m_t[:, None])
     tl.store(dbp + rows * H + i_h, b_db + tl.sum(b_tdw * b_kg, 1), mask=m_t)
-    b_dk = b_tdw * tl.exp(b_G) * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
+    b_dk = b_tdw * exp_ftz(b_G) * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
     b_dG = b_tdw * b_kg * b_beta[:, None] + tl.load(dG_p + p_k, mask=m_tk, other=0.0)
     # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C; dK̃ = Δ dh₁ᵀ in a second pass over V rather than
     # held with dW through the first
@@ -259,10 +259,10 @@ def _wy_bwd_kernel(
                       other=0.0)
         b_dh = tl.load(dhs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dKt += mm(b_d, tl.trans(b_dh), b_d, IEEE)
-    b_e = tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
+    b_e = exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
     b_dk += b_dKt * b_e
     b_sp = b_kf * b_dKt * b_e
-    b_dg = tl.cumsum(b_dG, 0, reverse=True) + (tl.exp(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
+    b_dg = tl.cumsum(b_dG, 0, reverse=True) + (exp_ftz(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
     tl.store(dk_p + p_k, b_dk, mask=m_tk)
     tl.store(dG_p + p_k, b_dg, mask=m_tk)
 

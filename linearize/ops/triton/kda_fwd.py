@@ -41,7 +41,7 @@ from .kda_tiles import (
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k, sms_for
 from .solve import store_inverse
-from .tiles import mm
+from .tiles import exp_ftz, mm
 
 SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_tiles)
 # the pairs inside the sub-chunks as tensor-core dots through anchored offsets (kda_tiles.sub_chunk_dots), in the
@@ -176,17 +176,17 @@ def _prepare_kernel(
     # for the state kernel, off its sequential path: K̃ = k ⊙ exp(G_C − G) in k's dtype (the dtype its product
     # takes it in) and the chunk's total log-decay G_C per channel
     g_last = row_of(b_G, BT - 1)
-    b_kd = b_k.to(tl.float32) * tl.exp(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
+    b_kd = b_k.to(tl.float32) * exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
     tl.store(kd + p_k, b_kd.to(kd.dtype.element_ty), mask=m_tk)
     tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
     if QG:  # for the backward's state kernel, off its sequential path too: scale·γ⊙q of each query head, in q's dtype
-        b_gs = tl.exp(b_G) * scale
+        b_gs = exp_ftz(b_G) * scale
         for i_g in range(G):
             p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
             b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
             tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
-    b_kg = b_k.to(tl.float32) * tl.exp(b_G) * b_beta[:, None]  # βγ⊙k
+    b_kg = b_k.to(tl.float32) * exp_ftz(b_G) * b_beta[:, None]  # βγ⊙k
     tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -228,7 +228,7 @@ def _state_kernel(
         tl.store(v_new + p_tv, b_d.to(v_new.dtype.element_ty), mask=m_tv)
         g_last = tl.load(gc + i_t * (H * K) + o_k, mask=m_k, other=0.0)  # G_C per channel
         b_kd = tl.load(kd + p_tk, mask=m_tk, other=0.0)  # k ⊙ exp(G_C − G), from the prepare kernel
-        b_h = b_h * tl.exp(g_last)[:, None] + mm(tl.trans(b_kd), b_d, b_w, IEEE)
+        b_h = b_h * exp_ftz(g_last)[:, None] + mm(tl.trans(b_kd), b_d, b_w, IEEE)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h, mask=m_h)
 
@@ -251,7 +251,7 @@ def _output_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_G = chunk_log_decay(g, (rows * H + i_h)[:, None] * K + o_k[None, :], m_tk)
-    b_qg = b_q.to(tl.float32) * tl.exp(b_G)  # γ⊙q
+    b_qg = b_q.to(tl.float32) * exp_ftz(b_G)  # γ⊙q
     b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     p_s = ((boh + i_c) * H + i_h) * K * V
     for i_v in range(tl.cdiv(V, BV)):

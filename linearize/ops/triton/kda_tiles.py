@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tiles import mm
+from .tiles import exp_ftz, mm
 
 
 @triton.jit
@@ -60,8 +60,8 @@ def _factors(G, s, SUB: tl.constexpr):
     with ``G_s`` the log-decay at the sub-chunk's first row: both ≤ 1."""
     o = tl.arange(0, G.shape[0])
     ref = row_of(G, s * SUB)
-    ea = tl.exp(tl.where((o // SUB == s)[:, None], G - ref[None, :], float("-inf")))
-    fb = tl.exp(tl.where((o < s * SUB)[:, None], ref[None, :] - G, float("-inf")))
+    ea = exp_ftz(tl.where((o // SUB == s)[:, None], G - ref[None, :], float("-inf")))
+    fb = exp_ftz(tl.where((o < s * SUB)[:, None], ref[None, :] - G, float("-inf")))
     return ea, fb
 
 
@@ -106,8 +106,8 @@ def sub_chunk_dots(a, b, E, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.cons
     :func:`sub_chunk_pairs` stores row by row, with the factors ``exp(±E)`` rounded to the dots' dtype."""
     BT: tl.constexpr = a.shape[0]
     inside = inside_sub_chunks(BT, SUB)
-    ea = tl.exp(E)
-    bt = tl.trans(b.to(tl.float32) * tl.exp(-E))
+    ea = exp_ftz(E)
+    bt = tl.trans(b.to(tl.float32) * exp_ftz(-E))
     Ma = tl.where(inside, mm(a.to(tl.float32) * ea, bt, a, IEEE), 0.0)
     Mb = tl.zeros([BT, BT], dtype=tl.float32)
     if PAIR:
@@ -146,7 +146,7 @@ def decayed_scores(a, b, pb, pg, stride, G, n, K: tl.constexpr, STRICT: tl.const
     for d in range(1, SUB):
         m_d = (o % SUB >= d) & (o < n)
         S += _rows(pg, stride, 1 - d, m_d, K, BK)
-        x = tl.sum(af * _rows(pb, stride, -d, m_d, K, BK) * tl.exp(tl.where(m_d[:, None], S, float("-inf"))), 1)
+        x = tl.sum(af * _rows(pb, stride, -d, m_d, K, BK) * exp_ftz(tl.where(m_d[:, None], S, float("-inf"))), 1)
         M += tl.where(o[None, :] == (o - d)[:, None], x[:, None], 0.0)
     return M
 
@@ -198,7 +198,7 @@ def sub_chunk_pairs(pa, pb, pg, stride_a, stride, c, n, ws, pma, stride_ma, pmb,
         m_dk = m_d[:, None] & m_k
         S += tl.load(pg + (c + 1 - d)[:, None] * stride + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
         rb = tl.load(pb + (c - d)[:, None] * stride + o_k[None, :], mask=m_dk, other=0.0).to(tl.float32)
-        e = tl.exp(tl.where(m_d[:, None], S, float("-inf")))
+        e = exp_ftz(tl.where(m_d[:, None], S, float("-inf")))
         tl.store(pmb + c * stride_mb + c - d, tl.sum(bf * rb * e, 1) * ws, mask=m_d)
         tl.store(pma + c * stride_ma + c - d, tl.sum(af * rb * e, 1).to(pma.dtype.element_ty), mask=m_d)
         for h in range(1, NA):  # the other a_h: read again at every step (L1), not held
@@ -224,7 +224,7 @@ def _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, st
         row = tl.where(left, o + 1 - d, top)
         S = tl.where((p == d - 1)[:, None], 0.0, S) + tl.load(pg + row[:, None] * stride_k + o_k[None, :],
                                                               mask=m_xk, other=0.0)
-        e = tl.exp(tl.where(m_x[:, None], S, float("-inf")))
+        e = exp_ftz(tl.where(m_x[:, None], S, float("-inf")))
         row = tl.where(left, o - d, top)  # k's row of the pair: j = r − d (left), r + d − p (right)
         xk = tl.load(pk + row[:, None] * stride_k + o_k[None, :], mask=m_xk, other=0.0).to(tl.float32) * e
         xq = tl.load(pq + top[:, None] * stride_q + o_k[None, :], mask=m_r[:, None] & m_k[None, :],
@@ -273,7 +273,7 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
                                     stride_beta, n, m_k, BT, BK, WITH_A, SUB)
     if dots:
         inside = inside_sub_chunks(BT, SUB)
-        ea, fb = tl.exp(E), tl.exp(-E)
+        ea, fb = exp_ftz(E), exp_ftz(-E)
         kb, Pi = kf * fb, tl.where(inside, P, 0.0).to(P.dtype)
         Lp += ea * mm(Pi, kb, k, IEEE)
         R += fb * mm(tl.trans(Pi), qf * ea, q, IEEE)

@@ -7,6 +7,14 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
+
+# on, ``exp_ftz`` compiles to one ex2 with denormals flushed (``ex2.approx.ftz``: libdevice's fast_expf under the
+# FTZ reflection Triton links it with), where tl.exp's ``ex2.approx.f32`` wraps each ex2 in a compare and two
+# predicated multiplies for denormal inputs and results (sm_90, the kda kernels: 393 of them fewer in the scores
+# kernel, which then schedules 233 more of other kinds). Off until timed; never under the interpreter, which has no
+# libdevice. Set it before the first launch: Triton refuses a global that changed under a compiled kernel.
+FLUSH_EXP = tl.constexpr(False)
 
 
 @triton.jit
@@ -20,6 +28,16 @@ def log_decay(p, mask, USE_G: tl.constexpr):
         return tl.load(p).to(tl.float32)
     else:
         return tl.load(p, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def exp_ftz(x):
+    """e^x of float32 ``x``; with ``FLUSH_EXP`` a result below e^-87 (float32's normal range) is 0: the kda
+    kernels' decays, where such a factor weighs nothing beside the terms it is added to."""
+    if FLUSH_EXP:
+        return libdevice.fast_expf(x)
+    else:
+        return tl.exp(x)
 
 
 @triton.jit

@@ -294,6 +294,7 @@ def distill(
         cfg = load_recipe(recipe, list(ctx.args))  # every field checked here
         state["out"] = Path(cfg.output.dir)
         from .distill import TrainingError, budget, run_recipe, world
+        from .distill.evaluation import describe
 
         if dry_run:
             typer.echo(to_yaml(cfg))
@@ -324,10 +325,7 @@ def distill(
             raise UserError(str(e)) from None
         if world()[0] != 0:  # under torchrun, one summary
             return
-        ini, fin = summary["initial"] or {}, summary["final"]
-        typer.echo(f"held-out perplexity: teacher {fin['ppl_teacher']:.2f}, student at init "
-                   f"{ini.get('ppl_student', float('nan')):.2f} -> after training {fin['ppl_student']:.2f}; "
-                   f"KL {fin['kl']:.3f}, top-1 agreement {fin['top1_agreement']:.3f}")
+        typer.echo(describe(summary["initial"], summary["final"]))
         typer.echo(f"saved {summary['model']}")
 
     def interrupted():

@@ -56,8 +56,12 @@ def eval_point(rec: dict | None, prefix: str = "eval_") -> dict | None:
     if rec is None:
         return None
     s, t = rec[prefix + "ppl_student"], rec[prefix + "ppl_teacher"]
-    return {"step": rec.get("step", 0), "ppl_student": s, "ppl_teacher": t, "ppl_ratio": s / t,
-            "kl": rec[prefix + "kl"], "top1_agreement": rec[prefix + "top1_agreement"]}
+    point = {"step": rec.get("step", 0), "ppl_student": s, "ppl_teacher": t, "ppl_ratio": s / t,
+             "kl": rec[prefix + "kl"], "top1_agreement": rec[prefix + "top1_agreement"]}
+    if prefix + "ppl_student_far" in rec:  # the predictions with 512+ tokens of their document before them
+        point["ppl_ratio_far"] = rec[prefix + "ppl_student_far"] / rec[prefix + "ppl_teacher_far"]
+        point["kl_far"] = rec[prefix + "kl_far"]
+    return point
 
 
 def load_recipe(run: Path):
@@ -219,7 +223,11 @@ def markdown(variants: dict, command: str) -> str:
             continue
         for m, kind, what in (("ppl_student", "ppl", "student ppl"), ("ppl_teacher", "ppl", "teacher ppl"),
                               ("ppl_ratio", "ppl", "ppl ratio (student / teacher)"), ("kl", "loss", "KL(teacher ‖ student)"),
-                              ("top1_agreement", "pct", "top-1 agreement, %")):
+                              ("top1_agreement", "pct", "top-1 agreement, %"),
+                              ("ppl_ratio_far", "ppl", "ppl ratio past 512 tokens of a document"),
+                              ("kl_far", "loss", "KL past 512 tokens of a document")):
+            if m.endswith("_far") and not any((tr[n].get(key) or {}).get(m) for n in names):
+                continue  # records from before the far split
             rows.append([label, what, *[f((tr[n].get(key) or {}).get(m), kind) for n in names]])
     rows.append(["align", f"loss, mean over layers (last {LAST_K} logged steps)",
                  *[f(tr[n].get("align", {}).get("loss_mean_over_layers"), "loss") for n in names]])

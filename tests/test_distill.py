@@ -123,7 +123,9 @@ def test_chunked_kl_equals_full_kl():
 
 def test_held_out_metrics_score_the_same_positions_as_perplexity():
     """evaluate(): KL, top-1 agreement and both perplexities over the positions that have a next token in
-    their document (packed rows: two documents a row), against full logits taken in one go in float64."""
+    their document (packed rows: two documents a row), and the same over those with at least ``far`` tokens of
+    their document before them, against full logits taken in one go in float64; no document that long: no
+    far split."""
     from types import SimpleNamespace
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -139,7 +141,7 @@ def test_held_out_metrics_score_the_same_positions_as_perplexity():
     run = SimpleNamespace(student=student, teacher=teacher, device=torch.device("cpu"),
                           data=SimpleNamespace(heldout_ids=ids, heldout_pos=pos),
                           cfg=SimpleNamespace(data=SimpleNamespace(eval_tokens=10_000)))
-    got = evaluate(run, chunk=7)
+    got = evaluate(run, chunk=7, far=3)
     with torch.no_grad():
         # use_cache=False: transformers isolates packed documents (from position_ids) only without a cache
         lt, ls = (m.double()(input_ids=ids, position_ids=pos, use_cache=False).logits.log_softmax(-1).flatten(0, 1)
@@ -152,6 +154,16 @@ def test_held_out_metrics_score_the_same_positions_as_perplexity():
     ppl = [math.exp(-lp[keep].gather(1, labels[keep, None]).mean()) for lp in (lt, ls)]
     assert got["kl"] == pytest.approx(float(kl), rel=1e-4) and got["top1_agreement"] == pytest.approx(float(agree))
     assert (got["ppl_teacher"], got["ppl_student"]) == pytest.approx(ppl, rel=1e-4)
+    far = keep & (pos.flatten() >= 3)
+    assert got["far_tokens"] == int(far.sum()) == 3 * 4  # each row: position 3 of the first, 3-5 of the second
+    kl_far = (lt.exp() * (lt - ls)).sum(-1)[far].mean()
+    agree_far = (lt.argmax(-1) == ls.argmax(-1))[far].double().mean()
+    ppl_far = [math.exp(-lp[far].gather(1, labels[far, None]).mean()) for lp in (lt, ls)]
+    assert got["kl_far"] == pytest.approx(float(kl_far), rel=1e-4)
+    assert got["top1_agreement_far"] == pytest.approx(float(agree_far))
+    assert (got["ppl_teacher_far"], got["ppl_student_far"]) == pytest.approx(ppl_far, rel=1e-4)
+    assert got["ppl_student_far"] != pytest.approx(got["ppl_student"], rel=1e-3)  # a split of its own
+    assert not any(k.endswith("_far") for k in evaluate(run, chunk=7, far=7))  # no document has 8 tokens
 
 
 # training, checkpoints, resume ------------------------------------------------------------------

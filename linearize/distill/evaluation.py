@@ -9,33 +9,64 @@ import torch
 from .batches import batch_positions
 from .losses import last_hidden, next_token_labels
 
+FAR = 512  # the far split: predictions made with at least this many earlier tokens of their document in context
+
 
 @torch.no_grad()
-def evaluate(run, chunk: int = 1024) -> dict:
+def evaluate(run, chunk: int = 1024, far: int = FAR) -> dict:
     """Held-out perplexity of teacher and student, KL(teacher ‖ student), top-1 agreement — logits
     made ``chunk`` tokens at a time through each LM head, never for the whole batch. All four over the same
     positions: those with a next token in their document (a row's last position and a document's last
-    token, which perplexity cannot score, count in none)."""
+    token, which perplexity cannot score, count in none). The same three (``*_far``, and ``far_tokens``
+    how many) over the predictions with at least ``far`` tokens of their document before them, as
+    ``linearize eval`` splits perplexity past 512 tokens: the long context that packed short documents
+    weigh little in the whole (absent when no document of the rows is that long)."""
     was_training = run.student.training
     run.student.eval()
     ids, pos = run.data.heldout_ids, run.data.heldout_pos
     rows = max(1, min(ids.shape[0], run.cfg.data.eval_tokens // ids.shape[1]))
     ids, pos = ids[:rows].to(run.device), batch_positions(pos[:rows], run.device)
     labels = next_token_labels(ids, pos).flatten()
+    at = (pos if pos is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)).flatten()
     hidden = {name: last_hidden(m, ids, pos).flatten(0, 1) for name, m in (("teacher", run.teacher), ("student", run.student))}
-    ce = {"teacher": 0.0, "student": 0.0}
-    kl, agree = 0.0, 0.0
-    n, valid = labels.numel(), int((labels != -100).sum())
-    for a in range(0, n, chunk):
+    sums = {split: dict.fromkeys(("teacher", "student", "kl", "agree", "n"), 0.0) for split in ("all", "far")}
+    for a in range(0, labels.numel(), chunk):
         lt = run.teacher.lm_head(hidden["teacher"][a:a + chunk]).float().log_softmax(-1)
         ls = run.student.lm_head(hidden["student"][a:a + chunk]).float().log_softmax(-1)
         y = labels[a:a + chunk]
-        for name, lp in (("teacher", lt), ("student", ls)):
-            ce[name] += torch.nn.functional.nll_loss(lp, y, ignore_index=-100, reduction="sum").item()
         scored = y != -100
-        kl += (lt.exp() * (lt - ls)).sum(-1)[scored].sum().item()
-        agree += (lt.argmax(-1) == ls.argmax(-1))[scored].sum().item()
+        for split, keep in (("all", scored), ("far", scored & (at[a:a + chunk] >= far))):
+            if not keep.any():
+                continue
+            yk, tk, sk, acc = y[keep], lt[keep], ls[keep], sums[split]
+            acc["teacher"] += torch.nn.functional.nll_loss(tk, yk, reduction="sum").item()
+            acc["student"] += torch.nn.functional.nll_loss(sk, yk, reduction="sum").item()
+            acc["kl"] += (tk.exp() * (tk - sk)).sum().item()
+            acc["agree"] += (tk.argmax(-1) == sk.argmax(-1)).sum().item()
+            acc["n"] += int(keep.sum())
     run.student.train(was_training)
-    valid = max(valid, 1)
-    return {"ppl_teacher": math.exp(ce["teacher"] / valid), "ppl_student": math.exp(ce["student"] / valid),
-            "kl": kl / valid, "top1_agreement": agree / valid}
+    out = {}
+    for split, suffix in (("all", ""), ("far", "_far")):
+        acc = sums[split]
+        if split == "far" and not acc["n"]:
+            continue
+        n = max(acc["n"], 1)
+        out.update({f"ppl_teacher{suffix}": math.exp(acc["teacher"] / n), f"ppl_student{suffix}": math.exp(acc["student"] / n),
+                    f"kl{suffix}": acc["kl"] / n, f"top1_agreement{suffix}": acc["agree"] / n})
+    if "kl_far" in out:
+        out["far_tokens"] = int(sums["far"]["n"])
+    return out
+
+
+def describe(initial: dict | None, final: dict) -> str:
+    """A run's closing lines: the held-out perplexities at init and at the end, KL and top-1 agreement, and the
+    far split where there is one."""
+    ini = initial or {}
+    text = (f"held-out perplexity: teacher {final['ppl_teacher']:.2f}, student at init "
+            f"{ini.get('ppl_student', float('nan')):.2f} -> after training {final['ppl_student']:.2f}; "
+            f"KL {final['kl']:.3f}, top-1 agreement {final['top1_agreement']:.3f}")
+    if "ppl_student_far" in final:
+        text += (f"\npast {FAR} tokens of a document ({final['far_tokens']} predictions): teacher "
+                 f"{final['ppl_teacher_far']:.2f}, student at init {ini.get('ppl_student_far', float('nan')):.2f} -> "
+                 f"after training {final['ppl_student_far']:.2f}; KL {final['kl_far']:.3f}")
+    return text

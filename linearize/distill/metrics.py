@@ -87,6 +87,10 @@ def plot_losses(out: Path) -> None:
     if evals:
         ax.plot([r["step"] for r in evals], [r["eval_ppl_student"] for r in evals], "o-", label="student")
         ax.plot([r["step"] for r in evals], [r["eval_ppl_teacher"] for r in evals], "--", label="teacher")
+        far = [r for r in evals if "eval_ppl_student_far" in r]
+        if far:  # the predictions with 512+ tokens of their document before them
+            ax.plot([r["step"] for r in far], [r["eval_ppl_student_far"] for r in far], "o-", label="student, past 512")
+            ax.plot([r["step"] for r in far], [r["eval_ppl_teacher_far"] for r in far], ":", label="teacher, past 512")
         ax.legend()
     ax.set(title="held-out perplexity", xlabel="step", ylabel="perplexity", yscale="log")
     ax.grid(alpha=0.3)

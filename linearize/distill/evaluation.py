@@ -66,7 +66,7 @@ def describe(initial: dict | None, final: dict) -> str:
             f"{ini.get('ppl_student', float('nan')):.2f} -> after training {final['ppl_student']:.2f}; "
             f"KL {final['kl']:.3f}, top-1 agreement {final['top1_agreement']:.3f}")
     if "ppl_student_far" in final:
-        text += (f"\npast {FAR} tokens of a document ({final['far_tokens']} predictions): teacher "
+        text += (f"\npast {FAR} tokens of context ({final['far_tokens']} predictions): teacher "
                  f"{final['ppl_teacher_far']:.2f}, student at init {ini.get('ppl_student_far', float('nan')):.2f} -> "
                  f"after training {final['ppl_student_far']:.2f}; KL {final['kl_far']:.3f}")
     return text

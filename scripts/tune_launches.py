@@ -80,6 +80,9 @@ def main():
     p.add_argument("--kda-sub-chunk-steps", action="store_true",
                    help="kda: the pairs inside the sub-chunks row by row, not as dots (ops/triton/kda_fwd.py, "
                         "SUB_CHUNK_DOTS off)")
+    p.add_argument("--kda-chunk-dots", action="store_true",
+                   help="kda: every pair of a chunk as one dot where the chunk's span allows (ops/triton/kda_fwd.py, "
+                        "CHUNK_DOTS)")
     p.add_argument("--kda-flush-exp", action="store_true",
                    help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
     p.add_argument("--output", type=Path, default=None)
@@ -88,6 +91,10 @@ def main():
         from linearize.ops.triton import kda_fwd
 
         kda_fwd.SUB_CHUNK_DOTS = False
+    if args.kda_chunk_dots:
+        from linearize.ops.triton import kda_fwd
+
+        kda_fwd.CHUNK_DOTS = True
     if args.kda_flush_exp:
         import triton.language as tl
 

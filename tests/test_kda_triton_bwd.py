@@ -237,6 +237,50 @@ def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeyp
         assert not torch.isfinite(kda_triton(*x, scale=0.7)[0]).all()
 
 
+MILD = [(1, 150, 1, 3, 16, 16, None, 0.1), (1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130], 0.1)]  # GQA G=3; packed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_chunk_dots_equal_reference_and_differ_from_the_sub_chunk_dots(dtype, monkeypatch):
+    """Every pair of a chunk as one dot through offsets from its middle row (``kda_fwd.CHUNK_DOTS``, a program's
+    mode 2): forward and every gradient against the float64 reference where the chunks' spans allow it (decays
+    down to e^-0.1 a step: GQA, packed documents), where only the sub-chunks' do (e^-1) and where neither (e^-5:
+    the steps); on the mild decays the forward's outputs and the backward's gradients each differ from the
+    sub-chunk dots' in their last bits (mode 2 ran in each)."""
+    needs_interpreter()
+    from linearize.ops.triton import kda_fwd
+    from linearize.ops.triton.kda_bwd import kda_triton
+
+    inputs = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(kda_inputs(*MILD[0][:6], seed=3, decay=0.1))]
+
+    def output_and_dq(forward, backward):  # CHUNK_DOTS in the forward's launches, then in the backward's
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", forward)
+        o = kda_triton(*leaves, scale=0.7)[0]
+        monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", backward)
+        (o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum().backward()
+        return o.detach(), leaves[0].grad
+
+    sub, whole_forward, whole_backward = output_and_dq(False, False), output_and_dq(True, False), output_and_dq(False, True)
+    assert not torch.equal(whole_forward[0], sub[0])
+    assert torch.equal(whole_backward[0], sub[0]) and not torch.equal(whole_backward[1], sub[1])
+    monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", True)
+    for shape in (*MILD, SHAPES[1], SHAPES[0]):
+        check(dtype, "cpu", *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [*MILD, SHAPES[2], (2, 2048, 4, 4, 128, 128, None, 0.1)], ids=ids)
+def test_chunk_dots_gpu_equal_reference(shape, monkeypatch, compiled):
+    """Every pair of a chunk as one dot (``kda_fwd.CHUNK_DOTS``) compiled, bf16: forward and every gradient against
+    the float64 reference on mild decays (mode 2), strong ones (the sub-chunks or the steps) and a real head size."""
+    from linearize.ops.triton import kda_fwd
+
+    monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", True)
+    check(torch.bfloat16, "cuda", *shape)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[2], GPU_SHAPES[3]], ids=ids)

@@ -47,6 +47,7 @@ from ..common import TRITON_DTYPES, cdiv, wants_grad
 from .kda_fwd import (
     SUB,
     chunk_warps,
+    dot_modes,
     kda_bv,
     kda_fwd,
     kda_prepare,
@@ -55,7 +56,6 @@ from .kda_fwd import (
     kda_states,
     replay_warps,
     replayed,
-    sub_chunk_dot_limit,
 )
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of, sub_chunk_dots_fit
 from .layout import BT, Layout, chunk_at, sequence_at
@@ -270,7 +270,7 @@ def _wy_bwd_kernel(
 @triton.jit
 def _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, pp, pa, pbeta, rows, i_hq, n, o_k, m_k,
                 m_tk, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, WITH_A: tl.constexpr,
-                SUB: tl.constexpr, IEEE: tl.constexpr, b_E, dots):
+                SUB: tl.constexpr, IEEE: tl.constexpr, b_E, dots, WHOLE: tl.constexpr):
     """One query head of ``_intra_bwd_kernel``: stores its ``dq = dqh + L_P``; returns ``b_R`` plus its right
     products, its share ``q⊙L_P`` of G's gradient, and with ``WITH_A`` A's left product X on the same decays
     (:func:`kda_tiles.decayed_pairs`)."""
@@ -279,7 +279,7 @@ def _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, pp, pa,
     b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
     b_P = tl.load(dpm + p_q * BT + o_r[None, :], mask=(o_r < n)[:, None], other=0.0)
     b_dqs, b_X, b_R = decayed_pairs(b_P, b_A, b_R, b_k, b_q, b_beta, pk, pq, pg, pp, pa, pbeta, H * K, HQ * K, HQ * BT,
-                                    H * BT, H, b_G, n, m_k, WITH_A, SUB, IEEE, b_E, dots)
+                                    H * BT, H, b_G, n, m_k, WITH_A, SUB, IEEE, b_E, dots, WHOLE)
     b_dq = tl.load(dqh + p_q * K + o_k[None, :], mask=m_tk, other=0.0) + b_dqs
     tl.store(dq + p_q * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
     return b_R, b_q.to(tl.float32) * b_dqs, b_X
@@ -289,7 +289,7 @@ def _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, pp, pa,
 def _intra_bwd_kernel(
     q, k, g, beta, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, NB, cu_seqlens, chunk_indices, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-    IEEE: tl.constexpr, DIAG: tl.constexpr,
+    IEEE: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """Every pairwise decay of the backward, per (slice of BK channels, chunk, KV head): the channels are
     independent, so G is the cumulative sum of the slice's own log-decays. From the dense kernels' dP (``dpm``,
@@ -313,14 +313,14 @@ def _intra_bwd_kernel(
     p0, p0q = (bos + i_c * BT) * H + i_h, (bos + i_c * BT) * HQ + i_h * G  # the chunk's first row, KV and query
     pk, pq, pg = k + p0 * K + i_k * BK, q + p0q * K + i_k * BK, g + p0 * K + i_k * BK
     b_R = tl.zeros([BT, BK], dtype=tl.float32)
-    b_E, dots = sub_chunk_dots_fit(b_G, SUB, DIAG)  # the same for every query head
+    b_E, dots = sub_chunk_dots_fit(b_G, SUB, DIAG, WHOLE)  # the same for every query head
     b_R, b_dG, b_X = _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, dpm + p0q * BT, dam + p0 * BT,
                                  beta + p0, rows, i_h * G, n, o_k, m_k, m_tk, H, HQ, K, BT, True, SUB, IEEE,
-                                 b_E, dots)
+                                 b_E, dots, WHOLE)
     for i_g in range(1, G):  # the other query heads: A's products are done
         b_R, b_dGs, _ = _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq + i_g * K, pg,
                                     dpm + (p0q + i_g) * BT, dam + p0 * BT, beta + p0, rows, i_h * G + i_g, n, o_k, m_k,
-                                    m_tk, H, HQ, K, BT, False, SUB, IEEE, b_E, dots)
+                                    m_tk, H, HQ, K, BT, False, SUB, IEEE, b_E, dots, WHOLE)
         b_dG += b_dGs
     b_kf = b_k.to(tl.float32)
     b_dk = b_R + b_X * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
@@ -393,7 +393,7 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     iw, ist = (4, 2) if replayed(K, ieee) else (8, 3)  # (4, 2): 1.18× in the replays (replay_warps)
     _intra_bwd_kernel[(NK, L.NC, H)](
         qf, kf, gf, bf, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, L.tokens * H, L.cu_seqlens, L.chunk_indices,
-        L.chunk_offsets, H=H, G=G, K=K, BT=BT, BK=BKI, SUB=SUB, IEEE=ieee, DIAG=sub_chunk_dot_limit(k.dtype),
+        L.chunk_offsets, H=H, G=G, K=K, BT=BT, BK=BKI, SUB=SUB, IEEE=ieee, **dot_modes(k.dtype),
         num_warps=iw, num_stages=ist)
     dbeta.copy_(dbp.sum(0))
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0

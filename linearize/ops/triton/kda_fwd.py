@@ -31,10 +31,9 @@ import triton.language as tl
 from ..common import cdiv, next_pow2
 from .kda_tiles import (
     chunk_log_decay,
-    cross_scores_pair,
+    chunk_scores,
     decayed_scores,
     row_of,
-    sub_chunk_dots,
     sub_chunk_dots_fit,
     sub_chunk_pairs,
 )
@@ -48,6 +47,9 @@ SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_t
 # programs whose span allows it, the row-by-row steps elsewhere; off: the steps everywhere. On an H100 the dots
 # take 8-9% off the forward and 1-2% off forward+backward (results/bench_kda_sub_chunk_dots_h100.md)
 SUB_CHUNK_DOTS = True
+# with them, every pair of a chunk as one dot through offsets from the chunk's middle row, in the programs whose
+# chunk-wide span allows it (kda_tiles.sub_chunk_dots_fit's mode 2): off until timed on a GPU
+CHUNK_DOTS = False
 # fp16 ends at 65504 (e^11.1) and turns subnormal below 6e-5: its factors exp(±E) stay within e^6, which holds
 # |q|, |k| up to ~160 (the steps have no such bound); bf16 and fp32 reach e^±88, and e^±30 leaves any q, k and
 # the masked products beyond the triangles room
@@ -58,7 +60,7 @@ SUB_CHUNK_SPAN = {torch.float16: 6.0, None: 30.0}
 def _scores_kernel(
     q, k, g, beta, am, pm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
-    STORE_P: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr,
+    STORE_P: tl.constexpr, IEEE: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr,
 ):
     """Per (chunk, KV head): ``A = strictly-lower(β_r Σ_i k_ri k_ji exp(G_ri − G_ji))`` (float32, to ``am``) and,
     with ``STORE_P``, every query head's ``P_rj = Σ_i q_ri k_ji exp(G_ri − G_ji)`` (j ≤ r; to ``pm``, in the
@@ -84,27 +86,19 @@ def _scores_kernel(
         p_q = (rows * HQ + i_h * G)[:, None] * K + o_k[None, :]
         p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
         b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
-        # the products between sub-chunks as (BT, BT) tiles, A with the first query head, stored but for the
-        # sub-chunks' strictly lower triangles: those as dots too where DIAG allows (kda_tiles.sub_chunk_dots),
-        # else sub_chunk_pairs stores them after, rows by half sub-chunks
-        b_A, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, True, IEEE)
-        m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :]))
-        b_E, dots = sub_chunk_dots_fit(b_G, SUB, DIAG)
-        if dots:
-            b_dA, b_dP = sub_chunk_dots(b_q, b_k, b_E, SUB, True, IEEE)
-            b_A += b_dA
-            b_P += b_dP
-            m_x = m_tt
+        # A with the first query head; in mode 0 stored but for the sub-chunks' strictly lower triangles, which
+        # sub_chunk_pairs stores after, rows by half sub-chunks (kda_tiles.chunk_scores)
+        b_E, mode = sub_chunk_dots_fit(b_G, SUB, DIAG, WHOLE)  # mode 2: every pair as one dot
+        m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :])
+                      | (tl.zeros([BT, BT], dtype=tl.int32) + mode != 0))  # a tile: the interpreter's scalar | is int
+        b_A, b_P = chunk_scores(b_q, b_k, b_G, b_E, mode, n, SUB, True, IEEE, WHOLE)
         tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
         tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
         for i_g in range(1, G):  # the other query heads of a GQA group
             b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
-            b_none, b_P = cross_scores_pair(b_q, b_k, b_G, n, SUB, False, IEEE)  # M_bb: 0 here
-            if dots:
-                b_none, b_dP = sub_chunk_dots(b_q, b_k, b_E, SUB, False, IEEE)
-                b_P += b_dP
+            b_none, b_P = chunk_scores(b_q, b_k, b_G, b_E, mode, n, SUB, False, IEEE, WHOLE)  # M_bb: 0
             tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
-        if dots == 0:
+        if mode == 0:
             HS: tl.constexpr = SUB // 2
             o_h = tl.arange(0, BT // 2)
             c_lo = (o_h // HS) * SUB + o_h % HS  # the first half of every sub-chunk: keys up to HS − 1 back
@@ -268,10 +262,12 @@ def _output_kernel(
         tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
 
 
-def sub_chunk_dot_limit(dtype: torch.dtype) -> float:
-    """The kernels' ``DIAG``: the largest anchored span (:func:`kda_tiles.anchored_offsets`) at which a program
-    takes the pairs inside its sub-chunks as dots, 0 with :data:`SUB_CHUNK_DOTS` off (:data:`SUB_CHUNK_SPAN`)."""
-    return SUB_CHUNK_SPAN.get(dtype, SUB_CHUNK_SPAN[None]) if SUB_CHUNK_DOTS else 0.0
+def dot_modes(dtype: torch.dtype) -> dict:
+    """The kernels' ``DIAG`` and ``WHOLE``: the largest anchored span (:func:`kda_tiles.anchored_offsets`) at which
+    a program takes the pairs inside its sub-chunks as dots, 0 with :data:`SUB_CHUNK_DOTS` off
+    (:data:`SUB_CHUNK_SPAN`), and whether it may take the whole chunk's pairs as one dot (:data:`CHUNK_DOTS`)."""
+    limit = SUB_CHUNK_SPAN.get(dtype, SUB_CHUNK_SPAN[None]) if SUB_CHUNK_DOTS else 0.0
+    return {"DIAG": limit, "WHOLE": bool(CHUNK_DOTS and limit > 0)}
 
 
 def kda_bv(K: int, V: int) -> int:
@@ -350,7 +346,7 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
         _scores_kernel[(L.NC, L.H)](
             q if q is not None else k, k, g, beta, am, pm if pm is not None else am, L.chunk_indices, L.cu_seqlens,
             L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BK=block_k(L.K), SUB=SUB, STORE_P=q is not None,
-            IEEE=L.ieee, DIAG=sub_chunk_dot_limit(k.dtype),
+            IEEE=L.ieee, **dot_modes(k.dtype),
             num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
         _solve_kernel[(L.NC, L.H)](am, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, BT=BT, IEEE=L.ieee,
                                    num_warps=1, num_stages=1)

@@ -25,7 +25,10 @@ sub-chunks' strictly lower triangles, gives every such entry at once (:func:`anc
 :func:`sub_chunk_dots`). Each factor is at most ``e^span``, span the largest |E| of the tile (half a
 sub-chunk's decay at most); where it passes the limit (the factors would leave the dots' dtype, or lose its
 precision) the program takes the row-by-row steps instead. The dots round ``a ⊙ exp(E)`` and ``b ⊙ exp(−E)`` to
-the dots' dtype as the products between sub-chunks round theirs.
+the dots' dtype as the products between sub-chunks round theirs. Where even the offsets from the chunk's middle
+row are within the limit (``WHOLE``, :func:`sub_chunk_dots_fit`'s mode 2), one such product takes every pair of
+the chunk, those between sub-chunks too: two exps a channel and row, one dot per product, in place of the
+sub-chunks' factors (three dots and six tiles of exps a product in the forward).
 
 Tiles: (BT, BK) rows of a chunk (BK all of K, or a slice of it), G float32; products in float32 (the dots in the
 inputs' dtype, or IEEE fp32).
@@ -80,16 +83,23 @@ def anchored_offsets(G, SUB: tl.constexpr):
 
 
 @triton.jit
-def sub_chunk_dots_fit(G, SUB: tl.constexpr, DIAG: tl.constexpr):
-    """``(E, dots)``: :func:`anchored_offsets`' E and whether the tile's span is within ``DIAG``, so that the pairs
-    inside its sub-chunks go as dots (a scalar), taken once a program for every query head; with ``DIAG`` 0,
-    ``(G, false)``, a constant the compiler folds the dots' branches away on."""
+def sub_chunk_dots_fit(G, SUB: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr):
+    """``(E, mode)``, taken once a program for every query head: with ``WHOLE``, mode 2 where every row's offset
+    from the chunk's middle row, ``E_r = G_r − G_{BT/2}``, is within ``DIAG`` (every pair of the chunk then one
+    dot, :func:`sub_chunk_dots` with ``WHOLE``); else mode 1 where :func:`anchored_offsets`' span is (the pairs
+    inside the sub-chunks as dots, those between them as before); else 0 (the row-by-row steps). E: the offsets
+    of the mode taken. With ``DIAG`` 0, ``(G, 0)``, a constant the compiler folds the dots' branches away on."""
     E = G
-    dots = tl.zeros([], dtype=tl.int1)
+    mode = tl.zeros([], dtype=tl.int32)
     if DIAG > 0:
         E, span = anchored_offsets(G, SUB)
-        dots = span <= DIAG
-    return E, dots
+        mode = (span <= DIAG).to(tl.int32)
+        if WHOLE:
+            Ec = G - row_of(G, G.shape[0] // 2)[None, :]
+            whole = tl.max(tl.max(tl.abs(Ec), 1), 0) <= DIAG
+            E = tl.where(whole, Ec, E)
+            mode = tl.where(whole, 2, mode)
+    return E, mode
 
 
 @triton.jit
@@ -100,15 +110,24 @@ def inside_sub_chunks(BT: tl.constexpr, SUB: tl.constexpr):
 
 
 @triton.jit
-def sub_chunk_dots(a, b, E, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
+def sub_chunk_dots(a, b, E, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr, WHOLE: tl.constexpr):
     """``(M_bb, M_ab)`` of :func:`decayed_scores` on the sub-chunks' strictly lower triangles, 0 elsewhere (M_bb
     only with ``PAIR``, else 0), as tensor-core products through :func:`anchored_offsets`' ``E``: the entries
-    :func:`sub_chunk_pairs` stores row by row, with the factors ``exp(±E)`` rounded to the dots' dtype."""
+    :func:`sub_chunk_pairs` stores row by row, with the factors ``exp(±E)`` rounded to the dots' dtype. With
+    ``WHOLE`` and the chunk-anchored E of :func:`sub_chunk_dots_fit`'s mode 2: the whole of both, M_bb strictly
+    lower, M_ab with its diagonal (taken without the factors, as :func:`cross_scores_pair` does)."""
     BT: tl.constexpr = a.shape[0]
-    inside = inside_sub_chunks(BT, SUB)
+    o = tl.arange(0, BT)
+    if WHOLE:
+        inside = o[None, :] < o[:, None]
+    else:
+        inside = inside_sub_chunks(BT, SUB)
+    af = a.to(tl.float32)
     ea = exp_ftz(E)
     bt = tl.trans(b.to(tl.float32) * exp_ftz(-E))
-    Ma = tl.where(inside, mm(a.to(tl.float32) * ea, bt, a, IEEE), 0.0)
+    Ma = tl.where(inside, mm(af * ea, bt, a, IEEE), 0.0)
+    if WHOLE:
+        Ma += tl.where(o[:, None] == o[None, :], tl.sum(af * b.to(tl.float32), 1)[:, None], 0.0)
     Mb = tl.zeros([BT, BT], dtype=tl.float32)
     if PAIR:
         Mb = tl.where(inside, mm(b.to(tl.float32) * ea, bt, b, IEEE), 0.0)
@@ -170,6 +189,33 @@ def cross_scores_pair(a, b, G, n, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: t
                 Mb += mm(bf * ea, bt, b, IEEE)
             Ma += mm(af * ea, bt, a, IEEE)
     Ma += tl.where(o[:, None] == o[None, :], tl.sum(af * bf, 1)[:, None], 0.0)
+    return Mb, Ma
+
+
+@triton.jit
+def _between_and_inside(a, b, G, E, mode, n, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr):
+    Mb, Ma = cross_scores_pair(a, b, G, n, SUB, PAIR, IEEE)
+    if mode == 1:
+        dMb, dMa = sub_chunk_dots(a, b, E, SUB, PAIR, IEEE, False)
+        Mb += dMb
+        Ma += dMa
+    return Mb, Ma
+
+
+@triton.jit
+def chunk_scores(a, b, G, E, mode, n, SUB: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
+                 WHOLE: tl.constexpr):
+    """``(M_bb, M_ab)`` of :func:`decayed_scores` in a program's mode (:func:`sub_chunk_dots_fit`): 2, all of both
+    as one dot each; 1, the products between sub-chunks (:func:`cross_scores_pair`) and those inside them as
+    dots; 0, the former alone (the sub-chunks' strictly lower triangles 0: :func:`sub_chunk_pairs` gives them).
+    Without ``WHOLE`` there is no mode 2, nor code for it."""
+    if WHOLE:
+        if mode == 2:
+            Mb, Ma = sub_chunk_dots(a, b, E, SUB, PAIR, IEEE, True)
+        else:
+            Mb, Ma = _between_and_inside(a, b, G, E, mode, n, SUB, PAIR, IEEE)
+    else:
+        Mb, Ma = _between_and_inside(a, b, G, E, mode, n, SUB, PAIR, IEEE)
     return Mb, Ma
 
 
@@ -242,7 +288,8 @@ def _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, st
 
 @triton.jit
 def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a, stride_beta,
-                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr, E, dots):
+                  G, n, m_k, WITH_A: tl.constexpr, SUB: tl.constexpr, IEEE: tl.constexpr, E, dots,
+                  WHOLE: tl.constexpr):
     """``(L_P, L_A, R + R_P + R_A)``, each (BT, BK) float32, on one slice of BK channels (``m_k``: those inside K):
     ``L_P,r = Σ_{j<r} P_rj k_j⊙D_rj``, ``R_P,j = Σ_{r>j} P_rj q_r⊙D_rj``, and with ``WITH_A`` (else L_A = 0 and
     no R_A) ``L_A,r = Σ_{j<r} A_rj k_j⊙D_rj``, ``R_A,j = Σ_{r>j} A_rj β_r k_r⊙D_rj``: one ``exp`` per pair for all
@@ -256,9 +303,10 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
     the factors taken once for all four. Inside the sub-chunks step d pairs row r at position p = r % SUB with
     r − d while d ≤ p (the left products' pair (r, r − d)), then with r + d − p, the row at d in its sub-chunk
     (the right products' pair (r + d − p, r)): every row works at every step, and the decay of the pair is a
-    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it. Where ``dots`` (the slice's
-    anchored span within the limit, with its ``E``: :func:`sub_chunk_dots_fit`), the pairs inside the
-    sub-chunks are four dots instead, as those between sub-chunks."""
+    sum of log-decays, restarted at the switch, as :func:`decayed_scores` takes it. Where ``dots`` is 1 (the
+    slice's anchored span within the limit, with its ``E``: :func:`sub_chunk_dots_fit`), the pairs inside the
+    sub-chunks are four dots instead, as those between sub-chunks; where it is 2 (E anchored at the chunk's
+    middle), four dots take every pair, and neither the steps nor the products between sub-chunks run."""
     BT: tl.constexpr = k.shape[0]
     BK: tl.constexpr = k.shape[1]
     kf, qf = k.to(tl.float32), q.to(tl.float32)
@@ -271,8 +319,13 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
     if dots == 0:
         Lp, La, R = _pairs_by_steps(Lp, La, R, pk, pq, pg, pp, pa, pbeta, stride_k, stride_q, stride_p, stride_a,
                                     stride_beta, n, m_k, BT, BK, WITH_A, SUB)
-    if dots:
+    whole = tl.zeros([], dtype=tl.int1)
+    if WHOLE:  # mode 2 (without WHOLE none): E anchored at the chunk's middle, every pair (P, A strictly lower)
+        whole = dots == 2
+    if dots != 0:
         inside = inside_sub_chunks(BT, SUB)
+        if WHOLE:
+            inside = inside | (tl.zeros([BT, BT], dtype=tl.int32) + dots == 2)  # (a tile: the interpreter's scalar | is int)
         ea, fb = exp_ftz(E), exp_ftz(-E)
         kb, Pi = kf * fb, tl.where(inside, P, 0.0).to(P.dtype)
         Lp += ea * mm(Pi, kb, k, IEEE)
@@ -285,7 +338,7 @@ def decayed_pairs(P, A, R, k, q, beta, pk, pq, pg, pp, pa, pbeta, stride_k, stri
     # before the dots they carried them in the dots' and converted three tiles through shared memory every step
     # (compiled for sm_90: 259 → 200 instructions and 12 → 0 barriers a step)
     for s in tl.static_range(1, BT // SUB):
-        if s * SUB < n:
+        if (s * SUB < n) & (whole == 0):
             ea, fb = _factors(G, s, SUB)
             kb = kf * fb
             Lp += ea * mm(P, kb, k, IEEE)

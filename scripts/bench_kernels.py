@@ -107,13 +107,31 @@ def peak(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True):
-    """Random q, k (unit), v, log-decays in (−0.1, 0) — per head, or per key channel (``per_channel``: kda) —
-    and β, all requiring gradients; without ``decay`` (deltanet) g is zero and needs no gradient."""
+DECAYS = ("uniform", "logsigmoid", "taylor")
+
+
+def log_decays(B, T, H, K, per_channel, decays, device):
+    """The log-decays g, (B, T, H) or (B, T, H, K) float32: ``uniform`` in (−0.1, 0); ``logsigmoid`` of a standard
+    normal (as flash-linear-attention's own benchmarks draw them: e^−0.7 a step on average, far stronger); ``taylor``
+    the converted block's at initialization, log(1 − 1/t) at position t (0 at t = 1), the same in every head and
+    channel."""
+    shape = (B, T, H, *((K,) if per_channel else ()))
+    if decays == "logsigmoid":
+        return F.logsigmoid(torch.randn(shape, device=device))
+    if decays == "taylor":
+        t = torch.arange(1, T + 1, device=device, dtype=torch.float32)
+        g = torch.where(t > 1, torch.log1p(-1 / t), 0.0)
+        return g.view(1, T, *([1] * (len(shape) - 2))).expand(shape).contiguous()
+    return -torch.rand(shape, device=device) * 0.1
+
+
+def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True, decays="uniform"):
+    """Random q, k (unit), v, log-decays (:func:`log_decays`) — per head, or per key channel (``per_channel``:
+    kda) — and β, all requiring gradients; without ``decay`` (deltanet) g is zero and needs no gradient."""
     q = torch.randn(B, T, HQ, K, device=device, dtype=dtype).requires_grad_()
     k = F.normalize(torch.randn(B, T, H, K, device=device), dim=-1).to(dtype).requires_grad_()
     v = torch.randn(B, T, H, V, device=device, dtype=dtype).requires_grad_()
-    g = (-torch.rand(B, T, H, *((K,) if per_channel else ()), device=device) * 0.1).requires_grad_(decay)
+    g = log_decays(B, T, H, K, per_channel, decays, device).requires_grad_(decay)
     if not decay:
         g = torch.zeros_like(g)
     beta = torch.rand(B, T, H, device=device, dtype=dtype).requires_grad_()
@@ -161,9 +179,9 @@ def measure(name, run, tensors, graph=False):
     return {**out, f"{name}_fwdbwd_ms": bench(fb), f"{name}_peak_mib": peak(fb)}
 
 
-def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False, op="gdn"):
+def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False, op="gdn", decays="uniform"):
     G = HQ // H
-    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda", decay=op != "deltanet")
+    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda", decay=op != "deltanet", decays=decays)
     ts = tuple(t for t in (q, k, v, g, beta) if t.requires_grad)
     rep = lambda x: x.repeat_interleave(G, dim=2)
     ours, fla_call = operators(op, K)
@@ -224,6 +242,9 @@ def main():
                         "their rows merged into one JSON (each run's machine and command kept under 'runs')")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
+    p.add_argument("--decays", choices=DECAYS, default="uniform",
+                   help="the log-decays drawn (log_decays): uniform in (−0.1, 0), fla's logsigmoid of a normal, or the "
+                        "converted block's Taylor init log(1 − 1/t)")
     p.add_argument("--op", choices=("gdn", "linear", "kda", "deltanet"), default="gdn",
                    help="the operator timed: the gated delta rule, the linear (VaLA) target's decayed linear attention, "
                         "the gated delta rule with a decay per key channel (kda), or the delta rule (deltanet, g = 0)")
@@ -284,12 +305,12 @@ def main():
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
             "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output,
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
-            "kda_chunk_dots": args.kda_chunk_dots}
+            "kda_chunk_dots": args.kda_chunk_dots, "decays": args.decays}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]
     for shape in shapes:
-        rows.append(bench_shape(*shape, fla=fla, bw=bw, graph=args.cudagraph, op=args.op))
+        rows.append(bench_shape(*shape, fla=fla, bw=bw, graph=args.cudagraph, op=args.op, decays=args.decays))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
         if args.output:  # after every shape, so a run cut short keeps what it measured

@@ -27,7 +27,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_kernels import fwd_bwd, inputs, operators  # noqa: E402
+from bench_kernels import DECAYS, fwd_bwd, inputs, operators  # noqa: E402
 from profile_kernels import SHAPES  # noqa: E402  (the named shapes of the per-kernel breakdown and ncu)
 
 
@@ -80,6 +80,7 @@ def main():
     p.add_argument("--kda-sub-chunk-steps", action="store_true",
                    help="kda: the pairs inside the sub-chunks row by row, not as dots (ops/triton/kda_fwd.py, "
                         "SUB_CHUNK_DOTS off)")
+    p.add_argument("--decays", choices=DECAYS, default="uniform", help="the log-decays drawn (bench_kernels.log_decays)")
     p.add_argument("--kda-chunk-dots", action="store_true",
                    help="kda: every pair of a chunk as one dot where the chunk's span allows (ops/triton/kda_fwd.py, "
                         "CHUNK_DOTS)")
@@ -106,7 +107,7 @@ def main():
         sys.exit(2)
     B, T, HQ, H, K, V = shape_of(args.shape)
     ours, _ = operators(args.op, K)
-    x = inputs(B, T, HQ, H, K, V, per_channel=args.op == "kda", decay=args.op != "deltanet")
+    x = inputs(B, T, HQ, H, K, V, per_channel=args.op == "kda", decay=args.op != "deltanet", decays=args.decays)
     run = (lambda: ours(*x)) if args.forward_only else fwd_bwd(lambda: ours(*x), x)
     run()  # compiled and warm before recording
     launches = record(run)

@@ -23,7 +23,9 @@
 #                                        the GPU tests matching TESTS (a pytest -k expression; default: the mix
 #                                        kernel, the prefill through the fused front and the kernels, its default
 #                                        without gradients, the harness's fitted batch) into
-#                                        OUT/gpu_tests.log
+#                                        OUT/gpu_tests.log (TESTS "skip": none); BENCH_FLAGS adds options to
+#                                        bench_kernels.py (--kda-chunk-dots --decays taylor …), BENCH_TAG to the
+#                                        JSONs' names
 #   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
 #                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')
 #                                        in the background, from a copy of tests/ beside the repo, so that they run
@@ -235,8 +237,11 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         export TRITON_INTERPRET=0
         cuda_ptxas
         for op in $ops; do
-            python3 scripts/bench_kernels.py --op "$op" --only "$shapes" --output "$out/bench_$op.json" 2>&1 | tail -n 12
+            # shellcheck disable=SC2086  # BENCH_FLAGS: words
+            python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \
+                --output "$out/bench_$op${BENCH_TAG:-}.json" 2>&1 | tail -n 12
         done
+        [ "$tests" = skip ] && exit 0
         python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu -k "$tests" tests/ \
             > "$out/gpu_tests.log" 2>&1  # a module needing a package the machine lacks does not stop the rest
         tail -n 3 "$out/gpu_tests.log" ;;

@@ -67,7 +67,8 @@ def _scores_kernel(
     dtype the output kernel's product takes it in). Every query head's P shares A's pairwise decays: those
     between sub-chunks per head (:func:`kda_tiles.cross_scores_pair`), those inside a sub-chunk once for the
     whole GQA group (:func:`kda_tiles.sub_chunk_pairs`), or, where ``DIAG`` allows, as dots per head
-    (:func:`kda_tiles.sub_chunk_dots`)."""
+    (:func:`kda_tiles.sub_chunk_dots`); with ``WHOLE``, where the chunk's span allows, every pair as one dot per
+    head (:func:`kda_tiles.chunk_scores`)."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, _, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)

@@ -125,6 +125,37 @@ def log_decays(B, T, H, K, per_channel, decays, device):
     return -torch.rand(shape, device=device) * 0.1
 
 
+def add_kda_options(p) -> None:
+    """The inputs' log-decays and the kda operator's switches (``kda_fwd``, ``tiles``), here and in
+    tune_launches.py: each turns its path on or off for a whole run (:func:`apply_kda_options`)."""
+    p.add_argument("--decays", choices=DECAYS, default="uniform",
+                   help="the log-decays drawn (log_decays): uniform in (−0.1, 0), fla's logsigmoid of a normal, or the "
+                        "converted block's Taylor init log(1 − 1/t)")
+    p.add_argument("--kda-sub-chunk-steps", action="store_true",
+                   help="kda: the pairs inside the sub-chunks row by row, not as dots through anchored offsets "
+                        "(ops/triton/kda_fwd.py, SUB_CHUNK_DOTS off)")
+    p.add_argument("--kda-chunk-dots", action="store_true",
+                   help="kda: every pair of a chunk as one dot where the chunk's span allows (ops/triton/kda_fwd.py, "
+                        "CHUNK_DOTS)")
+    p.add_argument("--kda-flush-exp", action="store_true",
+                   help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
+
+
+def apply_kda_options(args) -> None:
+    """Sets the switches of :func:`add_kda_options` before the first launch (the kernels read them as they
+    compile; Triton refuses a global that changed under a compiled kernel)."""
+    import triton.language as tl
+
+    from linearize.ops.triton import kda_fwd, tiles
+
+    if args.kda_sub_chunk_steps:
+        kda_fwd.SUB_CHUNK_DOTS = False
+    if args.kda_chunk_dots:
+        kda_fwd.CHUNK_DOTS = True
+    if args.kda_flush_exp:
+        tiles.FLUSH_EXP = tl.constexpr(True)
+
+
 def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True, decays="uniform"):
     """Random q, k (unit), v, log-decays (:func:`log_decays`) — per head, or per key channel (``per_channel``:
     kda) — and β, all requiring gradients; without ``decay`` (deltanet) g is zero and needs no gradient."""
@@ -242,9 +273,6 @@ def main():
                         "their rows merged into one JSON (each run's machine and command kept under 'runs')")
     p.add_argument("--no-fla", action="store_true", help="skip flash-linear-attention (faster: for A/B runs of our kernels)")
     p.add_argument("--only", default=None, help="comma-separated shape names/B×T to run, e.g. 8x2048,smollm2")
-    p.add_argument("--decays", choices=DECAYS, default="uniform",
-                   help="the log-decays drawn (log_decays): uniform in (−0.1, 0), fla's logsigmoid of a normal, or the "
-                        "converted block's Taylor init log(1 − 1/t)")
     p.add_argument("--op", choices=("gdn", "linear", "kda", "deltanet"), default="gdn",
                    help="the operator timed: the gated delta rule, the linear (VaLA) target's decayed linear attention, "
                         "the gated delta rule with a decay per key channel (kda), or the delta rule (deltanet, g = 0)")
@@ -253,33 +281,13 @@ def main():
     p.add_argument("--linear-segment-output", action="store_true",
                    help="linear: the forward of a cut state chain through the segment output kernel "
                         "(ops/triton/linear_fwd.py, SEGMENT_OUTPUT), no chunk's state stored")
-    p.add_argument("--kda-sub-chunk-steps", action="store_true",
-                   help="kda: the pairs inside the sub-chunks row by row, not as dots through anchored offsets "
-                        "(ops/triton/kda_fwd.py, SUB_CHUNK_DOTS off)")
-    p.add_argument("--kda-chunk-dots", action="store_true",
-                   help="kda: every pair of a chunk as one dot where the chunk's span allows (ops/triton/kda_fwd.py, "
-                        "CHUNK_DOTS)")
-    p.add_argument("--kda-flush-exp", action="store_true",
-                   help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
+    add_kda_options(p)
     args = p.parse_args()
     if args.linear_segment_output:
         from linearize.ops.triton import linear_fwd
 
         linear_fwd.SEGMENT_OUTPUT = True
-    if args.kda_sub_chunk_steps:
-        from linearize.ops.triton import kda_fwd
-
-        kda_fwd.SUB_CHUNK_DOTS = False
-    if args.kda_chunk_dots:
-        from linearize.ops.triton import kda_fwd
-
-        kda_fwd.CHUNK_DOTS = True
-    if args.kda_flush_exp:
-        import triton.language as tl
-
-        from linearize.ops.triton import tiles
-
-        tiles.FLUSH_EXP = tl.constexpr(True)
+    apply_kda_options(args)
     if args.render:
         runs = [json.loads(path.read_text()) for path in args.render]
         rows = [row for run in runs for row in run["rows"]]

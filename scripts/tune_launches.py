@@ -27,7 +27,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_kernels import DECAYS, fwd_bwd, inputs, operators  # noqa: E402
+from bench_kernels import add_kda_options, apply_kda_options, fwd_bwd, inputs, operators  # noqa: E402
 from profile_kernels import SHAPES  # noqa: E402  (the named shapes of the per-kernel breakdown and ncu)
 
 
@@ -77,31 +77,10 @@ def main():
                    help="also each kernel at its own warps and stages with registers capped (e.g. 128: two "
                         "8-warp programs an SM)")
     p.add_argument("--forward-only", action="store_true")
-    p.add_argument("--kda-sub-chunk-steps", action="store_true",
-                   help="kda: the pairs inside the sub-chunks row by row, not as dots (ops/triton/kda_fwd.py, "
-                        "SUB_CHUNK_DOTS off)")
-    p.add_argument("--decays", choices=DECAYS, default="uniform", help="the log-decays drawn (bench_kernels.log_decays)")
-    p.add_argument("--kda-chunk-dots", action="store_true",
-                   help="kda: every pair of a chunk as one dot where the chunk's span allows (ops/triton/kda_fwd.py, "
-                        "CHUNK_DOTS)")
-    p.add_argument("--kda-flush-exp", action="store_true",
-                   help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
+    add_kda_options(p)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
-    if args.kda_sub_chunk_steps:
-        from linearize.ops.triton import kda_fwd
-
-        kda_fwd.SUB_CHUNK_DOTS = False
-    if args.kda_chunk_dots:
-        from linearize.ops.triton import kda_fwd
-
-        kda_fwd.CHUNK_DOTS = True
-    if args.kda_flush_exp:
-        import triton.language as tl
-
-        from linearize.ops.triton import tiles
-
-        tiles.FLUSH_EXP = tl.constexpr(True)
+    apply_kda_options(args)
     if not torch.cuda.is_available():
         print("error: tune_launches.py times launches on a CUDA GPU; run it on a machine with one", file=sys.stderr)
         sys.exit(2)

@@ -203,6 +203,28 @@ def test_kda_triton_grads_gpu_equal_reference(dtype, shape, compiled):
     check(dtype, "cuda", *shape)
 
 
+def switch_runs_in_each_pass(flag, shape, dtype, monkeypatch):
+    """``kda_fwd.<flag>`` off in both passes, on in the forward's launches alone and in the backward's alone, on
+    ``shape``'s inputs: the forward's output and q's gradient of each, asserted to show that the switch changed
+    the forward's bits (on in the forward) and the backward's (on in the backward) and nothing else."""
+    from linearize.ops.triton import kda_fwd
+    from linearize.ops.triton.kda_bwd import kda_triton
+
+    inputs = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(kda_inputs(*shape[:6], seed=3, decay=shape[7]))]
+
+    def output_and_dq(forward, backward):
+        leaves = [x.clone().requires_grad_(True) for x in inputs]
+        monkeypatch.setattr(kda_fwd, flag, forward)
+        o = kda_triton(*leaves, scale=0.7)[0]
+        monkeypatch.setattr(kda_fwd, flag, backward)
+        (o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum().backward()
+        return o.detach(), leaves[0].grad
+
+    off, on_forward, on_backward = output_and_dq(False, False), output_and_dq(True, False), output_and_dq(False, True)
+    assert not torch.equal(on_forward[0], off[0])
+    assert torch.equal(on_backward[0], off[0]) and not torch.equal(on_backward[1], off[1])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeypatch):
     """The pairs inside the sub-chunks as dots through anchored offsets (``kda_fwd.SUB_CHUNK_DOTS``): forward and
@@ -215,19 +237,7 @@ def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeyp
     from linearize.ops.triton.kda_bwd import kda_triton
 
     mild, strong, packed = SHAPES[1], SHAPES[0], SHAPES[2]
-    inputs = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(kda_inputs(*mild[:6], seed=3, decay=mild[7]))]
-
-    def output_and_dq(forward, backward):  # SUB_CHUNK_DOTS in the forward's launches, then in the backward's
-        leaves = [x.clone().requires_grad_(True) for x in inputs]
-        monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", forward)
-        o = kda_triton(*leaves, scale=0.7)[0]
-        monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", backward)
-        (o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum().backward()
-        return o.detach(), leaves[0].grad
-
-    steps, dots_forward, dots_backward = output_and_dq(False, False), output_and_dq(True, False), output_and_dq(False, True)
-    assert not torch.equal(dots_forward[0], steps[0])
-    assert torch.equal(dots_backward[0], steps[0]) and not torch.equal(dots_backward[1], steps[1])
+    switch_runs_in_each_pass("SUB_CHUNK_DOTS", mild, dtype, monkeypatch)
     monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
     for shape in (mild, strong, packed):
         check(dtype, "cpu", *shape)
@@ -249,21 +259,8 @@ def test_chunk_dots_equal_reference_and_differ_from_the_sub_chunk_dots(dtype, mo
     sub-chunk dots' in their last bits (mode 2 ran in each)."""
     needs_interpreter()
     from linearize.ops.triton import kda_fwd
-    from linearize.ops.triton.kda_bwd import kda_triton
 
-    inputs = [x.to(dtype) if i < 3 else x.float() for i, x in enumerate(kda_inputs(*MILD[0][:6], seed=3, decay=0.1))]
-
-    def output_and_dq(forward, backward):  # CHUNK_DOTS in the forward's launches, then in the backward's
-        leaves = [x.clone().requires_grad_(True) for x in inputs]
-        monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", forward)
-        o = kda_triton(*leaves, scale=0.7)[0]
-        monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", backward)
-        (o.float() * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum().backward()
-        return o.detach(), leaves[0].grad
-
-    sub, whole_forward, whole_backward = output_and_dq(False, False), output_and_dq(True, False), output_and_dq(False, True)
-    assert not torch.equal(whole_forward[0], sub[0])
-    assert torch.equal(whole_backward[0], sub[0]) and not torch.equal(whole_backward[1], sub[1])
+    switch_runs_in_each_pass("CHUNK_DOTS", MILD[0], dtype, monkeypatch)
     monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", True)
     for shape in (*MILD, SHAPES[1], SHAPES[0]):
         check(dtype, "cpu", *shape)

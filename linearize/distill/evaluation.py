@@ -29,32 +29,29 @@ def evaluate(run, chunk: int = 1024, far: int = FAR) -> dict:
     labels = next_token_labels(ids, pos).flatten()
     at = (pos if pos is not None else torch.arange(ids.shape[1], device=ids.device).expand_as(ids)).flatten()
     hidden = {name: last_hidden(m, ids, pos).flatten(0, 1) for name, m in (("teacher", run.teacher), ("student", run.student))}
-    sums = {split: dict.fromkeys(("teacher", "student", "kl", "agree", "n"), 0.0) for split in ("all", "far")}
+    # per split (all, far): Σ teacher NLL, Σ student NLL, Σ KL, agreements, predictions — on the device, read once
+    sums = torch.zeros(2, 5, dtype=torch.float64, device=ids.device)
     for a in range(0, labels.numel(), chunk):
         lt = run.teacher.lm_head(hidden["teacher"][a:a + chunk]).float().log_softmax(-1)
         ls = run.student.lm_head(hidden["student"][a:a + chunk]).float().log_softmax(-1)
         y = labels[a:a + chunk]
         scored = y != -100
-        for split, keep in (("all", scored), ("far", scored & (at[a:a + chunk] >= far))):
-            if not keep.any():
-                continue
-            yk, tk, sk, acc = y[keep], lt[keep], ls[keep], sums[split]
-            acc["teacher"] += torch.nn.functional.nll_loss(tk, yk, reduction="sum").item()
-            acc["student"] += torch.nn.functional.nll_loss(sk, yk, reduction="sum").item()
-            acc["kl"] += (tk.exp() * (tk - sk)).sum().item()
-            acc["agree"] += (tk.argmax(-1) == sk.argmax(-1)).sum().item()
-            acc["n"] += int(keep.sum())
+        per = torch.stack([torch.nn.functional.nll_loss(lt, y, ignore_index=-100, reduction="none"),
+                           torch.nn.functional.nll_loss(ls, y, ignore_index=-100, reduction="none"),
+                           (lt.exp() * (lt - ls)).sum(-1), (lt.argmax(-1) == ls.argmax(-1)).float(),
+                           torch.ones_like(y, dtype=torch.float32)], -1).double()  # (tokens, 5), each position once
+        for i, keep in enumerate((scored, scored & (at[a:a + chunk] >= far))):
+            sums[i] += torch.where(keep[:, None], per, 0.0).sum(0)  # (where, not a product: no NaN of a skipped row)
     run.student.train(was_training)
     out = {}
-    for split, suffix in (("all", ""), ("far", "_far")):
-        acc = sums[split]
-        if split == "far" and not acc["n"]:
-            continue
-        n = max(acc["n"], 1)
-        out.update({f"ppl_teacher{suffix}": math.exp(acc["teacher"] / n), f"ppl_student{suffix}": math.exp(acc["student"] / n),
-                    f"kl{suffix}": acc["kl"] / n, f"top1_agreement{suffix}": acc["agree"] / n})
-    if "kl_far" in out:
-        out["far_tokens"] = int(sums["far"]["n"])
+    for (teacher, student, kl, agree, n), suffix in zip(sums.tolist(), ("", "_far")):
+        if suffix:
+            if not n:
+                continue
+            out["far_tokens"] = int(n)
+        n = max(n, 1)
+        out.update({f"ppl_teacher{suffix}": math.exp(teacher / n), f"ppl_student{suffix}": math.exp(student / n),
+                    f"kl{suffix}": kl / n, f"top1_agreement{suffix}": agree / n})
     return out
 
 

@@ -112,7 +112,7 @@ DECAYS = ("uniform", "logsigmoid", "taylor")
 
 def log_decays(B, T, H, K, per_channel, decays, device):
     """The log-decays g, (B, T, H) or (B, T, H, K) float32: ``uniform`` in (−0.1, 0); ``logsigmoid`` of a standard
-    normal (as flash-linear-attention's own benchmarks draw them: e^−0.7 a step on average, far stronger); ``taylor``
+    normal (as flash-linear-attention's own benchmarks draw them: −0.81 a step on average, far stronger); ``taylor``
     the converted block's at initialization, log(1 − 1/t) at position t (0 at t = 1), the same in every head and
     channel."""
     shape = (B, T, H, *((K,) if per_channel else ()))

@@ -2,8 +2,9 @@
 # The SmolLM2 recovery runs on one GPU machine: both 25M-token recipes at once (every layer converted, L;
 # hybrid, 8 of 30 layers softmax, H), each trained model then measured by `linearize eval` (the six
 # zero-shot tasks, per-domain perplexity, passkey; then the model after align, saved by output.save_stages,
-# into quality_align.json; then MMLU) and the teacher measured beside them on the
-# same rows. Resumable: rerun it and a trained model is not trained again, a measured one not measured.
+# into quality_align.json; then MMLU of each, quality_mmlu.json and quality_align_mmlu.json) and the teacher
+# measured beside them on the same rows. Resumable: rerun it and a trained model is not trained again, a
+# measured one not measured.
 #   W    a folder holding smollm2.gguf and corpus/, the parts scripts/device_carry.sh makes, joined there;
 #        the task data may come later: when training ends without W/ev/hf_datasets, each run waits for it
 #        (until EVAL_SECONDS are left; default 180: on an H100 a trained model's evaluation takes ~65 s and MMLU
@@ -17,7 +18,7 @@
 #        scripts/recover_smollm2.sh --mmlu-options W    # the `linearize eval` options of their MMLU
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
-# INIT=1 also measures each model as converted, before training (`linearize convert` with the recipe's
+# INIT=1 also measures each model as converted (MMLU too), before training (`linearize convert` with the recipe's
 # block options into W/runs/L_init, H_init — H_8_induction_init for EXTRA=convert.keep_softmax=8:induction),
 # beside the teacher; INIT=L, H or LH names the conversions whatever ONLY runs; EXTRA="key=value ..." adds overrides to
 # both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg);
@@ -122,6 +123,10 @@ after_align() {  # RUN_DIR: the model the align stage ended with (output.save_st
     # shellcheck disable=SC2086  # the options are words
     [ ! -f "$1/model-align/config.json" ] || eval_once "$1/model-align" "$1/quality_align.json" --teacher none $eval_options
 }
+align_mmlu() {  # RUN_DIR: MMLU of the model after align (ALIGN_EVAL=0: not)
+    [ "${ALIGN_EVAL:-1}" = 1 ] || return 0
+    [ ! -f "$1/model-align/config.json" ] || mmlu "$1/model-align" "$1/quality_align_mmlu.json"
+}
 align_beside() {  # RUN_DIR: the after-align evaluation as soon as model-align/ is saved, beside the distill stage
     while [ ! -f "$1/model-align/config.json" ] && [ ! -f "$1/model/config.json" ]; do  # (saved atomically)
         [ "$(left)" -gt "$EVAL_SECONDS" ] || return 0
@@ -129,6 +134,8 @@ align_beside() {  # RUN_DIR: the after-align evaluation as soon as model-align/ 
     done
     wait_ev || return 0
     after_align "$1"
+    records "$w" "$out"
+    align_mmlu "$1"
     records "$w" "$out"
 }
 recover() {  # NAME RECIPE [OVERRIDES]
@@ -158,6 +165,8 @@ recover() {  # NAME RECIPE [OVERRIDES]
     [ -z "$beside" ] || wait "$beside"
     after_align "$w/runs/$1"  # (measured already where it ran beside the training: eval_once skips it)
     records "$w" "$out"
+    align_mmlu "$w/runs/$1"
+    records "$w" "$out"
     [ -z "$mmlu_pid" ] || wait "$mmlu_pid"
     mmlu "$w/runs/$1/model" "$w/runs/$1/quality_mmlu.json"
     records "$w" "$out"
@@ -184,6 +193,8 @@ at_init() {  # NAME CONVERT_OPTIONS...: the model as converted, measured like th
         -m "$w/smollm2.gguf" "$@" -o "$dir/model" --force
     # shellcheck disable=SC2086  # the options are words
     [ ! -f "$dir/model/config.json" ] || eval_once "$dir/model" "$dir/quality.json" --teacher none $eval_options
+    records "$w" "$out"
+    [ ! -f "$dir/model/config.json" ] || mmlu "$dir/model" "$dir/quality_mmlu.json"
     records "$w" "$out"
     echo "== $name at init: done"
 }

@@ -2,7 +2,8 @@
 
     python scripts/ablation_table.py gdn=runs/gdn:results/gdn_eval.json window64=runs/w64 --output results/ablation.json
 
-Each ``NAME=RUN_DIR[:EVAL_JSON]`` is one variant. From the run directory (``output.dir``):
+Each ``NAME=RUN_DIR[:EVAL_JSON]`` is one variant (``NAME=:EVAL_JSON``: an evaluation alone, e.g. of a model as
+converted, before any training). From the run directory (``output.dir``):
 
 - ``metrics.jsonl``: the align loss at the end of the align stage, as the mean of the last 5 logged
   align steps (one step is noisy), over layers (unweighted mean of ``layer_loss``) and per layer; the
@@ -244,7 +245,7 @@ def markdown(variants: dict, command: str) -> str:
     layers = sorted({k for n in names for k in tr[n].get("align", {}).get("layer_loss", {})}, key=int)
     if layers:
         lines += table(f"align loss per layer (mean of the last {LAST_K} logged align steps; – : layer not converted)",
-                       ["layer", *names], [[k, *[f(tr[n]["align"]["layer_loss"].get(k), "loss") for n in names]]
+                       ["layer", *names], [[k, *[f(tr[n].get("align", {}).get("layer_loss", {}).get(k), "loss") for n in names]]
                                            for k in layers])
     q = {n: v["quality"] for n, v in variants.items() if v.get("quality")}
     if q:
@@ -281,13 +282,13 @@ def markdown(variants: dict, command: str) -> str:
     return "\n".join(lines)
 
 
-def parse_variant(spec: str) -> tuple[str, Path, Path | None]:
+def parse_variant(spec: str) -> tuple[str, Path | None, Path | None]:
     name, sep, rest = spec.partition("=")
-    if not sep or not name or not rest:
-        raise SystemExit(f"error: {spec!r} is not NAME=RUN_DIR[:EVAL_JSON]")
     run, _, ev = rest.partition(":")
-    run_p, ev_p = Path(run), Path(ev) if ev else None
-    if not (run_p / "metrics.jsonl").is_file():
+    if not sep or not name or not (run or ev):
+        raise SystemExit(f"error: {spec!r} is not NAME=RUN_DIR[:EVAL_JSON] or NAME=:EVAL_JSON")
+    run_p, ev_p = Path(run) if run else None, Path(ev) if ev else None
+    if run_p is not None and not (run_p / "metrics.jsonl").is_file():
         raise SystemExit(f"error: {run_p / 'metrics.jsonl'} not found: RUN_DIR must be a linearize distill output.dir")
     if ev_p is not None and not ev_p.is_file():
         raise SystemExit(f"error: eval JSON {ev_p} not found")
@@ -305,7 +306,8 @@ def main():
     parsed = [parse_variant(s) for s in args.variants]
     if len({n for n, _, _ in parsed}) != len(parsed):
         raise SystemExit("error: variant names must differ")
-    variants = {n: {"run_dir": str(run), "eval_json": str(ev) if ev else None, "training": training(run),
+    variants = {n: {"run_dir": str(run) if run else None, "eval_json": str(ev) if ev else None,
+                    "training": training(run) if run else {"stages": [], "curve": []},
                     "quality": quality(ev) if ev else None} for n, run, ev in parsed}
     if args.teacher_eval is not None:
         if not args.teacher_eval.is_file():

@@ -28,7 +28,8 @@
 # passkey only, with N named keys a prompt (`linearize eval --passkey-keys N`), into quality_keys.json and teacher_keys.json;
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
 # precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU,
-# ALIGN_EVAL=0 the evaluation of the model after align; OVERLAP=0 runs the evaluations one after the other (by
+# ALIGN_EVAL=0 the evaluation of the model after align (ALIGN_ONLY=1: that model alone, runs L_align, H_align:
+# the distill stage cut to one step, the model it ends with not measured); OVERLAP=0 runs the evaluations one after the other (by
 # default the after-align one starts beside the distill stage as soon as model-align/ is saved, and MMLU beside
 # the final evaluation, so that they do not add up after the training; untimed on a GPU so far).
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
@@ -146,6 +147,12 @@ recover() {  # NAME RECIPE [OVERRIDES]
         beside=$!
     fi
     bash scripts/ablate.sh "$2" "$w/runs" "$1=$keys" || true
+    if [ "${ALIGN_ONLY:-0}" = 1 ]; then  # the model after align alone: its evaluation, then its MMLU
+        [ -z "$beside" ] || wait "$beside"
+        wait_ev && after_align "$w/runs/$1" && align_mmlu "$w/runs/$1"
+        records "$w" "$out"
+        return 0
+    fi
     if [ -n "$beside" ] && [ ! -f "$w/runs/$1/model-align/config.json" ]; then  # no align stage saved: nothing to
         kill "$beside" 2> /dev/null; wait "$beside" 2> /dev/null; beside=  # wait for (the later call measures it)
     fi
@@ -200,6 +207,7 @@ at_init() {  # NAME CONVERT_OPTIONS...: the model as converted, measured like th
 }
 tag=${TAG:-} extra=${EXTRA:-}
 [ -z "${DISTILL_STEPS:-}" ] || { tag="${tag}_d$DISTILL_STEPS" extra="$extra stages.1.steps=$DISTILL_STEPS"; }
+[ "${ALIGN_ONLY:-0}" != 1 ] || { tag="${tag}_align" extra="$extra stages.1.steps=1"; }  # a stage needs a step
 pids=()
 for run in L:recipes/smollm2-135m-gdn-25m.yaml H:recipes/smollm2-135m-hybrid-25m.yaml; do
     name=${run%%:*}

@@ -12,6 +12,8 @@ import gzip
 import inspect
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -742,3 +744,24 @@ def test_a_tokenizer_beside_a_gguf_wins_over_the_converted_one(smollm2, tmp_path
     beside = tiny_tokenizer(vocab_size=300, documents=20)
     beside.save_pretrained(folder)
     assert load_tokenizer(src).get_vocab() == beside.get_vocab() != smollm2[1].get_vocab()
+
+
+def test_ablation_table_takes_an_evaluation_without_a_run(tmp_path):
+    """``scripts/ablation_table.py NAME=:EVAL_JSON``: a model measured with no training behind it (as converted)
+    gets its quality column, from its own harness figures, and no training figures."""
+    root = Path(__file__).parents[1]
+    runs = root / "results" / "recovery_smollm2_25m_test_split_runs"
+    out = tmp_path / "t.json"
+    cmd = [sys.executable, str(root / "scripts" / "ablation_table.py"), f"converted=:{runs / 'L_init' / 'quality.json'}",
+           f"trained={runs / 'L'}:{runs / 'L' / 'quality.json'}", "--output", str(out)]
+    subprocess.run(cmd, check=True, capture_output=True, cwd=tmp_path)
+    harness = json.loads((runs / "L_init" / "quality.json").read_text())["results"]["model"]["harness"]
+    primary = {"piqa": "acc", "arc_easy": "acc", "arc_challenge": "acc_norm", "hellaswag": "acc_norm",
+               "winogrande": "acc", "lambada": "acc"}
+    average = 100 * sum(harness[t][m] for t, m in primary.items()) / len(primary)
+    md = out.with_suffix(".md").read_text()
+    assert f"| 6-task average, % | {average:.1f} | " in md
+    assert "| distill | steps | – | 600 |" in md  # none for the evaluation alone
+    assert json.loads(out.read_text())["variants"]["converted"]["run_dir"] is None
+    bad = subprocess.run([*cmd[:2], "converted=:", "--output", str(out)], capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode != 0 and "NAME=:EVAL_JSON" in bad.stderr

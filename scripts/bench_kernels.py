@@ -134,9 +134,9 @@ def add_kda_options(p) -> None:
     p.add_argument("--kda-sub-chunk-steps", action="store_true",
                    help="kda: the pairs inside the sub-chunks row by row, not as dots through anchored offsets "
                         "(ops/triton/kda_fwd.py, SUB_CHUNK_DOTS off)")
-    p.add_argument("--kda-chunk-dots", action="store_true",
-                   help="kda: every pair of a chunk as one dot where the chunk's span allows (ops/triton/kda_fwd.py, "
-                        "CHUNK_DOTS)")
+    p.add_argument("--kda-no-chunk-dots", action="store_true",
+                   help="kda: the sub-chunk dots alone, not every pair of a chunk as one dot where the chunk's span "
+                        "allows (ops/triton/kda_fwd.py, CHUNK_DOTS off)")
     p.add_argument("--kda-flush-exp", action="store_true",
                    help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
 
@@ -150,8 +150,8 @@ def apply_kda_options(args) -> None:
 
     if args.kda_sub_chunk_steps:
         kda_fwd.SUB_CHUNK_DOTS = False
-    if args.kda_chunk_dots:
-        kda_fwd.CHUNK_DOTS = True
+    if args.kda_no_chunk_dots:
+        kda_fwd.CHUNK_DOTS = False
     if args.kda_flush_exp:
         tiles.FLUSH_EXP = tl.constexpr(True)
 
@@ -313,7 +313,7 @@ def main():
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
             "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output,
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
-            "kda_chunk_dots": args.kda_chunk_dots, "decays": args.decays}
+            "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

@@ -26,7 +26,7 @@
 #                                        kernel, the prefill through the fused front and the kernels, its default
 #                                        without gradients, the harness's fitted batch) into
 #                                        OUT/gpu_tests.log (TESTS "skip": none); BENCH_FLAGS adds options to
-#                                        bench_kernels.py (--kda-chunk-dots --decays taylor …), BENCH_TAG to the
+#                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
 #                                        JSONs' names
 #   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
 #                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')

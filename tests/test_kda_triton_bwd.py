@@ -237,6 +237,7 @@ def test_sub_chunk_dots_equal_reference_and_differ_from_the_steps(dtype, monkeyp
     from linearize.ops.triton.kda_bwd import kda_triton
 
     mild, strong, packed = SHAPES[1], SHAPES[0], SHAPES[2]
+    monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", False)  # the sub-chunk dots alone, never the whole chunk's
     switch_runs_in_each_pass("SUB_CHUNK_DOTS", mild, dtype, monkeypatch)
     monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
     for shape in (mild, strong, packed):
@@ -288,6 +289,7 @@ def test_sub_chunk_dots_gpu_equal_reference(shape, monkeypatch, compiled):
     from linearize.ops.triton import kda_fwd
 
     monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
+    monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", False)
     check(torch.bfloat16, "cuda", *shape)
 
 

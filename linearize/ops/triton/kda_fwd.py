@@ -48,8 +48,9 @@ SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_t
 # take 8-9% off the forward and 1-2% off forward+backward (results/bench_kda_sub_chunk_dots_h100.md)
 SUB_CHUNK_DOTS = True
 # with them, every pair of a chunk as one dot through offsets from the chunk's middle row, in the programs whose
-# chunk-wide span allows it (kda_tiles.sub_chunk_dots_fit's mode 2): off until timed on a GPU
-CHUNK_DOTS = False
+# chunk-wide span allows it (kda_tiles.sub_chunk_dots_fit's mode 2): on an H100, 10-14% off the forward and 6-7%
+# off forward+backward against the sub-chunk dots alone (results/bench_kda_chunk_dots_h100.md)
+CHUNK_DOTS = True
 # fp16 ends at 65504 (e^11.1) and turns subnormal below 6e-5: its factors exp(±E) stay within e^6, which holds
 # |q|, |k| up to ~160 (the steps have no such bound); bf16 and fp32 reach e^±88, and e^±30 leaves any q, k and
 # the masked products beyond the triangles room

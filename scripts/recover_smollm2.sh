@@ -18,8 +18,8 @@
 #        scripts/recover_smollm2.sh --mmlu-options W    # the `linearize eval` options of their MMLU
 # Environment: ONLY=L or ONLY=H runs one of the two; DISTILL_STEPS=N overrides the distill stage's steps
 # (the runs are then named L_dN, H_dN: e.g. DISTILL_STEPS=1680 for a 4.9M + 55M = 60M-token budget);
-# INIT=1 also measures each model as converted (MMLU too), before training (`linearize convert` with the recipe's
-# block options into W/runs/L_init, H_init — H_8_induction_init for EXTRA=convert.keep_softmax=8:induction),
+# INIT=1 also measures each model as converted (MMLU too), before training (`linearize convert` with the
+# recipe's block options into W/runs/L_init, H_init — H_8_induction_init for EXTRA=convert.keep_softmax=8:induction),
 # beside the teacher; INIT=L, H or LH names the conversions whatever ONLY runs; EXTRA="key=value ..." adds overrides to
 # both recipes and TAG=name to the runs' names (e.g. EXTRA=convert.write_gate=true TAG=_wg: runs L_wg, H_wg);
 # ROPE=yarn:4:2048 measures each trained model and the teacher once more, passkey and perplexity only, with that
@@ -29,8 +29,8 @@
 # EVAL_OPTIONS replaces the evaluation's options after --eval-data (a smoke run on a CPU: EXTRA="device=cpu
 # precision=fp32 stages.0.steps=2 …" EVAL_OPTIONS="--limit 4 --tasks piqa --ppl-tokens 0"); MMLU=0 skips MMLU,
 # ALIGN_EVAL=0 the evaluation of the model after align (ALIGN_ONLY=1: that model alone, runs L_align, H_align:
-# the distill stage cut to one step, the model it ends with not measured); OVERLAP=0 runs the evaluations one after the other (by
-# default the after-align one starts beside the distill stage as soon as model-align/ is saved, and MMLU beside
+# the distill stage cut to one step, the model it ends with not measured); OVERLAP=0 runs the evaluations one
+# after the other (by default the after-align one starts beside the distill stage as soon as model-align/ is saved, and MMLU beside
 # the final evaluation, so that they do not add up after the training; untimed on a GPU so far).
 # A machine that keeps background processes between calls (the device's setsid) runs it once for the
 # whole session, each call bringing a part and copying OUT into its own $OUT:

@@ -6,8 +6,10 @@
 #   scripts/device_calls.sh wheels       carry .carry/w .carry/g1    the training wheels, the teacher's part 1 (where
 #                                        the two and the tree pass 64 MiB: .carry/g1 in one call, .carry/w .carry/g2
 #                                        in the next; 'teacher' then needs no .carry/g2)
-#   scripts/device_calls.sh lm-eval      carry .whl                  lm-eval's wheels (beside .carry/g2 and the
-#                                                                    tree they pass a call's 64 MiB)
+#   scripts/device_calls.sh lm-eval      carry .whl                  lm-eval's wheels (beside .carry/g2 or .carry/ev
+#                                                                    and a 13.7 MB tree they pass a call's 64 MiB;
+#                                                                    beside .carry/corpus_3 they fit: 'lm-eval &&
+#                                                                    corpus-part .carry/corpus_3')
 #   scripts/device_calls.sh teacher      carry .carry/g2             part 2 joined; the repo copied to
 #                                                                    /root/repo (the runs read it)
 #   scripts/device_calls.sh start DIR [DEADLINE]   carry DIR (.carry/corpus25 or .carry/corpus): the corpus,

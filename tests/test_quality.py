@@ -764,4 +764,5 @@ def test_ablation_table_takes_an_evaluation_without_a_run(tmp_path):
     assert "| distill | steps | – | 600 |" in md  # none for the evaluation alone
     assert json.loads(out.read_text())["variants"]["converted"]["run_dir"] is None
     bad = subprocess.run([*cmd[:2], "converted=:", "--output", str(out)], capture_output=True, text=True, cwd=tmp_path)
-    assert bad.returncode != 0 and "NAME=:EVAL_JSON" in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.strip().endswith("is not NAME=RUN_DIR[:EVAL_JSON] or NAME=:EVAL_JSON")
+    assert out.with_suffix(".md").read_text() == md  # nothing written over the table

@@ -12,8 +12,10 @@ from triton.language.extra import libdevice
 # on, ``exp_ftz`` compiles to one ex2 with denormals flushed (``ex2.approx.ftz``: libdevice's fast_expf under the
 # FTZ reflection Triton links it with), where tl.exp's ``ex2.approx.f32`` wraps each ex2 in a compare and two
 # predicated multiplies for denormal inputs and results (sm_90, the kda kernels: 393 of them fewer in the scores
-# kernel, which then schedules 233 more of other kinds). Off until timed; never under the interpreter, which has no
-# libdevice. Set it before the first launch: Triton refuses a global that changed under a compiled kernel.
+# kernel, which then schedules 233 more of other kinds). On an H100 it took 4-5% off kda's forward and 1-2% off
+# forward+backward (results/bench_kda_chunk_dots_h100.md); off until its GPU test
+# (tests/test_kda_triton_bwd.py::test_flushed_exps_gpu_equal_reference) has passed. Never under the interpreter,
+# which has no libdevice. Set it before the first launch: Triton refuses a global that changed under a compiled kernel.
 FLUSH_EXP = tl.constexpr(False)
 
 

@@ -25,16 +25,19 @@ terms are added already summed, grouped so that none cancels another:
 ``dg_t += γ_C⊙Σ_v(dh₁⊙h₀) + Σ_{j<t} k_j⊙dK̃_j⊙exp(G_C − G_j)``.
 
 Kernels, after stages 1 and 2 of the forward again (``kda_fwd.py``: W and U from the forward's T, the
-states and Δ; the prepare kernel also writes ``γ⊙q̃`` of every query head, and K̃ and G_C are kept):
-``_dv_local_kernel`` per (V block, chunk, KV head) ``Σ_g Pᵀ do`` (P the forward's, kept with T);
-``_state_bwd_kernel`` per (V block, sequence × KV head), in reverse, ``dh₁`` of every chunk, ``dΔ`` and
-``dh₀``, from those (no log-decay on its sequential path); then the dense parts, with no pairwise decay, per (chunk, KV head): ``_dqk_kernel`` dP and the
-initial state's and diagonal's terms of dq, dk and G's gradient, ``_wy_bwd_kernel`` dv, dA and the terms
-through W, K̃ and ``γ_C``; last ``_intra_bwd_kernel`` per (slice of 32 channels, chunk, KV head), every
-pairwise decay ``D`` of the backward (each taken once, for dP's and dA's left and right products), which
-finishes dq, dk, dg and its slice's share of dβ. The per-head kernels loop over the G query heads of their KV
-head, so nothing is summed with atomics and K/V are never repeated; dβ's shares (the dense one and one per
-channel slice) are summed after.
+states and Δ; the prepare kernel also writes ``γ⊙q̃`` of every query head and ``γ⊙k``, and K̃ and G_C are
+kept, or all of them taken from the forward: ``kda_fwd.Kept``): ``_dv_local_kernel`` per (V block, chunk, KV
+head) ``Σ_g Pᵀ do`` (P the forward's, kept with T); ``_state_bwd_kernel`` per (V block, sequence × KV head), in
+reverse, ``dh₁`` of every chunk, ``dΔ`` and ``dh₀``, from those (no log-decay on its sequential path); then the
+dense parts per (chunk, KV head), which take no log-decay at all: ``_dqk_kernel`` dP and the initial state's
+``scale·do h₀ᵀ``, ``_wy_bwd_kernel`` dv, dA, the dense share of dβ and the products through W and K̃
+(``TᵀdW``, ``dK̃``, ``Σ_v dh₁⊙h₀``); last ``_intra_bwd_kernel`` per (slice of 32 channels, chunk, KV head),
+every log-decay of the backward — the pairwise ``D`` (each taken once, for dP's and dA's left and right
+products), γ, ``exp(G_C − G)`` and ``γ_C`` — which finishes dq, dk, dg and its slice's share of dβ. Every
+elementwise term of a decay thus runs on (64, 32) tiles, not in the dense kernels' (64, K) ones, where they
+spilled registers. The per-head kernels loop over the G query heads of their KV head, so nothing is summed
+with atomics and K/V are never repeated; dβ's shares (the dense one and one per channel slice) are summed
+after.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from .kda_fwd import (
     replay_warps,
     replayed,
 )
-from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, row_of, sub_chunk_dots_fit
+from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, sub_chunk_dots_fit
 from .layout import BT, Layout, chunk_at, sequence_at
 from .settings import block_k
 from .tiles import exp_ftz, mm
@@ -146,14 +149,15 @@ def _state_bwd_kernel(
 
 @triton.jit
 def _dqk_kernel(
-    q, k, g, v_new, do, hs, dpm, dqh, dk_p, dG_p, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    v_new, do, hs, dpm, xq, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """The scores' dense part, per (chunk, KV head) over its G query heads: ``dP = scale·do Δᵀ`` strictly lower
-    (float32 ``dpm`` [tokens, HQ, BT]; its pairwise decays are ``_intra_bwd_kernel``'s); with dP's diagonal (no
-    decay) and the initial state's term ``γ⊙(do h₀ᵀ)``, per query head ``dqh = scale·(γ⊙(do h₀ᵀ) + dP_rr k)``
-    and summed over them ``dk_p = scale·dP_rr q``, ``dG_p = scale·q⊙γ⊙(do h₀ᵀ)`` (all float32)."""
+    """The scores' dense part, per (chunk, KV head) over its G query heads, with no log-decay:
+    ``dP = scale·do Δᵀ`` lower with its diagonal (float32 ``dpm`` [tokens, HQ, BT]; the pairwise decays below
+    the diagonal are ``_intra_bwd_kernel``'s, and the diagonal has none) and the initial state's
+    ``X = scale·do h₀ᵀ`` (float32 ``xq`` [tokens, HQ, K]), which ``_intra_bwd_kernel`` turns into
+    ``γ⊙X``, dq's term, and ``q⊙γ⊙X``, G's gradient's."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -162,17 +166,11 @@ def _dqk_kernel(
     m_k, m_t = o_k < K, o_r < n
     rows = bos + i_c * BT + o_r
     m_tk = m_t[:, None] & m_k[None, :]
-    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
     p_s = ((boh + i_c) * H + i_h) * K * V
-    b_kf = tl.load(k + p_k, mask=m_tk, other=0.0).to(tl.float32)
-    b_gs = exp_ftz(chunk_log_decay(g, p_k, m_tk)) * scale
-    diag, before = o_r[:, None] == o_r[None, :], o_r[None, :] < o_r[:, None]
-    b_dk = tl.zeros([BT, BK], dtype=tl.float32)
-    b_dG = tl.zeros([BT, BK], dtype=tl.float32)
     for i_g in range(G):
         p_q = (rows * HQ + i_h * G + i_g)[:, None]
         b_dP = tl.zeros([BT, BT], dtype=tl.float32)
-        b_dqh = tl.zeros([BT, BK], dtype=tl.float32)
+        b_x = tl.zeros([BT, BK], dtype=tl.float32)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
@@ -181,30 +179,24 @@ def _dqk_kernel(
             b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
             b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
             b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
-            b_dqh += mm(b_do, tl.trans(b_h), b_do, IEEE)  # do h₀ᵀ
-        b_dP *= scale
-        b_dPd = tl.sum(tl.where(diag, b_dP, 0.0), 1)  # dP_rr: no decay on the diagonal
-        tl.store(dpm + p_q * BT + o_r[None, :], tl.where(before, b_dP, 0.0), mask=m_t[:, None])
-        b_dqh *= b_gs
-        tl.store(dqh + p_q * K + o_k[None, :], b_dqh + b_dPd[:, None] * b_kf, mask=m_tk)
-        b_qf = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0).to(tl.float32)
-        b_dk += b_dPd[:, None] * b_qf
-        b_dG += b_qf * b_dqh
-    tl.store(dk_p + p_k, b_dk, mask=m_tk)
-    tl.store(dG_p + p_k, b_dG, mask=m_tk)
+            b_x += mm(b_do, tl.trans(b_h), b_do, IEEE)  # do h₀ᵀ
+        tl.store(dpm + p_q * BT + o_r[None, :], tl.where(o_r[None, :] <= o_r[:, None], b_dP * scale, 0.0),
+                 mask=m_t[:, None])
+        tl.store(xq + p_q * K + o_k[None, :], b_x * scale, mask=m_tk)
 
 
 @triton.jit
 def _wy_bwd_kernel(
-    k, v, g, beta, tm, v_new, hs, dhs, dd, dk_p, dG_p, dam, dv, dbp, cu_seqlens, chunk_indices, chunk_offsets,
+    kg, v, beta, tm, v_new, hs, dhs, dd, tdw, dkt, hdh, dam, dv, dbp, cu_seqlens, chunk_indices, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """The dense part through ``K̃``, ``γ_C``, ``Δ = U − W h₀`` and T, per (chunk, KV head): dv, and
-    ``dA = −Tᵀ dT Tᵀ`` strictly lower (float32 ``dam`` [tokens, H, BT]; its pairwise decays are
-    ``_intra_bwd_kernel``'s). Adds the terms through W and K̃ to ``_dqk_kernel``'s ``dk_p`` (in place), turns
-    ``dG_p`` with them into their share of dg (its reverse cumulative sum plus the state's terms, in place), and
-    stores dβ's share ``(TᵀdΔ)·v + (TᵀdW)·(γ⊙k)`` (float32, ``dbp``)."""
+    """The dense part through ``K̃``, ``γ_C``, ``Δ = U − W h₀`` and T, per (chunk, KV head), on the forward's γ⊙k
+    (``kg``, :func:`kda_fwd.kda_prepare`) and no log-decay: dv, and ``dA = −Tᵀ dT Tᵀ`` strictly lower (float32
+    ``dam`` [tokens, H, BT]; its pairwise decays are ``_intra_bwd_kernel``'s), dβ's share
+    ``(TᵀdΔ)·v + (TᵀdW)·(γ⊙k)`` (float32, ``dbp``), and for ``_intra_bwd_kernel``, which takes their log-decays per
+    slice of channels, ``TᵀdW`` (``tdw``), ``dK̃ = Δ dh₁ᵀ`` (``dkt``; both float32 like k) and ``Σ_v dh₁⊙h₀``
+    (float32 ``hdh`` [NC, H, K])."""
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     n = tl.minimum(T - i_c * BT, BT)
@@ -214,10 +206,7 @@ def _wy_bwd_kernel(
     m_tk = m_t[:, None] & m_k[None, :]
     p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
     p_s = ((boh + i_c) * H + i_h) * K * V
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
-    b_kf = b_k.to(tl.float32)
-    b_G = chunk_log_decay(g, p_k, m_tk)
-    g_last = row_of(b_G, BT - 1)
+    b_kg = tl.load(kg + p_k, mask=m_tk, other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     b_dW = tl.zeros([BT, BK], dtype=tl.float32)  # −dΔ h₀ᵀ
@@ -240,17 +229,15 @@ def _wy_bwd_kernel(
         b_bv = b_v.to(tl.float32) * b_beta[:, None]
         b_db += tl.sum(b_tdu * b_v.to(tl.float32), 1)
         b_dT += mm(b_dd, tl.trans(b_bv), b_v, IEEE)
-    b_kg = b_kf * exp_ftz(b_G)  # γ⊙k
-    b_tdw = mm(tl.trans(b_T), b_dW, b_k, IEEE)  # Tᵀ dW
-    b_dT += mm(b_dW, tl.trans(b_kg * b_beta[:, None]), b_k, IEEE)
-    b_dA = -mm(mm(tl.trans(b_T), b_dT, b_k, IEEE), tl.trans(b_T), b_k, IEEE)
+    b_tdw = mm(tl.trans(b_T), b_dW, b_kg, IEEE)  # Tᵀ dW
+    b_dT += mm(b_dW, tl.trans(b_kg.to(tl.float32) * b_beta[:, None]), b_kg, IEEE)
+    b_dA = -mm(mm(tl.trans(b_T), b_dT, b_kg, IEEE), tl.trans(b_T), b_kg, IEEE)
     tl.store(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], tl.where(o_r[None, :] < o_r[:, None], b_dA, 0.0),
              mask=m_t[:, None])
-    tl.store(dbp + rows * H + i_h, b_db + tl.sum(b_tdw * b_kg, 1), mask=m_t)
-    b_dk = b_tdw * exp_ftz(b_G) * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
-    b_dG = b_tdw * b_kg * b_beta[:, None] + tl.load(dG_p + p_k, mask=m_tk, other=0.0)
-    # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C; dK̃ = Δ dh₁ᵀ in a second pass over V rather than
-    # held with dW through the first
+    tl.store(dbp + rows * H + i_h, b_db + tl.sum(b_tdw * b_kg.to(tl.float32), 1), mask=m_t)
+    tl.store(tdw + p_k, b_tdw, mask=m_tk)
+    tl.store(hdh + ((boh + i_c) * H + i_h) * K + o_k, b_hdh, mask=m_k)
+    # dK̃ = Δ dh₁ᵀ, the state leaving the chunk, in a second pass over V rather than held with dW through the first
     b_dKt = tl.zeros([BT, BK], dtype=tl.float32)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
@@ -259,47 +246,50 @@ def _wy_bwd_kernel(
                       other=0.0)
         b_dh = tl.load(dhs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_dKt += mm(b_d, tl.trans(b_dh), b_d, IEEE)
-    b_e = exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
-    b_dk += b_dKt * b_e
-    b_sp = b_kf * b_dKt * b_e
-    b_dg = tl.cumsum(b_dG, 0, reverse=True) + (exp_ftz(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
-    tl.store(dk_p + p_k, b_dk, mask=m_tk)
-    tl.store(dG_p + p_k, b_dg, mask=m_tk)
+    tl.store(dkt + p_k, b_dKt, mask=m_tk)
 
 
 @triton.jit
-def _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, pp, pa, pbeta, rows, i_hq, n, o_k, m_k,
-                m_tk, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, WITH_A: tl.constexpr,
+def _query_head(q, dpm, xq, dq, b_A, b_R, b_k, b_beta, b_G, b_gamma, pk, pq, pg, pp, pa, pbeta, rows, i_hq, n, o_k,
+                m_k, m_tk, H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, WITH_A: tl.constexpr,
                 SUB: tl.constexpr, IEEE: tl.constexpr, b_E, dots, WHOLE: tl.constexpr):
-    """One query head of ``_intra_bwd_kernel``: stores its ``dq = dqh + L_P``; returns ``b_R`` plus its right
-    products, its share ``q⊙L_P`` of G's gradient, and with ``WITH_A`` A's left product X on the same decays
-    (:func:`kda_tiles.decayed_pairs`)."""
+    """One query head of ``_intra_bwd_kernel``: stores its ``dq = γ⊙X + dP_rr k + L_P``; returns ``b_R`` plus its
+    right products, its share ``q⊙(L_P + γ⊙X)`` of G's gradient (the diagonal, which has no decay, left out),
+    with ``WITH_A`` A's left product X on the same decays (:func:`kda_tiles.decayed_pairs`), and its share
+    ``dP_rr q`` of dk."""
     o_r = tl.arange(0, BT)
     p_q = (rows * HQ + i_hq)[:, None]
     b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
     b_P = tl.load(dpm + p_q * BT + o_r[None, :], mask=(o_r < n)[:, None], other=0.0)
+    diag = o_r[:, None] == o_r[None, :]
+    b_Pd = tl.sum(tl.where(diag, b_P, 0.0), 1)  # dP_rr, without a decay
+    b_P = tl.where(diag, 0.0, b_P)  # the pairs j < r (decayed_pairs takes P strictly lower)
     b_dqs, b_X, b_R = decayed_pairs(b_P, b_A, b_R, b_k, b_q, b_beta, pk, pq, pg, pp, pa, pbeta, H * K, HQ * K, HQ * BT,
                                     H * BT, H, b_G, n, m_k, WITH_A, SUB, IEEE, b_E, dots, WHOLE)
-    b_dq = tl.load(dqh + p_q * K + o_k[None, :], mask=m_tk, other=0.0) + b_dqs
-    tl.store(dq + p_q * K + o_k[None, :], b_dq.to(dq.dtype.element_ty), mask=m_tk)
-    return b_R, b_q.to(tl.float32) * b_dqs, b_X
+    b_dqs += b_gamma * tl.load(xq + p_q * K + o_k[None, :], mask=m_tk, other=0.0)  # + γ⊙X, the initial state's
+    b_qf = b_q.to(tl.float32)
+    tl.store(dq + p_q * K + o_k[None, :], (b_dqs + b_Pd[:, None] * b_k.to(tl.float32)).to(dq.dtype.element_ty),
+             mask=m_tk)
+    return b_R, b_qf * b_dqs, b_X, b_Pd[:, None] * b_qf
 
 
 @triton.jit
 def _intra_bwd_kernel(
-    q, k, g, beta, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, NB, cu_seqlens, chunk_indices, chunk_offsets,
+    q, k, g, beta, gc, dpm, dam, xq, tdw, dkt, hdh, dq, dk, dg, dbp, NB, cu_seqlens, chunk_indices, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
     IEEE: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.constexpr,
 ):
-    """Every pairwise decay of the backward, per (slice of BK channels, chunk, KV head): the channels are
-    independent, so G is the cumulative sum of the slice's own log-decays. From the dense kernels' dP (``dpm``,
-    every query head) and dA (``dam``), on one ``exp`` per pair (:func:`kda_tiles.decayed_pairs`), with
-    ``R = Σ_g R_P + Y``: ``dq = dqh + L_P`` per query head, ``dk = dk_p + R + β⊙X``,
-    ``dg = dG_p + revcumsum(Σ_g q⊙L_P − k⊙R + βk⊙X)`` (dq, dk, dg in their dtypes), and the slice's share
-    ``k·X`` of dβ (float32, at ``dbp + (1 + slice)·NB``)."""
+    """Every log-decay of the backward, per (slice of BK channels, chunk, KV head): the channels are independent,
+    so G is the cumulative sum of the slice's own log-decays. From the dense kernels' dP (``dpm``, every query
+    head, with its diagonal), dA (``dam``), ``X = scale·do h₀ᵀ`` (``xq``), ``TᵀdW``, ``dK̃`` and ``Σ_v dh₁⊙h₀``,
+    and the forward's G_C (``gc``): the pairwise decays on one ``exp`` per pair
+    (:func:`kda_tiles.decayed_pairs`), with ``R = Σ_g R_P + Y``: ``dq = γ⊙X + dP_rr k + L_P`` per query head,
+    ``dk = R + β⊙X_A + Σ_g dP_rr q + βγ⊙TᵀdW + dK̃⊙exp(G_C − G)``, and
+    ``dg = revcumsum(Σ_g q⊙(L_P + γ⊙X) − k⊙R + βk⊙X_A + βγk⊙TᵀdW) + γ_C⊙Σ_v dh₁⊙h₀ + Σ_{j<t} k_j⊙dK̃_j⊙exp(G_C − G_j)``
+    (dq, dk, dg in their dtypes), and the slice's share ``k·X_A`` of dβ (float32, at ``dbp + (1 + slice)·NB``)."""
     HQ: tl.constexpr = H * G
     i_k, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    bos, T, _boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
+    bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     n = tl.minimum(T - i_c * BT, BT)
     o_k, o_r = i_k * BK + tl.arange(0, BK), tl.arange(0, BT)
     m_k, m_t = o_k < K, o_r < n
@@ -308,24 +298,35 @@ def _intra_bwd_kernel(
     p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
     b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     b_G = chunk_log_decay(g, p_k, m_tk)
+    b_gamma = exp_ftz(b_G)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_A = tl.load(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     p0, p0q = (bos + i_c * BT) * H + i_h, (bos + i_c * BT) * HQ + i_h * G  # the chunk's first row, KV and query
     pk, pq, pg = k + p0 * K + i_k * BK, q + p0q * K + i_k * BK, g + p0 * K + i_k * BK
     b_R = tl.zeros([BT, BK], dtype=tl.float32)
     b_E, dots = sub_chunk_dots_fit(b_G, SUB, DIAG, WHOLE)  # the same for every query head
-    b_R, b_dG, b_X = _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq, pg, dpm + p0q * BT, dam + p0 * BT,
-                                 beta + p0, rows, i_h * G, n, o_k, m_k, m_tk, H, HQ, K, BT, True, SUB, IEEE,
-                                 b_E, dots, WHOLE)
+    b_R, b_dG, b_X, b_dkq = _query_head(q, dpm, xq, dq, b_A, b_R, b_k, b_beta, b_G, b_gamma, pk, pq, pg,
+                                        dpm + p0q * BT, dam + p0 * BT, beta + p0, rows, i_h * G, n, o_k, m_k, m_tk, H,
+                                        HQ, K, BT, True, SUB, IEEE, b_E, dots, WHOLE)
     for i_g in range(1, G):  # the other query heads: A's products are done
-        b_R, b_dGs, _ = _query_head(q, dpm, dqh, dq, b_A, b_R, b_k, b_beta, b_G, pk, pq + i_g * K, pg,
-                                    dpm + (p0q + i_g) * BT, dam + p0 * BT, beta + p0, rows, i_h * G + i_g, n, o_k, m_k,
-                                    m_tk, H, HQ, K, BT, False, SUB, IEEE, b_E, dots, WHOLE)
+        b_R, b_dGs, _, b_dkqs = _query_head(q, dpm, xq, dq, b_A, b_R, b_k, b_beta, b_G, b_gamma, pk, pq + i_g * K, pg,
+                                            dpm + (p0q + i_g) * BT, dam + p0 * BT, beta + p0, rows, i_h * G + i_g, n,
+                                            o_k, m_k, m_tk, H, HQ, K, BT, False, SUB, IEEE, b_E, dots, WHOLE)
         b_dG += b_dGs
+        b_dkq += b_dkqs
     b_kf = b_k.to(tl.float32)
-    b_dk = b_R + b_X * b_beta[:, None] + tl.load(dk_p + p_k, mask=m_tk, other=0.0)
-    b_dG += (b_X * b_beta[:, None] - b_R) * b_kf
-    b_dg = tl.load(dG_p + p_k, mask=m_tk, other=0.0) + tl.cumsum(b_dG, 0, reverse=True)
+    b_bg = b_gamma * b_beta[:, None]  # βγ
+    b_tdw = tl.load(tdw + p_k, mask=m_tk, other=0.0)
+    b_dk = b_R + b_X * b_beta[:, None] + b_dkq + b_tdw * b_bg
+    b_dG += (b_X * b_beta[:, None] - b_R + b_tdw * b_bg) * b_kf
+    # the state leaving the chunk: K̃ = k ⊙ exp(G_C − G), and γ_C
+    g_last = tl.load(gc + ((boh + i_c) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_e = exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
+    b_dKt = tl.load(dkt + p_k, mask=m_tk, other=0.0)
+    b_dk += b_dKt * b_e
+    b_sp = b_kf * b_dKt * b_e
+    b_hdh = tl.load(hdh + ((boh + i_c) * H + i_h) * K + o_k, mask=m_k, other=0.0)
+    b_dg = tl.cumsum(b_dG, 0, reverse=True) + (exp_ftz(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
     tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
     tl.store(dbp + (1 + i_k) * NB + rows * H + i_h, tl.sum(b_X * b_kf, 1), mask=m_t)
@@ -361,14 +362,15 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
             dh0.copy_(dht if dht is not None else torch.zeros_like(dh0))
         return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0
     if kept is None:
-        tm, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale)
+        tm, w, u, kd, gc, qg, kg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale)
         hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0)
         del u
     else:
-        w, kd, gc, qg, hs, v_new = kept
+        w, kd, gc, qg, kg, hs, v_new = kept
     dhs = torch.empty_like(hs)
     f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
-    dd, dk_p, dG_p, dqh, dpm, dam = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K), f32(HQ, BT), f32(H, BT)
+    dd, tdw, dkt, xq, dpm, dam = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K), f32(HQ, BT), f32(H, BT)
+    hdh = torch.empty(L.NC, H, K, dtype=torch.float32, device=dev)
     BKI = intra_bk(K)
     NK = cdiv(K, BKI)
     dbp = torch.empty(1 + NK, L.tokens, H, dtype=torch.float32, device=dev)  # dβ's shares: dense, then per slice
@@ -383,17 +385,18 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         qg, kd, gc, w, dof, dd, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs,
         L.cu_seqlens, L.chunk_offsets, G=G, USE_DHT=dht is not None, STORE_DH0=dh0 is not None, **{**c, "BV": BVS},
         num_warps=4, num_stages=kda_stages(K, ieee, "state_bwd", G))
-    del qg, kd, gc
+    del qg, kd
     _dqk_kernel[(L.NC, H)](
-        qf, kf, gf, v_new, dof, hs, dpm, dqh, dk_p, dG_p, L.cu_seqlens, L.chunk_indices, L.chunk_offsets,
-        float(scale), G=G, **c, num_warps=replay_warps(K, ieee))
+        v_new, dof, hs, dpm, xq, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), G=G, **c,
+        num_warps=replay_warps(K, ieee))
     _wy_bwd_kernel[(L.NC, H)](
-        kf, vf, gf, bf, tm, v_new, hs, dhs, dd, dk_p, dG_p, dam, dv, dbp, L.cu_seqlens, L.chunk_indices,
+        kg, vf, bf, tm, v_new, hs, dhs, dd, tdw, dkt, hdh, dam, dv, dbp, L.cu_seqlens, L.chunk_indices,
         L.chunk_offsets, **c, num_warps=chunk_warps(K), num_stages=kda_stages(K, ieee, "wy_bwd"))
+    del kg, v_new, hs, dhs, dd
     iw, ist = (4, 2) if replayed(K, ieee) else (8, 3)  # (4, 2): 1.18× in the replays (replay_warps)
     _intra_bwd_kernel[(NK, L.NC, H)](
-        qf, kf, gf, bf, dpm, dam, dqh, dk_p, dG_p, dq, dk, dg, dbp, L.tokens * H, L.cu_seqlens, L.chunk_indices,
-        L.chunk_offsets, H=H, G=G, K=K, BT=BT, BK=BKI, SUB=SUB, IEEE=ieee, **dot_modes(k.dtype),
+        qf, kf, gf, bf, gc, dpm, dam, xq, tdw, dkt, hdh, dq, dk, dg, dbp, L.tokens * H, L.cu_seqlens,
+        L.chunk_indices, L.chunk_offsets, H=H, G=G, K=K, BT=BT, BK=BKI, SUB=SUB, IEEE=ieee, **dot_modes(k.dtype),
         num_warps=iw, num_stages=ist)
     dbeta.copy_(dbp.sum(0))
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H, K), shape(dbeta, H), dh0

@@ -154,7 +154,7 @@ def _solve_kernel(
 
 @triton.jit
 def _prepare_kernel(
-    k, v, g, beta, tm, w, u, kd, gc, q, qg, scale, chunk_indices, cu_seqlens, chunk_offsets,
+    k, v, g, beta, tm, w, u, kd, gc, q, qg, kg, scale, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IEEE: tl.constexpr, G: tl.constexpr = 1, QG: tl.constexpr = False,
 ):
@@ -175,15 +175,18 @@ def _prepare_kernel(
     b_kd = b_k.to(tl.float32) * exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
     tl.store(kd + p_k, b_kd.to(kd.dtype.element_ty), mask=m_tk)
     tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
-    if QG:  # for the backward's state kernel, off its sequential path too: scale·γ⊙q of each query head, in q's dtype
-        b_gs = exp_ftz(b_G) * scale
+    b_gamma = exp_ftz(b_G)
+    b_kg = b_k.to(tl.float32) * b_gamma  # γ⊙k
+    if QG:  # for the backward, off its state kernel's sequential path too: scale·γ⊙q of each query head, in q's
+        # dtype, and γ⊙k in k's (its WY kernel's products take it in k's dtype)
+        tl.store(kg + p_k, b_kg.to(kg.dtype.element_ty), mask=m_tk)
+        b_gs = b_gamma * scale
         for i_g in range(G):
             p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
             b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
             tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
-    b_kg = b_k.to(tl.float32) * exp_ftz(b_G) * b_beta[:, None]  # βγ⊙k
-    tl.store(w + p_k, mm(b_T, b_kg, b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)
+    tl.store(w + p_k, mm(b_T, b_kg * b_beta[:, None], b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)  # T (βγ⊙k)
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
@@ -356,24 +359,26 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
 
 
 def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
-    """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32, scale·γ⊙q)``: T from
+    """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32, scale·γ⊙q, γ⊙k)``: T from
     :func:`kda_solve` unless given (the backward: the forward's T), ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C`` (each
     chunk's total log-decay per channel) for the state kernel. Inputs flat (``Layout.flat``), g float32; W and U
-    are the same values as in the forward; last ``scale·γ⊙q`` like q where ``q`` is given (the backward; else None): what the backward's
-    state kernel multiplies ``do`` by, so that its sequential loop takes no log-decay."""
+    are the same values as in the forward. Where ``q`` is given (the backward; else both None) last ``scale·γ⊙q``
+    like q, what the backward's state kernel multiplies ``do`` by, so that its sequential loop takes no
+    log-decay, and ``γ⊙k`` like k, what its WY kernel takes in place of k and the log-decays."""
     L = layout
     if tm is None:
         tm, _ = kda_solve(layout=L, k=k, g=g, beta=beta)
     w, u, kd = torch.empty_like(k), torch.empty_like(v), torch.empty_like(k)
     gc = torch.empty(max(L.NC, 1), L.H, L.K, dtype=torch.float32, device=L.device)
-    qg = torch.empty_like(q) if q is not None else None
+    qg, kg = (torch.empty_like(q), torch.empty_like(k)) if q is not None else (None, None)
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
-            k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k, float(scale),
+            k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k,
+            kg if q is not None else k, float(scale),
             L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
             BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None,
             num_warps=replay_warps(L.K, L.ieee))
-    return tm, w, u, kd, gc, qg
+    return tm, w, u, kd, gc, qg, kg
 
 
 def kda_state_bv(layout: Layout) -> int:
@@ -427,10 +432,11 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
         return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ()) + ((None,) if keep else ())
     tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
     # kept for the backward: its prepare's scale·γ⊙q too (the forward's prepare computes it in the same pass)
-    _, w, u, kd, gc, qg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf if keep else None, scale=scale)
+    _, w, u, kd, gc, qg, kg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf if keep else None,
+                                          scale=scale)
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
-    kept = Kept(w, kd, gc, qg, hs, v_new) if keep else None
-    del w, u, kd, gc, qg
+    kept = Kept(w, kd, gc, qg, kg, hs, v_new) if keep else None
+    del w, u, kd, gc, qg, kg
     BV = kda_bv(K, L.V)
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     _output_kernel[(L.NC, HQ)](
@@ -441,14 +447,15 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
 
 
 class Kept(NamedTuple):
-    """What :func:`kda_fwd` computed that the backward reads: :func:`kda_prepare`'s W, K̃, G_C and scale·γ⊙q,
+    """What :func:`kda_fwd` computed that the backward reads: :func:`kda_prepare`'s W, K̃, G_C, scale·γ⊙q and γ⊙k,
     and :func:`kda_states`' states entering every chunk and Δ. Kept, the backward runs neither again: at 2×8192,
-    16 heads of 128, bf16, ~400 MB held from the forward to the backward, where the backward's prepare and state
+    16 heads of 128, bf16, ~470 MB held from the forward to the backward, where the backward's prepare and state
     kernels took 0.29 and 0.24 ms of the 6.2 ms of launches on an H100 (``results/tune_launches_kda_2x8192_h100.json``)."""
 
     w: torch.Tensor
     kd: torch.Tensor
     gc: torch.Tensor
     qg: torch.Tensor
+    kg: torch.Tensor
     hs: torch.Tensor
     v_new: torch.Tensor

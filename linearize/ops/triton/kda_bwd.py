@@ -264,6 +264,8 @@ def _query_head(q, dpm, xq, dq, b_A, b_R, b_k, b_beta, b_G, b_gamma, pk, pq, pg,
     diag = o_r[:, None] == o_r[None, :]
     b_Pd = tl.sum(tl.where(diag, b_P, 0.0), 1)  # dP_rr, without a decay
     b_P = tl.where(diag, 0.0, b_P)  # the pairs j < r (decayed_pairs takes P strictly lower)
+    if not IEEE:
+        b_P = b_P.to(b_k.dtype)
     b_dqs, b_X, b_R = decayed_pairs(b_P, b_A, b_R, b_k, b_q, b_beta, pk, pq, pg, pp, pa, pbeta, H * K, HQ * K, HQ * BT,
                                     H * BT, H, b_G, n, m_k, WITH_A, SUB, IEEE, b_E, dots, WHOLE)
     b_dqs += b_gamma * tl.load(xq + p_q * K + o_k[None, :], mask=m_tk, other=0.0)  # + γ⊙X, the initial state's
@@ -301,6 +303,8 @@ def _intra_bwd_kernel(
     b_gamma = exp_ftz(b_G)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     b_A = tl.load(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    if not IEEE:  # held across the query heads in the dtype its products take it in (decayed_pairs)
+        b_A = b_A.to(b_k.dtype)
     p0, p0q = (bos + i_c * BT) * H + i_h, (bos + i_c * BT) * HQ + i_h * G  # the chunk's first row, KV and query
     pk, pq, pg = k + p0 * K + i_k * BK, q + p0q * K + i_k * BK, g + p0 * K + i_k * BK
     b_R = tl.zeros([BT, BK], dtype=tl.float32)

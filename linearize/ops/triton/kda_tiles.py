@@ -92,13 +92,16 @@ def sub_chunk_dots_fit(G, SUB: tl.constexpr, DIAG: tl.constexpr, WHOLE: tl.const
     E = G
     mode = tl.zeros([], dtype=tl.int32)
     if DIAG > 0:
-        E, span = anchored_offsets(G, SUB)
-        mode = (span <= DIAG).to(tl.int32)
-        if WHOLE:
-            Ec = G - row_of(G, G.shape[0] // 2)[None, :]
-            whole = tl.max(tl.max(tl.abs(Ec), 1), 0) <= DIAG
-            E = tl.where(whole, Ec, E)
-            mode = tl.where(whole, 2, mode)
+        if WHOLE:  # the sub-chunks' offsets only where the chunk's are out of the limit
+            E = G - row_of(G, G.shape[0] // 2)[None, :]
+            if tl.max(tl.max(tl.abs(E), 1), 0) <= DIAG:
+                mode += 2
+            else:
+                E, span = anchored_offsets(G, SUB)
+                mode += (span <= DIAG).to(tl.int32)
+        else:
+            E, span = anchored_offsets(G, SUB)
+            mode += (span <= DIAG).to(tl.int32)
     return E, mode
 
 

@@ -154,7 +154,8 @@ def _dqk_kernel(
     BV: tl.constexpr, IEEE: tl.constexpr,
 ):
     """The scores' dense part, per (chunk, KV head) over its G query heads, with no log-decay:
-    ``dP = scale·do Δᵀ`` lower with its diagonal (float32 ``dpm`` [tokens, HQ, BT]; the pairwise decays below
+    ``dP = scale·do Δᵀ`` lower with its diagonal (``dpm`` [tokens, HQ, BT] in the dots' dtype, the one
+    ``_intra_bwd_kernel``'s products take it in; the pairwise decays below
     the diagonal are ``_intra_bwd_kernel``'s, and the diagonal has none) and the initial state's
     ``X = scale·do h₀ᵀ`` (float32 ``xq`` [tokens, HQ, K]), which ``_intra_bwd_kernel`` turns into
     ``γ⊙X``, dq's term, and ``q⊙γ⊙X``, G's gradient's."""
@@ -180,8 +181,8 @@ def _dqk_kernel(
             b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
             b_dP += mm(b_do, tl.trans(b_d), b_do, IEEE)  # do_r·Δ_j
             b_x += mm(b_do, tl.trans(b_h), b_do, IEEE)  # do h₀ᵀ
-        tl.store(dpm + p_q * BT + o_r[None, :], tl.where(o_r[None, :] <= o_r[:, None], b_dP * scale, 0.0),
-                 mask=m_t[:, None])
+        tl.store(dpm + p_q * BT + o_r[None, :],
+                 tl.where(o_r[None, :] <= o_r[:, None], b_dP * scale, 0.0).to(dpm.dtype.element_ty), mask=m_t[:, None])
         tl.store(xq + p_q * K + o_k[None, :], b_x * scale, mask=m_tk)
 
 
@@ -192,8 +193,8 @@ def _wy_bwd_kernel(
     IEEE: tl.constexpr,
 ):
     """The dense part through ``K̃``, ``γ_C``, ``Δ = U − W h₀`` and T, per (chunk, KV head), on the forward's γ⊙k
-    (``kg``, :func:`kda_fwd.kda_prepare`) and no log-decay: dv, and ``dA = −Tᵀ dT Tᵀ`` strictly lower (float32
-    ``dam`` [tokens, H, BT]; its pairwise decays are ``_intra_bwd_kernel``'s), dβ's share
+    (``kg``, :func:`kda_fwd.kda_prepare`) and no log-decay: dv, and ``dA = −Tᵀ dT Tᵀ`` strictly lower (``dam``
+    [tokens, H, BT] in the dots' dtype; its pairwise decays are ``_intra_bwd_kernel``'s), dβ's share
     ``(TᵀdΔ)·v + (TᵀdW)·(γ⊙k)`` (float32, ``dbp``), and for ``_intra_bwd_kernel``, which takes their log-decays per
     slice of channels, ``TᵀdW`` (``tdw``), ``dK̃ = Δ dh₁ᵀ`` (``dkt``; both float32 like k) and ``Σ_v dh₁⊙h₀``
     (float32 ``hdh`` [NC, H, K])."""
@@ -232,8 +233,8 @@ def _wy_bwd_kernel(
     b_tdw = mm(tl.trans(b_T), b_dW, b_kg, IEEE)  # Tᵀ dW
     b_dT += mm(b_dW, tl.trans(b_kg.to(tl.float32) * b_beta[:, None]), b_kg, IEEE)
     b_dA = -mm(mm(tl.trans(b_T), b_dT, b_kg, IEEE), tl.trans(b_T), b_kg, IEEE)
-    tl.store(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :], tl.where(o_r[None, :] < o_r[:, None], b_dA, 0.0),
-             mask=m_t[:, None])
+    tl.store(dam + (rows * H + i_h)[:, None] * BT + o_r[None, :],
+             tl.where(o_r[None, :] < o_r[:, None], b_dA, 0.0).to(dam.dtype.element_ty), mask=m_t[:, None])
     tl.store(dbp + rows * H + i_h, b_db + tl.sum(b_tdw * b_kg.to(tl.float32), 1), mask=m_t)
     tl.store(tdw + p_k, b_tdw, mask=m_tk)
     tl.store(hdh + ((boh + i_c) * H + i_h) * K + o_k, b_hdh, mask=m_k)
@@ -373,7 +374,9 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         w, kd, gc, qg, kg, hs, v_new = kept
     dhs = torch.empty_like(hs)
     f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
-    dd, tdw, dkt, xq, dpm, dam = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K), f32(HQ, BT), f32(H, BT)
+    dd, tdw, dkt, xq = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K)
+    # dP and dA in the dtype the intra kernel's products take them in: each is read by every channel slice
+    dpm, dam = (torch.empty(L.tokens, n, BT, dtype=torch.float32 if ieee else k.dtype, device=dev) for n in (HQ, H))
     hdh = torch.empty(L.NC, H, K, dtype=torch.float32, device=dev)
     BKI = intra_bk(K)
     NK = cdiv(K, BKI)

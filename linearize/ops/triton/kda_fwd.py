@@ -8,12 +8,14 @@ its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stag
    :func:`kda_tiles.sub_chunk_pairs`);
    ``_solve_kernel`` per (chunk, KV head), one warp: ``T = (I + A)⁻¹`` as the GDN solve inverts it
    (:func:`solve.store_inverse`). T and P are kept for the backward.
-1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, and for the state kernel
-   ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C``, the chunk's total log-decay per channel.
+1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, for the state kernel
+   ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C``, the chunk's total log-decay per channel, and for the output kernel
+   every query head's ``scale·γ⊙q``.
 2. ``_state_kernel``    per (V block, sequence × KV head), over the chunks in order — the only sequential part:
    stores the state entering each chunk, ``Δ = U − W h``, then ``h ← Diag(exp(G_C)) h + K̃ᵀ Δ``; it reads
    no log-decays, and its V block narrows when (sequence, head) pairs are few (:func:`kda_state_bv`).
-3. ``_output_kernel``   per (chunk, query head), over the V blocks: ``o = scale·((γ⊙q) h + P Δ) (+ v_offset)``.
+3. ``_output_kernel``   per (chunk, query head), over the V blocks: ``o = (scale·γ⊙q) h + scale·P Δ (+ v_offset)``;
+   it reads no log-decays either.
 
 Every exponent is ≤ 0 (``g ≤ 0``): the pairwise decays go through :mod:`kda_tiles`. G is recomputed from g
 by the per-chunk kernels (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1
@@ -156,7 +158,7 @@ def _solve_kernel(
 def _prepare_kernel(
     k, v, g, beta, tm, w, u, kd, gc, q, qg, kg, scale, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    IEEE: tl.constexpr, G: tl.constexpr = 1, QG: tl.constexpr = False,
+    IEEE: tl.constexpr, G: tl.constexpr = 1, QG: tl.constexpr = False, KG: tl.constexpr = False,
 ):
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -177,9 +179,10 @@ def _prepare_kernel(
     tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
     b_gamma = exp_ftz(b_G)
     b_kg = b_k.to(tl.float32) * b_gamma  # γ⊙k
-    if QG:  # for the backward, off its state kernel's sequential path too: scale·γ⊙q of each query head, in q's
-        # dtype, and γ⊙k in k's (its WY kernel's products take it in k's dtype)
+    if KG:  # for the backward's WY kernel, in k's dtype (its products take it in that)
         tl.store(kg + p_k, b_kg.to(kg.dtype.element_ty), mask=m_tk)
+    if QG:  # scale·γ⊙q of each query head, in q's dtype: for the output kernel and the backward's state kernel,
+        # so that neither takes a log-decay
         b_gs = b_gamma * scale
         for i_g in range(G):
             p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
@@ -234,11 +237,12 @@ def _state_kernel(
 
 @triton.jit
 def _output_kernel(
-    q, g, v_new, hs, pm, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    qg, v_new, hs, pm, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (chunk, query head), over the V blocks, with the scores ``P`` stage 0 stored."""
+    """Per (chunk, query head), over the V blocks, with the scores ``P`` stage 0 stored and the prepare kernel's
+    ``scale·γ⊙q`` (``qg``): no log-decay."""
     HQ: tl.constexpr = H * G
     i_t, i_hq = tl.program_id(0), tl.program_id(1)
     i_h = i_hq // G  # query heads h·G … h·G + G − 1 read KV head h
@@ -248,9 +252,7 @@ def _output_kernel(
     m_k, m_t = o_k < K, o_r < n
     rows = bos + i_c * BT + o_r
     m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_G = chunk_log_decay(g, (rows * H + i_h)[:, None] * K + o_k[None, :], m_tk)
-    b_qg = b_q.to(tl.float32) * exp_ftz(b_G)  # γ⊙q
+    b_qg = tl.load(qg + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     p_s = ((boh + i_c) * H + i_h) * K * V
     for i_v in range(tl.cdiv(V, BV)):
@@ -259,8 +261,7 @@ def _output_kernel(
         m_tv = m_t[:, None] & m_v[None, :]
         b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         b_d = tl.load(v_new + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-        b_o = mm(b_qg, b_h, b_q, IEEE) + mm(b_P, b_d, b_q, IEEE)
-        b_o *= scale
+        b_o = mm(b_qg, b_h, b_qg, IEEE) + mm(b_P, b_d, b_qg, IEEE) * scale
         if USE_OFFSET:
             b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv,
                            other=0.0).to(tl.float32)
@@ -358,25 +359,28 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
     return tm, pm
 
 
-def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float = 1.0) -> tuple[torch.Tensor, ...]:
+def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float = 1.0,
+                kg: bool = False) -> tuple[torch.Tensor, ...]:
     """Stage 1: ``(T, W like k, U like v, K̃ like k, G_C [NC, H, K] float32, scale·γ⊙q, γ⊙k)``: T from
     :func:`kda_solve` unless given (the backward: the forward's T), ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C`` (each
     chunk's total log-decay per channel) for the state kernel. Inputs flat (``Layout.flat``), g float32; W and U
-    are the same values as in the forward. Where ``q`` is given (the backward; else both None) last ``scale·γ⊙q``
-    like q, what the backward's state kernel multiplies ``do`` by, so that its sequential loop takes no
-    log-decay, and ``γ⊙k`` like k, what its WY kernel takes in place of k and the log-decays."""
+    are the same values as in the forward. Last ``scale·γ⊙q`` like q where ``q`` is given (else None), what the
+    output kernel multiplies the states by and the backward's state kernel ``do``, so that neither takes a
+    log-decay, and with ``kg`` ``γ⊙k`` like k (else None), what the backward's WY kernel takes in place of k and
+    the log-decays."""
     L = layout
     if tm is None:
         tm, _ = kda_solve(layout=L, k=k, g=g, beta=beta)
     w, u, kd = torch.empty_like(k), torch.empty_like(v), torch.empty_like(k)
     gc = torch.empty(max(L.NC, 1), L.H, L.K, dtype=torch.float32, device=L.device)
-    qg, kg = (torch.empty_like(q), torch.empty_like(k)) if q is not None else (None, None)
+    qg = torch.empty_like(q) if q is not None else None
+    kg = torch.empty_like(k) if kg else None
     if L.NC:
         _prepare_kernel[(L.NC, L.H)](
             k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k,
-            kg if q is not None else k, float(scale),
+            kg if kg is not None else k, float(scale),
             L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
-            BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None,
+            BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None, KG=kg is not None,
             num_warps=replay_warps(L.K, L.ieee))
     return tm, w, u, kd, gc, qg, kg
 
@@ -432,15 +436,14 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
         return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ()) + ((None,) if keep else ())
     tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
     # kept for the backward: its prepare's scale·γ⊙q too (the forward's prepare computes it in the same pass)
-    _, w, u, kd, gc, qg, kg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf if keep else None,
-                                          scale=scale)
+    _, w, u, kd, gc, qg, kg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale, kg=keep)
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
     kept = Kept(w, kd, gc, qg, kg, hs, v_new) if keep else None
-    del w, u, kd, gc, qg, kg
+    del w, u, kd, gc, kg
     BV = kda_bv(K, L.V)
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     _output_kernel[(L.NC, HQ)](
-        qf, gf, v_new, hs, pm, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
+        qg, v_new, hs, pm, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), H=L.H, G=L.G,
         K=K, V=L.V, BT=BT, BK=block_k(K), BV=BV, USE_OFFSET=v_offset is not None, IEEE=L.ieee,
         num_warps=chunk_warps(K))
     return (o.view(B, T, HQ, L.V), ht, tm) + ((pm,) if return_scores else ()) + ((kept,) if keep else ())

@@ -72,7 +72,7 @@ def _dv_local_kernel(
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, SUB: tl.constexpr, HAS_P: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """``dd = Σ_g P_gᵀ do_g`` (float32) of one chunk, KV head and V block: the in-chunk part of ``dΔ``. With
+    """``dd = Σ_g P_gᵀ do_g`` (in the dots' dtype) of one chunk, KV head and V block: the in-chunk part of ``dΔ``. With
     ``HAS_P`` the scores are the forward's (``pm``, :func:`kda_fwd.kda_solve`), else computed again."""
     HQ: tl.constexpr = H * G
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -96,7 +96,7 @@ def _dv_local_kernel(
             b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)
         b_dd += mm(tl.trans(b_P), b_do, b_do, IEEE)
-    tl.store(dd + (rows * H + i_h)[:, None] * V + o_v[None, :], b_dd * scale, mask=m_tv)
+    tl.store(dd + (rows * H + i_h)[:, None] * V + o_v[None, :], (b_dd * scale).to(dd.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -134,8 +134,8 @@ def _state_bwd_kernel(
         p_tk, p_tv = (t0 + o_r)[:, None] * (H * K) + o_k[None, :], (t0 + o_r)[:, None] * (H * V) + o_v[None, :]
         tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)  # dh₁ of chunk i_t
         b_kd = tl.load(kd + p_tk, mask=m_tk, other=0.0)
-        b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0) + mm(b_kd, b_dh, b_kd, IEEE)
-        tl.store(dd + p_tv, b_dd, mask=m_tv)
+        b_dd = tl.load(dd + p_tv, mask=m_tv, other=0.0).to(tl.float32) + mm(b_kd, b_dh, b_kd, IEEE)
+        tl.store(dd + p_tv, b_dd.to(dd.dtype.element_ty), mask=m_tv)
         b_w = tl.load(w + p_tk, mask=m_tk, other=0.0)
         g_last = tl.load(gc + i_t * (H * K) + o_k, mask=m_k, other=0.0)
         b_dh = b_dh * exp_ftz(g_last)[:, None] - mm(tl.trans(b_w), b_dd, b_w, IEEE)
@@ -375,7 +375,9 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
         w, kd, gc, qg, kg, hs, v_new = kept
     dhs = torch.empty_like(hs)
     f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
-    dd, tdw, dkt, xq = f32(H, V), f32(H, K), f32(H, K), f32(HQ, K)
+    tdw, dkt, xq = f32(H, K), f32(H, K), f32(HQ, K)
+    # dΔ in the dots' dtype (as GDN's): every product that reads it takes it in that
+    dd = torch.empty(L.tokens, H, V, dtype=torch.float32 if ieee else v.dtype, device=dev)
     # dP and dA in the dtype the intra kernel's products take them in: each is read by every channel slice
     dpm, dam = (torch.empty(L.tokens, n, BT, dtype=torch.float32 if ieee else k.dtype, device=dev) for n in (HQ, H))
     hdh = torch.empty(L.NC, H, K, dtype=torch.float32, device=dev)

@@ -21,7 +21,8 @@
 #   scripts/device_calls.sh evaldata     carry .carry/ev: the task data, which the runs wait for
 #   scripts/device_calls.sh wait SECONDS  until the runs end or SECONDS pass; then what they wrote
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
-#   scripts/device_calls.sh kernels [OPS] [SHAPES] [TESTS]   after 'wheels', carry .carry/fla .carry/pytest: the
+#   scripts/device_calls.sh kernels [OPS] [SHAPES] [TESTS]   after 'wheels', carry .carry/fla .carry/pytest (and
+#                                        .carry/w: then no 'wheels' call is needed): the
 #                                        operators OPS (default "linear gdn") timed against fla at SHAPES
 #                                        (default the long ones, 2x8192,1x16384,1x32768) into OUT/bench_OP.json, then
 #                                        the GPU tests matching TESTS (a pytest -k expression; default: the mix
@@ -29,7 +30,8 @@
 #                                        without gradients, the harness's fitted batch) into
 #                                        OUT/gpu_tests.log (TESTS "skip": none); BENCH_FLAGS adds options to
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
-#                                        JSONs' names
+#                                        JSONs' names; AB=1 (carry ab): before them, the first of OPS at SHAPES in
+#                                        every tree of scripts/ab.sh, without fla (OUT/<tree>.bench_kernels.json)
 #   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
 #                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')
 #                                        in the background, from a copy of tests/ beside the repo, so that they run
@@ -245,9 +247,17 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
     kernels)
         ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-$gpu_tests}
         [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
-        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl
+        # .carry/w carried too: the training wheels in the same call (no 'wheels' call before)
+        python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl \
+            $(ls .carry/w/*.whl 2>/dev/null)
         export TRITON_INTERPRET=0
         cuda_ptxas
+        if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
+            [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
+            # shellcheck disable=SC2086  # BENCH_FLAGS: words
+            bash scripts/ab.sh run 200 "$out" bench_kernels.py --op "${ops%% *}" --no-fla --only "$shapes" \
+                ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
+        fi
         for op in $ops; do
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \

@@ -18,9 +18,9 @@ its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stag
    it reads no log-decays either.
 
 Every exponent is ≤ 0 (``g ≤ 0``): the pairwise decays go through :mod:`kda_tiles`. G is recomputed from g
-by the per-chunk kernels (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) runs stages 1
-and 2 again, on the forward's T. Dots in the inputs' dtype with float32 accumulation (IEEE fp32 for fp32
-inputs).
+by the per-chunk kernels (a (64, K) cumsum) rather than stored. The backward (``kda_bwd.py``) reads stages 1
+and 2's outputs as the forward kept them (:class:`Kept`), or runs them again on the forward's T. Dots in the
+inputs' dtype with float32 accumulation (IEEE fp32 for fp32 inputs).
 """
 from __future__ import annotations
 
@@ -435,7 +435,7 @@ def kda_fwd(*, q, k, v, g, beta, scale: float, initial_state, output_final_state
             ht.copy_(h0 if h0 is not None else torch.zeros_like(ht))
         return (o.view(B, T, HQ, L.V), ht, None) + ((None,) if return_scores else ()) + ((None,) if keep else ())
     tm, pm = kda_solve(layout=L, k=kf, g=gf, beta=bf, q=qf)
-    # kept for the backward: its prepare's scale·γ⊙q too (the forward's prepare computes it in the same pass)
+    # kept for the backward, with γ⊙k, which the prepare kernel then writes too
     _, w, u, kd, gc, qg, kg = kda_prepare(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm, q=qf, scale=scale, kg=keep)
     hs, v_new = kda_states(layout=L, kd=kd, gc=gc, w=w, u=u, h0=h0, ht=ht)
     kept = Kept(w, kd, gc, qg, kg, hs, v_new) if keep else None

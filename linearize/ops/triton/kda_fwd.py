@@ -181,13 +181,6 @@ def _prepare_kernel(
     b_kg = b_k.to(tl.float32) * b_gamma  # γ⊙k
     if KG:  # for the backward's WY kernel, in k's dtype (its products take it in that)
         tl.store(kg + p_k, b_kg.to(kg.dtype.element_ty), mask=m_tk)
-    if QG:  # scale·γ⊙q of each query head, in q's dtype: for the output kernel and the backward's state kernel,
-        # so that neither takes a log-decay
-        b_gs = b_gamma * scale
-        for i_g in range(G):
-            p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
-            b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
-            tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
     tl.store(w + p_k, mm(b_T, b_kg * b_beta[:, None], b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)  # T (βγ⊙k)
     for i_v in range(tl.cdiv(V, BV)):
@@ -196,6 +189,13 @@ def _prepare_kernel(
         p_v = (rows * H + i_h)[:, None] * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
         tl.store(u + p_v, mm(b_T, b_v.to(tl.float32) * b_beta[:, None], b_k, IEEE).to(u.dtype.element_ty), mask=m_tv)
+    if QG:  # scale·γ⊙q of each query head, in q's dtype: for the output kernel and the backward's state kernel,
+        # so that neither takes a log-decay
+        b_gs = b_gamma * scale
+        for i_g in range(G):
+            p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
+            b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
+            tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
 
 
 @triton.jit

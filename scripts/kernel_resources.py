@@ -48,6 +48,7 @@ from linearize.ops.triton import chunk_bwd as cb  # noqa: E402
 from linearize.ops.triton import chunk_fwd as cf  # noqa: E402
 
 TABLES = {"chunk_indices", "group_indices", "cu_seqlens", "chunk_offsets"}
+SCALARS = {"scale": "fp32", "p0": "i32"}  # the non-pointer arguments (p0: a launch's first output group)
 # pointer arguments stored in the input dtype (the rest are float32 buffers)
 INPUT_DTYPE = {"q", "k", "v", "w", "u", "tm", "dvl", "ddl", "v_new", "hs", "dhs", "do", "dq", "dk", "dv", "o", "h0", "dh0"}
 
@@ -59,8 +60,8 @@ def resources(fn, consts: dict, warps: int, stages: int, dtype: str) -> dict:
             sig[n] = "constexpr"
         elif n in TABLES:
             sig[n] = "*i32"
-        elif n == "scale":
-            sig[n] = "fp32"
+        elif n in SCALARS:
+            sig[n] = SCALARS[n]
         else:
             sig[n] = f"*{dtype}" if n in INPUT_DTYPE else "*fp32"
     src = ASTSource(fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})

@@ -265,8 +265,6 @@ def _query_head(q, dpm, xq, dq, b_A, b_R, b_k, b_beta, b_G, b_gamma, pk, pq, pg,
     diag = o_r[:, None] == o_r[None, :]
     b_Pd = tl.sum(tl.where(diag, b_P, 0.0), 1)  # dP_rr, without a decay
     b_P = tl.where(diag, 0.0, b_P)  # the pairs j < r (decayed_pairs takes P strictly lower)
-    if not IEEE:
-        b_P = b_P.to(b_k.dtype)
     b_dqs, b_X, b_R = decayed_pairs(b_P, b_A, b_R, b_k, b_q, b_beta, pk, pq, pg, pp, pa, pbeta, H * K, HQ * K, HQ * BT,
                                     H * BT, H, b_G, n, m_k, WITH_A, SUB, IEEE, b_E, dots, WHOLE)
     b_dqs += b_gamma * tl.load(xq + p_q * K + o_k[None, :], mask=m_tk, other=0.0)  # + γ⊙X, the initial state's
@@ -376,10 +374,10 @@ def kda_bwd(*, q, k, v, g, beta, scale: float, initial_state, do, dht, cu_seqlen
     dhs = torch.empty_like(hs)
     f32 = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32, device=dev)  # noqa: E731
     tdw, dkt, xq = f32(H, K), f32(H, K), f32(HQ, K)
-    # dΔ in the dots' dtype (as GDN's): every product that reads it takes it in that
-    dd = torch.empty(L.tokens, H, V, dtype=torch.float32 if ieee else v.dtype, device=dev)
-    # dP and dA in the dtype the intra kernel's products take them in: each is read by every channel slice
-    dpm, dam = (torch.empty(L.tokens, n, BT, dtype=torch.float32 if ieee else k.dtype, device=dev) for n in (HQ, H))
+    # dΔ (as GDN's), dP and dA in the dots' dtype: every product that reads them takes them in that, and dP and
+    # dA are read by every channel slice of the intra kernel
+    dots = lambda *s: torch.empty(L.tokens, *s, dtype=torch.float32 if ieee else k.dtype, device=dev)  # noqa: E731
+    dd, dpm, dam = dots(H, V), dots(HQ, BT), dots(H, BT)
     hdh = torch.empty(L.NC, H, K, dtype=torch.float32, device=dev)
     BKI = intra_bk(K)
     NK = cdiv(K, BKI)

@@ -301,6 +301,16 @@ def replay_warps(K: int, ieee: bool) -> int:
     return 4 if replayed(K, ieee) else chunk_warps(K)
 
 
+def scores_launch(K: int, ieee: bool, G: int) -> dict:
+    """``num_warps``/``num_stages`` of the scores kernel: (4, 2) where :func:`replayed` with one query head per
+    KV head — 1.25× faster than (8, 3) in the replays at 2×8192 (H100, bf16, K = 128,
+    ``results/tune_launches_kda_2x8192_16warps_h100.json``); else :func:`chunk_warps` (8 under GQA: at K = 64,
+    272 B spilled at 4) and Triton's default 3 stages."""
+    if G == 1 and replayed(K, ieee):
+        return {"num_warps": 4, "num_stages": 2}
+    return {"num_warps": chunk_warps(K) if G == 1 else 8, "num_stages": 3}
+
+
 def state_launch(layout: Layout, bv: int) -> tuple[int, int]:
     """``(num_warps, num_stages)`` of the forward state kernel: where its (sequence, KV head, V block)
     programs are no more than the SMs (a long sequence, a small batch: one program an SM whatever its
@@ -352,8 +362,7 @@ def kda_solve(*, layout: Layout, k, g, beta, q=None) -> tuple[torch.Tensor, torc
         _scores_kernel[(L.NC, L.H)](
             q if q is not None else k, k, g, beta, am, pm if pm is not None else am, L.chunk_indices, L.cu_seqlens,
             L.chunk_offsets, H=L.H, G=L.G, K=L.K, BT=BT, BK=block_k(L.K), SUB=SUB, STORE_P=q is not None,
-            IEEE=L.ieee, **dot_modes(k.dtype),
-            num_warps=chunk_warps(L.K) if L.G == 1 else 8)  # GQA at K = 64: 272 B spilled at 4
+            IEEE=L.ieee, **dot_modes(k.dtype), **scores_launch(L.K, L.ieee, L.G))
         _solve_kernel[(L.NC, L.H)](am, tm, L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, BT=BT, IEEE=L.ieee,
                                    num_warps=1, num_stages=1)
     return tm, pm

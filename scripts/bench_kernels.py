@@ -278,15 +278,8 @@ def main():
                         "the gated delta rule with a decay per key channel (kda), or the delta rule (deltanet, g = 0)")
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
-    p.add_argument("--linear-segment-output", action="store_true",
-                   help="linear: the forward of a cut state chain through the segment output kernel "
-                        "(ops/triton/linear_fwd.py, SEGMENT_OUTPUT), no chunk's state stored")
     add_kda_options(p)
     args = p.parse_args()
-    if args.linear_segment_output:
-        from linearize.ops.triton import linear_fwd
-
-        linear_fwd.SEGMENT_OUTPUT = True
     apply_kda_options(args)
     if args.render:
         runs = [json.loads(path.read_text()) for path in args.render]
@@ -311,7 +304,7 @@ def main():
               ("smollm2", 4, 4096, 9, 3, 64, 64), ("llama3-8b", 2, 4096, 32, 8, 128, 128)]
     meta = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
-            "note": NOTES[args.op], "linear_segment_output": args.linear_segment_output,
+            "note": NOTES[args.op],
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays}
     if args.only:

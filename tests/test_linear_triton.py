@@ -98,27 +98,6 @@ def test_linear_state_chain_cut_in_segments(monkeypatch, shape, E):
     check(torch.float16, "cpu", *shape)
 
 
-@pytest.mark.parametrize("E", [1, 2, 3])
-@pytest.mark.parametrize("shape", [SHAPES[1], (1, 330, 2, 2, 16, 16, [0, 17, 17, 81, 330]), (2, 200, 1, 3, 16, 16, None)],
-                         ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
-def test_linear_segment_output_carries_the_state(monkeypatch, shape, E):
-    """The forward of a cut chain through the segment output kernel (``SEGMENT_OUTPUT``): each program starts
-    from the state entering its segment of E chunks and carries it chunk to chunk itself, no chunk's state
-    stored — output (with ``v_offset``) and final state as the float64 reference, an initial state given,
-    with a document shorter than a segment, an empty one, segments of one chunk and GQA among them."""
-    needs_interpreter()
-    from linearize.ops.triton import linear_fwd
-
-    def stored_states(**kwargs):
-        raise AssertionError("the segment output path stores no chunk's state")
-
-    monkeypatch.setattr(linear_fwd, "SEGMENT_OUTPUT", True)
-    monkeypatch.setattr(linear_fwd, "linear_segment", lambda layout, device: E)
-    monkeypatch.setattr(linear_fwd, "linear_fwd_h", stored_states)
-    check(torch.float32, "cpu", *shape)
-    check(torch.float16, "cpu", *shape)
-
-
 def test_linear_segment_cuts_only_few_long_chains(monkeypatch):
     """On a GPU of 132 SMs one sequence of 16 KV heads and 16K tokens (256 chunks) is cut into segments, eight
     such sequences too (128 pairs); nine (144 pairs) fill the SMs whole, and 8K tokens (128 chunks) are too few
@@ -163,25 +142,6 @@ def test_linear_attention_triton_gpu_equals_reference(dtype, shape):
 
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
-    with poisoned_outputs():
-        check(dtype, "cuda", *shape)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(1, 8000, 4, 4, 128, 128, None), (1, 3000, 2, 7, 64, 64, [0, 1000, 1001, 3000])],
-                         ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
-def test_linear_segment_output_gpu_equals_reference(monkeypatch, dtype, shape):
-    """The segment output kernel (``SEGMENT_OUTPUT``) compiled, segments of 16 chunks, NaN-poisoned buffers."""
-    from _poison import poisoned_outputs
-
-    from linearize.ops.triton import linear_fwd
-
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
-    monkeypatch.setattr(linear_fwd, "SEGMENT_OUTPUT", True)
-    monkeypatch.setattr(linear_fwd, "linear_segment", lambda layout, device: 16)
     with poisoned_outputs():
         check(dtype, "cuda", *shape)
 

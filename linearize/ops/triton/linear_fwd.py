@@ -10,9 +10,6 @@
    state entering each (:func:`_linear_carry_kernel`), then each segment again from that state, storing;
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
-   With ``SEGMENT_OUTPUT`` (off until timed on a GPU), a cut chain skips the second pass over its segments:
-   per (V block, segment, query head), :func:`_linear_segment_output_kernel` starts from the state entering
-   the segment and carries it through the segment's chunks itself, storing no chunk's state.
 
 ``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0, and the
 decays between two tokens are summed from the g between them (:func:`chunk_gates`, :func:`pair_decays`). The backward
@@ -153,8 +150,7 @@ def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, sc
                  BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr):
     """Store the output rows of the chunk at token ``t0`` of the sequence at ``bos`` (``T`` tokens) for query
     head ``i_hq`` and V block ``i_v``, from ``b_h`` (K × BV), the state entering the chunk:
-    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``. Returns the
-    chunk's ``(k, v, token mask, token rows)``, what a caller carrying the state on needs."""
+    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``."""
     o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v, m_t = o_k < K, o_v < V, o_r < T - t0
     rows = bos + t0 + o_r  # (BT,) int64: the chunk's tokens
@@ -170,7 +166,6 @@ def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, sc
     if USE_OFFSET:
         b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
     tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-    return b_k, b_v, m_t, rows
 
 
 @triton.jit
@@ -190,37 +185,12 @@ def _linear_output_kernel(
                  USE_OFFSET, IEEE)
 
 
-@triton.jit
-def _linear_segment_output_kernel(
-    q, k, v, g, w, coef, decay, hin, o, v_offset, cu_seqlens, chunk_offsets, segments, scale, p0,
-    H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, E: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Per (V block, segment of ``E`` chunks, query head), chunk by chunk: :func:`chunk_output` from the state
-    ``hin`` entering the segment, which the program carries to the next chunk itself (``h ← exp(G_C) h +
-    Σ_j coef_j k_j v_jᵀ``, the state kernel's step) — so no state of a chunk is stored or read, and the chain's
-    second pass over the segments (:func:`linear_fwd_h`'s storing one) is not run."""
-    i_v, i_s, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first segment
-    i_h = i_hq // (HQ // H)
-    bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_s, E, BT)
-    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    b_h = tl.load(hin + (i_s.to(tl.int64) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
-    for i_c in range(c0, c1):
-        b_k, b_v, m_t, rows = chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, i_c * BT, i_h, i_hq, i_v, scale,
-                                           H, HQ, K, V, BT, BK, BV, USE_OFFSET, IEEE)
-        b_c = tl.load(coef + rows * H + i_h, mask=m_t, other=0.0)
-        b_h = b_h * tl.load(decay + (boh + i_c) * H + i_h) + mm(tl.trans(b_k.to(tl.float32) * b_c[:, None]), b_v, b_v,
-                                                                 IEEE)
-
-
 def linear_bv(K: int, V: int) -> int:
     """V block of every linear-attention kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
 
 
 SEGMENT = 16  # chunks per segment of a cut state chain (linear_segment)
-SEGMENT_OUTPUT = False  # forward of a cut chain through _linear_segment_output_kernel (untimed on a GPU so far)
 SEGMENT_FROM = 256  # the chunks of the longest sequence from which a chain is cut, where pairs are few
 
 
@@ -336,16 +306,6 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
         return o.view(B, T, HQ, V), ht
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
-    E = linear_segment(L, q.device) if SEGMENT_OUTPUT else 0
-    if E:  # the output carries the state through each segment from the state entering it: no state stored a chunk
-        coef, decay, _ = linear_gates(L, gf, wf)
-        hin = segment_states(L, E, kf, vf, coef, decay, h0, ht)
-        segments, NS = L.groups(E)
-        for p0, n in grid_slices(NS):
-            _linear_segment_output_kernel[(cdiv(V, BV), n, HQ)](
-                qf, kf, vf, gf, wf, coef, decay, hin, o, off, L.cu_seqlens, L.chunk_offsets, segments, float(scale),
-                p0, HQ=HQ, E=E, USE_OFFSET=v_offset is not None, **common, num_warps=4)
-        return o.view(B, T, HQ, V), ht
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
     linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     for p0, n in grid_slices(L.NC):

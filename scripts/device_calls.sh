@@ -32,6 +32,11 @@
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
 #                                        JSONs' names; AB=1 (carry ab): before them, the first of OPS at SHAPES in
 #                                        every tree of scripts/ab.sh, without fla (OUT/<tree>.bench_kernels.json)
+#   scripts/device_calls.sh kernels-start [OPS] [SHAPES] [TESTS]   the same step in the background, its files into
+#                                        W/kernels (a whole table against fla outlasts a call: fla compiles and
+#                                        autotunes for minutes per operator); SHAPES "all": every shape of the bench
+#   scripts/device_calls.sh kernels-wait [SECONDS]   until that step ends or SECONDS pass (default 540); then its
+#                                        files so far into OUT and its log's end; call again while it runs
 #   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
 #                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')
 #                                        in the background, from a copy of tests/ beside the repo, so that they run
@@ -246,6 +251,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         python3 -c "import fla; print('fla', fla.__version__)" ;;
     kernels)
         ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-$gpu_tests}
+        [ "$shapes" = all ] && shapes=std,smollm2,llama3-8b
         [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
         # .carry/w carried too: the training wheels in the same call (no 'wheels' call before)
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl \
@@ -267,6 +273,21 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu -k "$tests" tests/ \
             > "$out/gpu_tests.log" 2>&1  # a module needing a package the machine lacks does not stop the rest
         tail -n 3 "$out/gpu_tests.log" ;;
+    kernels-start)
+        shift
+        k=$w/kernels
+        [ ! -e "$k/step.log" ] || [ -e "$k/done" ] || die "a kernels step runs already: 'kernels-wait' for it"
+        mkdir -p "$k" && rm -f "$k/done"
+        (OUT=$k setsid nohup bash -c 'bash scripts/device_calls.sh kernels "$@"; echo "exit $?" > "$OUT/done"' _ "$@" \
+            > "$k/step.log" 2>&1 < /dev/null &)
+        sleep 5; tail -n 5 "$k/step.log" ;;
+    kernels-wait)
+        k=$w/kernels end=$(( $(date +%s) + ${2:-540} ))
+        [ -e "$k/step.log" ] || die "no kernels step: 'kernels-start' first"
+        while [ "$(date +%s)" -lt "$end" ] && [ ! -e "$k/done" ]; do sleep 5; done
+        cp -r "$k/." "$out"/
+        tail -n 40 "$k/step.log"
+        if [ -e "$k/done" ]; then cat "$k/done"; else echo "still running: call 'kernels-wait' again"; fi ;;
     gemma-part)
         src=${2:-}
         [ -d "$src" ] && ls "$src"/gguf.part0? >/dev/null 2>&1 || die "no teacher part in '$src': carry .carry/gm1, gm2 …"

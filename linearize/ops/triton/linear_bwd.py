@@ -27,8 +27,8 @@ kernels sum the same thing grouped by what ``g_r`` moves — ``exp(G_i)`` for i 
 
 Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward's states again
 (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
-every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it:
-:func:`state_bwd_h`); ``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head)
+every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it, and both kinds of
+state are read as :func:`~linearize.ops.triton.linear_fwd.chunk_state` sums: :func:`state_bwd_h`); ``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head)
 the rest. Both loop over the G query heads of their KV head, so dk, dv,
 dw and dg are summed over them without atomics. Dots in the input dtype with fp32 accumulation (IEEE fp32
 for fp32 inputs).
@@ -43,8 +43,10 @@ import triton.language as tl
 from ..common import TRITON_DTYPES, cdiv
 from .layout import BT, Layout, chain_at, chunk_at
 from .linear_fwd import (
+    Split,
     carry_segments,
     chunk_gates,
+    chunk_state,
     linear_attention_triton,
     linear_bv,
     linear_fwd_h,
@@ -60,7 +62,7 @@ from .tiles import mm
 
 @triton.jit
 def _state_bwd_kernel(
-    q, qdec, decay, do, dhs, dht, dh0, dseg, cu_seqlens, chunk_offsets, segments, scale,
+    q, qdec, decay, do, dhs, dht, dh0, dseg, dcum, cu_seqlens, chunk_offsets, segments, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     BV: tl.constexpr, E: tl.constexpr, USE_DHT: tl.constexpr, STORE_DHS: tl.constexpr, STORE_DH0: tl.constexpr,
     IEEE: tl.constexpr,
@@ -68,7 +70,8 @@ def _state_bwd_kernel(
     """Per (V block, K block, chain × KV head), over the chain's chunks from its end: a chain is a whole sequence
     (``E`` = 0) or a segment of ``E`` chunks (``segments``, as the forward's state kernel cuts them); ``dht``/
     ``dh0`` the gradient of the state leaving/entering each chain, and with ``E`` > 0 and ``STORE_DH0``
-    ``dseg`` the chain's total decay."""
+    ``dseg`` the chain's total decay, with ``STORE_DHS`` ``dcum`` the decay from each chunk's end to the
+    chain's."""
     HQ: tl.constexpr = H * G
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_h = i_nh // H, i_nh % H  # the chain
@@ -80,6 +83,7 @@ def _state_bwd_kernel(
     do += (bos * HQ + i_h * G) * V
     qdec += bos * H + i_h
     decay += boh * H + i_h
+    dcum += boh * H + i_h
     dhs += (boh * H + i_h) * K * V
     b_dh = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_DHT:
@@ -91,6 +95,8 @@ def _state_bwd_kernel(
         m_t = o_r < T - t0
         if STORE_DHS:  # dh₁ of chunk i_t
             tl.store(dhs + i_t * (H * K * V) + p_h, b_dh.to(dhs.dtype.element_ty), mask=m_h)
+            if E > 0:  # every (V, K) block of the chain stores the same value
+                tl.store(dcum + i_t * H, b_d)
         b_e = tl.load(decay + i_t * H)  # exp(G_C)
         b_dh = b_dh * b_e
         if E > 0:
@@ -110,9 +116,9 @@ def _state_bwd_kernel(
 
 @triton.jit
 def _dv_kernel(
-    q, k, g, w, do, dhs, dv, cu_seqlens, chunk_indices, chunk_offsets, scale,
+    q, k, g, w, do, dhs, din, dcum, seg_offsets, dv, cu_seqlens, chunk_indices, chunk_offsets, scale,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, IEEE: tl.constexpr,
+    BV: tl.constexpr, E: tl.constexpr, IEEE: tl.constexpr,
 ):
     HQ: tl.constexpr = H * G
     i_v, i_t, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -124,8 +130,8 @@ def _dv_kernel(
     m_tk, m_tv = m_t[:, None] & m_k[None, :], m_t[:, None] & m_v[None, :]
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     _, b_w, _, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
-    b_dh = tl.load(dhs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                   mask=m_k[:, None] & m_v[None, :], other=0.0)
+    b_dh = chunk_state(dhs, din, dcum, seg_offsets, chunk_indices, i_t, boh, i_c, i_h, o_k[:, None] * V + o_v[None, :],
+                       m_k[:, None] & m_v[None, :], H, K, V, E)
     b_ew = tl.where(m_t, tl.exp(b_tail), 0.0) * b_w  # e_j w_j
     b_dv = mm(b_k, b_dh, b_k, IEEE) * b_ew[:, None]
     b_Dw = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT) * b_w[None, :] * scale  # D_rj w_j scale
@@ -139,9 +145,9 @@ def _dv_kernel(
 
 @triton.jit
 def _dqkwg_kernel(
-    q, k, v, g, w, do, hs, dhs, dq, dk, dw, dg, cu_seqlens, chunk_indices, chunk_offsets, scale,
-    H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, IEEE: tl.constexpr,
+    q, k, v, g, w, do, hs, hin, hcum, h_offsets, dhs, din, dcum, d_offsets, dq, dk, dw, dg, cu_seqlens, chunk_indices,
+    chunk_offsets, scale, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, E: tl.constexpr, IEEE: tl.constexpr,
 ):
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
@@ -155,7 +161,6 @@ def _dqkwg_kernel(
     b_G, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
     b_e = tl.where(m_t, tl.exp(b_tail), 0.0)
     b_D = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)  # dg is made of these off-diagonal terms
-    p_s = ((boh + i_c) * H + i_h) * K * V
     # through the state leaving the chunk: v dh₁ᵀ (dk, dw), and ⟨dh₁, h₀⟩ (dg)
     b_vdh = tl.zeros([BT, BK], dtype=tl.float32)
     b_hdh = tl.zeros([BK], dtype=tl.float32)
@@ -164,8 +169,8 @@ def _dqkwg_kernel(
         m_v = o_v < V
         p_kv, m_kv = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
         b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        b_dh = tl.load(dhs + p_s + p_kv, mask=m_kv, other=0.0)
-        b_h = tl.load(hs + p_s + p_kv, mask=m_kv, other=0.0)
+        b_dh = chunk_state(dhs, din, dcum, d_offsets, chunk_indices, i_t, boh, i_c, i_h, p_kv, m_kv, H, K, V, E)
+        b_h = chunk_state(hs, hin, hcum, h_offsets, chunk_indices, i_t, boh, i_c, i_h, p_kv, m_kv, H, K, V, E)
         b_vdh += mm(b_v, tl.trans(b_dh), b_v, IEEE)
         b_hdh += tl.sum(b_dh.to(tl.float32) * b_h.to(tl.float32), 1)
     b_dw = b_e * tl.sum(b_vdh * b_k.to(tl.float32), 1)  # e_j k_j·(dh₁ v_j)
@@ -186,7 +191,8 @@ def _dqkwg_kernel(
             m_tv = m_t[:, None] & m_v[None, :]
             b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
             b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_h = tl.load(hs + p_s + o_k[:, None] * V + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+            b_h = chunk_state(hs, hin, hcum, h_offsets, chunk_indices, i_t, boh, i_c, i_h, o_k[:, None] * V + o_v[None, :],
+                              m_k[:, None] & m_v[None, :], H, K, V, E)
             b_dq += mm(b_do, tl.trans(b_h), b_do, IEEE)
             b_ds += mm(b_do, tl.trans(b_v), b_do, IEEE)  # dS_rj = do_r·v_j
         b_dq = b_dq * tl.exp(b_G)[:, None]  # ∂L/∂q̃ through h₀
@@ -208,29 +214,31 @@ def _dqkwg_kernel(
     tl.store(dg + rows * H + i_h, b_dg.to(dg.dtype.element_ty), mask=m_t)
 
 
-def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: dict) -> None:
+def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: dict) -> Split:
     """``dhs`` (the gradient of the state leaving every chunk) and ``dh0``, by ``_state_bwd_kernel`` over each
     sequence, or where the forward cuts its chain (:func:`~linearize.ops.triton.linear_fwd.linear_segment`) over
-    segments: each segment's own gradient from zero and decay, the chain over the segments from the end
-    (:func:`~linearize.ops.triton.linear_fwd.carry_segments`), then each segment again from the gradient
-    leaving it, storing."""
+    segments: each segment's own gradients from zero (``dhs``) and decay, then the chain over the segments from
+    the end (:func:`~linearize.ops.triton.linear_fwd.carry_segments`) for the gradient leaving each, which the
+    returned :class:`~linearize.ops.triton.linear_fwd.Split` adds where ``dhs`` is read."""
     E = linear_segment(L, q.device)
     segments, NS = L.groups(E) if E else (L.cu_seqlens, L.N)
     SBV = linear_state_bv(L, q.device, NS)
     SBK = linear_state_bk(L, SBV, q.device, NS)
     grid = (cdiv(L.V, SBV), cdiv(L.K, SBK), NS * L.H)
     common = {**c, "BK": SBK, "BV": SBV, "E": E, "num_warps": 4}
-    if E:
-        dloc, dout = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=q.device) for _ in range(2))
-        dseg = torch.empty(NS, L.H, dtype=torch.float32, device=q.device)
-        _state_bwd_kernel[grid](q, qdec, decay, do, dhs, dhs, dloc, dseg, L.cu_seqlens, L.chunk_offsets, segments,
-                                scale, USE_DHT=False, STORE_DHS=False, STORE_DH0=True, **common)
-        carry_segments(L, E, SBK, SBV, dloc, dseg, dout, dht, dh0, reverse=True)
-        dht, dh0 = dout, None
-    _state_bwd_kernel[grid](
-        q, qdec, decay, do, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, decay,
-        L.cu_seqlens, L.chunk_offsets, segments, scale, USE_DHT=dht is not None, STORE_DHS=True,
-        STORE_DH0=dh0 is not None, **common)
+    if not E:
+        _state_bwd_kernel[grid](
+            q, qdec, decay, do, dhs, dht if dht is not None else dhs, dh0 if dh0 is not None else dhs, decay, decay,
+            L.cu_seqlens, L.chunk_offsets, segments, scale, USE_DHT=dht is not None, STORE_DHS=True,
+            STORE_DH0=dh0 is not None, **common)
+        return Split(dhs, decay, L.cu_seqlens, 0)
+    dstart, dout = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=q.device) for _ in range(2))
+    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=q.device)
+    dcum = torch.empty(L.NC, L.H, dtype=torch.float32, device=q.device)
+    _state_bwd_kernel[grid](q, qdec, decay, do, dhs, dhs, dstart, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
+                            scale, USE_DHT=False, STORE_DHS=True, STORE_DH0=True, **common)
+    carry_segments(L, E, SBK, SBV, dstart, dseg, dout, dht, dh0, reverse=True)
+    return Split(dout, dcum, L.group_offsets(E), E)
 
 
 def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, do, dht, cu_seqlens) -> tuple:
@@ -255,18 +263,19 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     hs = torch.empty(L.NC, H, K, V, dtype=sdt, device=dev)
     gates = linear_gates(L, gf, wf, query_decays=True)  # shared with the states' recomputation
     _, decay, qdec = gates
-    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, gates=gates)
+    hsplit = linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, gates=gates)
     dhs = torch.empty(L.NC, H, K, V, dtype=sdt, device=dev)
     dht = dht.contiguous() if dht is not None else None
     BK, BV = block_k(K), linear_bv(K, V)
     c = {"H": H, "G": G, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee,
          "num_stages": 1 if BK > 128 else (2 if ieee else 3)}  # the GDN backward's rule (shared memory)
-    state_bwd_h(L, qf, qdec, decay, dof, dhs, dht, dh0, float(scale), c)
+    dsplit = state_bwd_h(L, qf, qdec, decay, dof, dhs, dht, dh0, float(scale), c)
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
-        qf, kf, gf, wf, dof, dhs, dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), **c, num_warps=4)
+        qf, kf, gf, wf, dof, dhs, *dsplit.args(), dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
+        E=dsplit.E, **c, num_warps=4)
     _dqkwg_kernel[(L.NC, H)](
-        qf, kf, vf, gf, wf, dof, hs, dhs, dq, dk, dw, dg, L.cu_seqlens, L.chunk_indices, L.chunk_offsets,
-        float(scale), **c, num_warps=4 if BK <= 64 else 8)
+        qf, kf, vf, gf, wf, dof, hs, *hsplit.args(), dhs, *dsplit.args(), dq, dk, dw, dg, L.cu_seqlens,
+        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **c, num_warps=4 if BK <= 64 else 8)
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H), shape(dw, H), dh0
 
 

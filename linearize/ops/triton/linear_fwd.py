@@ -6,8 +6,10 @@
    ``exp(G_C)`` and ``w_j exp(G_C − G_j)`` come from a pass over every chunk at once before it, so that the
    chain over the chunks does no scan of its own. Where a few long sequences would leave the GPU's SMs idle
    along one chain of hundreds of chunks, the chain is cut into segments of ``E`` chunks (:func:`linear_segment`):
-   each segment's own state from zero and total decay in parallel, a short chain over the segments for the
-   state entering each (:func:`_linear_carry_kernel`), then each segment again from that state, storing;
+   each segment's own states from zero (stored per chunk) and total decay in parallel, then a short chain over
+   the segments for the state entering each (:func:`_linear_carry_kernel`): a chunk's state is its segment's
+   own plus the segment's entering state times the decay between them, summed where it is read
+   (:func:`chunk_state`), so no second pass over the segments stores it;
 2. per (V block, chunk, query head), in parallel:
    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
@@ -18,6 +20,8 @@ and dense batches share the chunk tables of :class:`~linearize.ops.triton.layout
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -74,13 +78,14 @@ def _linear_gates_kernel(g, w, coef, decay, qdec, cu_seqlens, chunk_indices, chu
 
 @triton.jit
 def _linear_state_kernel(
-    k, v, coef, decay, hs, h0, ht, dseg, cu_seqlens, chunk_offsets, segments,
+    k, v, coef, decay, hs, h0, ht, dseg, dcum, cu_seqlens, chunk_offsets, segments,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     E: tl.constexpr, USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
 ):
     """Per (V block, K block, chain × KV head): a chain is a whole sequence (``E`` = 0) or the segment of ``E``
     chunks that row ``i`` of ``segments`` names (sequence, segment). ``h0``/``ht``: the state entering/leaving
-    each chain; with ``E`` > 0 and ``STORE_HT``, ``dseg`` gets the chain's total decay ``Π exp(G_C)``."""
+    each chain; with ``E`` > 0 and ``STORE_HT``, ``dseg`` gets the chain's total decay ``Π exp(G_C)``, and with
+    ``STORE_HS`` ``dcum`` [NC, H] the decay from the chain's start to each chunk (:func:`chunk_state`)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_h = i_nh // H, i_nh % H  # the chain
     bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_c, E, BT)
@@ -91,6 +96,7 @@ def _linear_state_kernel(
     v += (bos * H + i_h) * V
     coef += bos * H + i_h
     decay += boh * H + i_h
+    dcum += boh * H + i_h
     hs += (boh * H + i_h) * K * V
     b_h = tl.zeros([BK, BV], dtype=tl.float32)
     if USE_H0:
@@ -101,6 +107,8 @@ def _linear_state_kernel(
         m_t = o_r < T - t0
         if STORE_HS:  # the state entering chunk i_t
             tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)
+            if E > 0:  # every (V, K) block of the chain stores the same value
+                tl.store(dcum + i_t * H, b_d)
         b_c = tl.load(coef + (t0 + o_r) * H, mask=m_t, other=0.0)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
@@ -145,6 +153,25 @@ def _linear_carry_kernel(hloc, dseg, hin, h0, ht, seg_offsets, H: tl.constexpr, 
 
 
 @triton.jit
+def chunk_state(hs, hin, dcum, seg_offsets, chunk_indices, i_t, boh, i_c, i_h, p_kv, m_kv, H: tl.constexpr,
+                K: tl.constexpr, V: tl.constexpr, E: tl.constexpr):
+    """The (K, V) block ``p_kv`` of the state ``hs`` holds for chunk ``i_c`` of its sequence (whose first chunk is
+    ``boh``; ``i_t``: its row of ``chunk_indices``), in ``hs``' dtype. With ``E`` > 0 the sequential kernels cut
+    the chain into segments of ``E`` chunks and ``hs`` holds each chunk's share from its segment alone: the
+    whole is ``hs + dcum · hin[segment]`` (``dcum`` [NC, H]: the decay between the segment's end that ``hin``
+    [NS, H, K, V] float32 holds the state at and the chunk; ``seg_offsets``: each sequence's first segment).
+    The backward's gradients of the states take the same form from the segment's other end."""
+    p_c = (boh + i_c) * H + i_h
+    b_h = tl.load(hs + p_c * K * V + p_kv, mask=m_kv, other=0.0)
+    if E > 0:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
+        i_s = tl.load(seg_offsets + i_n).to(tl.int64) + i_c // E
+        b_in = tl.load(hin + (i_s * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0)
+        b_h = (b_h.to(tl.float32) + tl.load(dcum + p_c) * b_in).to(hs.dtype.element_ty)
+    return b_h
+
+
+@triton.jit
 def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, scale, H: tl.constexpr,
                  HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
                  BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr):
@@ -170,17 +197,17 @@ def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, sc
 
 @triton.jit
 def _linear_output_kernel(
-    q, k, v, g, w, hs, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale, p0,
+    q, k, v, g, w, hs, hin, dcum, seg_offsets, o, v_offset, cu_seqlens, chunk_indices, chunk_offsets, scale, p0,
     H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
+    BV: tl.constexpr, E: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
 ):
-    """Per (V block, chunk, query head): :func:`chunk_output` from the state stored for the chunk."""
+    """Per (V block, chunk, query head): :func:`chunk_output` from the chunk's state (:func:`chunk_state`)."""
     i_v, i_t, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first chunk
     i_h = i_hq // (HQ // H)  # query heads h·G … h·G + G − 1 read KV head h
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
     o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    b_h = tl.load(hs + ((boh + i_c) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
-                  mask=(o_k < K)[:, None] & (o_v < V)[None, :], other=0.0)
+    b_h = chunk_state(hs, hin, dcum, seg_offsets, chunk_indices, i_t, boh, i_c, i_h, o_k[:, None] * V + o_v[None, :],
+                      (o_k < K)[:, None] & (o_v < V)[None, :], H, K, V, E)
     chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, i_c * BT, i_h, i_hq, i_v, scale, H, HQ, K, V, BT, BK, BV,
                  USE_OFFSET, IEEE)
 
@@ -250,27 +277,26 @@ def carry_segments(L: Layout, E: int, BK: int, BV: int, hloc, dseg, hin, h0, ht,
         num_warps=4)
 
 
-def segment_states(L: Layout, E: int, k, v, coef, decay, h0, ht) -> torch.Tensor:
-    """``hin [NS, H, K, V]`` float32: the state entering each segment of ``E`` chunks (``Layout.groups(E)``) —
-    each segment's own state from zero and total decay in parallel, then the chain over the segments
-    (:func:`carry_segments`) from ``h0``, which fills ``ht`` when given."""
-    segments, NS = L.groups(E)
-    BV = linear_state_bv(L, k.device, NS)
-    BK = linear_state_bk(L, BV, k.device, NS)
-    hloc, hin = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device) for _ in range(2))
-    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
-    _linear_state_kernel[(cdiv(L.V, BV), cdiv(L.K, BK), NS * L.H)](
-        k, v, coef, decay, hloc, hloc, hloc, dseg, L.cu_seqlens, L.chunk_offsets, segments, H=L.H, K=L.K, V=L.V,
-        BT=BT, BK=BK, BV=BV, E=E, USE_H0=False, STORE_HS=False, STORE_HT=True, IEEE=L.ieee, num_warps=4)
-    carry_segments(L, E, BK, BV, hloc, dseg, hin, h0, ht, reverse=False)
-    return hin
+class Split(NamedTuple):
+    """How the states a sequential kernel stored per chunk are read (:func:`chunk_state`): ``E`` = 0, whole; else
+    each chunk's share from its segment of ``E`` chunks, plus ``dcum`` [NC, H] times ``hin`` [NS, H, K, V]
+    (float32), the state at the segment's end; ``offsets`` [N + 1]: each sequence's first segment."""
+
+    hin: torch.Tensor
+    dcum: torch.Tensor
+    offsets: torch.Tensor
+    E: int
+
+    def args(self) -> tuple:
+        return self.hin, self.dcum, self.offsets
 
 
-def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> None:
+def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> Split:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
-    chunk and, when given, ``ht`` with each sequence's final state. ``k``, ``v``: flat ``[tokens, H, ·]``;
-    ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32 ``[N, H, K, V]`` or None; ``gates``:
-    :func:`linear_gates` of g and w, if made already."""
+    chunk — where the chain is cut into segments (:func:`linear_segment`), each chunk's share from its
+    segment, the rest in the returned :class:`Split` — and, when given, ``ht`` with each sequence's final
+    state. ``k``, ``v``: flat ``[tokens, H, ·]``; ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32
+    ``[N, H, K, V]`` or None; ``gates``: :func:`linear_gates` of g and w, if made already."""
     L = layout
     coef, decay, _ = gates or linear_gates(L, g, w)
     E = linear_segment(L, k.device)
@@ -279,11 +305,20 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
     BK = linear_state_bk(L, BV, k.device, NS)
     grid = (cdiv(L.V, BV), cdiv(L.K, BK), NS * L.H)
     common = {"H": L.H, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "E": E, "IEEE": L.ieee, "num_warps": 4}
-    if E:  # the state entering each segment, then each segment again from it, storing
-        h0, ht = segment_states(L, E, k, v, coef, decay, h0, ht), None
-    _linear_state_kernel[grid](
-        k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, decay, L.cu_seqlens,
-        L.chunk_offsets, segments, USE_H0=h0 is not None, STORE_HS=True, STORE_HT=ht is not None, **common)
+    if not E:
+        _linear_state_kernel[grid](
+            k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, decay, decay,
+            L.cu_seqlens, L.chunk_offsets, segments, USE_H0=h0 is not None, STORE_HS=True, STORE_HT=ht is not None,
+            **common)
+        return Split(hs, decay, L.cu_seqlens, 0)
+    # each segment's states from zero, its end state and total decay; then the chain over the segments
+    hend, hin = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device) for _ in range(2))
+    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
+    dcum = torch.empty(L.NC, L.H, dtype=torch.float32, device=k.device)
+    _linear_state_kernel[grid](k, v, coef, decay, hs, hs, hend, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
+                               USE_H0=False, STORE_HS=True, STORE_HT=True, **common)
+    carry_segments(L, E, BK, BV, hend, dseg, hin, h0, ht, reverse=False)
+    return Split(hin, dcum, L.group_offsets(E), E)
 
 
 def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,
@@ -307,9 +342,9 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
-    linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
+    split = linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     for p0, n in grid_slices(L.NC):
         _linear_output_kernel[(cdiv(V, BV), n, HQ)](
-            qf, kf, vf, gf, wf, hs, o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale), p0, HQ=HQ,
-            USE_OFFSET=v_offset is not None, **common, num_warps=4)
+            qf, kf, vf, gf, wf, hs, *split.args(), o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
+            p0, HQ=HQ, E=split.E, USE_OFFSET=v_offset is not None, **common, num_warps=4)
     return o.view(B, T, HQ, V), ht

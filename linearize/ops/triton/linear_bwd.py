@@ -273,9 +273,13 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, wf, dof, dhs, *dsplit.args(), dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
         E=dsplit.E, **c, num_warps=4)
+    # the segments' states read beside the chunks' take a third more shared memory a stage: 196,608 B at 3 stages
+    # for K = V = 128 (Triton 3.6, sm_90), 131,072 at 2, as many as the whole states take at 3
+    stages = min(c["num_stages"], 2) if dsplit.E else c["num_stages"]
     _dqkwg_kernel[(L.NC, H)](
         qf, kf, vf, gf, wf, dof, hs, *hsplit.args(), dhs, *dsplit.args(), dq, dk, dw, dg, L.cu_seqlens,
-        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **c, num_warps=4 if BK <= 64 else 8)
+        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **{**c, "num_stages": stages},
+        num_warps=4 if BK <= 64 else 8)
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H), shape(dw, H), dh0
 
 

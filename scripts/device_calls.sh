@@ -31,7 +31,11 @@
 #                                        OUT/gpu_tests.log (TESTS "skip": none); BENCH_FLAGS adds options to
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
 #                                        JSONs' names; AB=1 (carry ab): before them, the first of OPS at SHAPES in
-#                                        every tree of scripts/ab.sh, without fla (OUT/<tree>.bench_kernels.json)
+#                                        every tree of scripts/ab.sh, without fla (OUT/<tree>.bench_kernels.json);
+#                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
+#                                        kernel's timings (fla's), which an earlier run's copy carried as
+#                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
+#                                        it chose on that machine, of the same GPU kind: minutes less per operator)
 #   scripts/device_calls.sh kernels-start [OPS] [SHAPES] [TESTS]   the same step in the background, its files into
 #                                        W/kernels (a whole table against fla outlasts a call: fla compiles and
 #                                        autotunes for minutes per operator); SHAPES "all": every shape of the bench
@@ -256,7 +260,9 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         # .carry/w carried too: the training wheels in the same call (no 'wheels' call before)
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl \
             $(ls .carry/w/*.whl 2>/dev/null)
-        export TRITON_INTERPRET=0
+        export TRITON_INTERPRET=0 TRITON_CACHE_DIR=$w/triton-cache TRITON_CACHE_AUTOTUNING=1
+        mkdir -p "$TRITON_CACHE_DIR"
+        [ -f .carry/tcache/autotune.tgz ] && tar xzf .carry/tcache/autotune.tgz -C "$TRITON_CACHE_DIR"
         cuda_ptxas
         if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
             [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
@@ -268,7 +274,10 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \
                 --output "$out/bench_$op${BENCH_TAG:-}.json" 2>&1 | tail -n 12
+            (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$out/autotune.tgz" -T -)
         done
+        echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) autotuned kernels kept"
+
         [ "$tests" = skip ] && exit 0
         python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu -k "$tests" tests/ \
             > "$out/gpu_tests.log" 2>&1  # a module needing a package the machine lacks does not stop the rest

@@ -30,8 +30,8 @@
 #                                        without gradients, the harness's fitted batch) into
 #                                        OUT/gpu_tests.log (TESTS "skip": none); BENCH_FLAGS adds options to
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
-#                                        JSONs' names; AB=1 (carry ab): before them, the first of OPS at SHAPES in
-#                                        every tree of scripts/ab.sh, without fla (OUT/<tree>.bench_kernels.json);
+#                                        JSONs' names; AB=1 (carry ab): before them, each of OPS at SHAPES in
+#                                        every tree of scripts/ab.sh, without fla (OUT/ab_OP/<tree>.bench_kernels.json);
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
@@ -40,7 +40,8 @@
 #                                        W/kernels (a whole table against fla outlasts a call: fla compiles and
 #                                        autotunes for minutes per operator); SHAPES "all": every shape of the bench
 #   scripts/device_calls.sh kernels-wait [SECONDS]   until that step ends or SECONDS pass (default 540); then its
-#                                        files so far into OUT and its log's end; call again while it runs
+#                                        files so far into OUT/kernels.tgz (a call brings back 8 files at most),
+#                                        OUT/autotune.tgz beside it, and its log's end; call again while it runs
 #   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
 #                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')
 #                                        in the background, from a copy of tests/ beside the repo, so that they run
@@ -267,8 +268,11 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
             [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
-            bash scripts/ab.sh run 200 "$out" bench_kernels.py --op "${ops%% *}" --no-fla --only "$shapes" \
-                ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
+            for op in $ops; do
+                # shellcheck disable=SC2086  # BENCH_FLAGS: words
+                bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "$shapes" \
+                    ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
+            done
         fi
         for op in $ops; do
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
@@ -294,7 +298,8 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         k=$w/kernels end=$(( $(date +%s) + ${2:-540} ))
         [ -e "$k/step.log" ] || die "no kernels step: 'kernels-start' first"
         while [ "$(date +%s)" -lt "$end" ] && [ ! -e "$k/done" ]; do sleep 5; done
-        cp -r "$k/." "$out"/
+        tar czf "$out/kernels.tgz" -C "$k" --exclude=autotune.tgz .
+        cp "$k/autotune.tgz" "$out"/ 2>/dev/null
         tail -n 40 "$k/step.log"
         if [ -e "$k/done" ]; then cat "$k/done"; else echo "still running: call 'kernels-wait' again"; fi ;;
     gemma-part)

@@ -283,7 +283,11 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) autotuned kernels kept"
 
         [ "$tests" = skip ] && exit 0
-        python3 -m pytest -q -p no:cacheprovider --continue-on-collection-errors -m gpu -k "$tests" tests/ \
+        # the GPU tests' time is the compiler's (the kda tests: 705 s in one process on an H100): pytest-xdist,
+        # where .carry/pytest brings it, spreads them over TEST_WORKERS processes (default 8) of the 16 cores
+        workers=$(python3 -c 'import xdist' 2> /dev/null && echo "-n ${TEST_WORKERS:-8}")
+        # shellcheck disable=SC2086  # workers: words
+        python3 -m pytest -q -p no:cacheprovider $workers --continue-on-collection-errors -m gpu -k "$tests" tests/ \
             > "$out/gpu_tests.log" 2>&1  # a module needing a package the machine lacks does not stop the rest
         tail -n 3 "$out/gpu_tests.log" ;;
     kernels-start)

@@ -28,15 +28,16 @@ wheels() {  # the versions installed here, for the device's Python 3.12
     # flash-linear-attention, the kernels' anchor in scripts/bench_kernels.py (pure Python, 1.5 MB)
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 -d .whl flash-linear-attention==0.6.0 fla-core==0.6.0 einops==0.8.1
-    # pytest, for the GPU tests ('kernels', 'gpu-tests')
+    # pytest, for the GPU tests ('kernels', 'gpu-tests'), and pytest-xdist, which spreads them over the cores
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 -d .whl $(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(pytest|pluggy|iniconfig)==')
+        --platform manylinux_2_28_x86_64 -d .whl $(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(pytest|pluggy|iniconfig)==') \
+        pytest-xdist==3.8.0 execnet==2.1.2
 }
 split_wheels() {  # .carry/w and .carry/fla out of .whl (scripts/device_calls.sh: 'wheels', 'fla')
     rm -rf .carry/w .carry/fla .carry/pytest && mkdir -p .carry/w .carry/fla .carry/pytest
     mv .whl/datasets-* .whl/dill-* .whl/multiprocess-* .whl/omegaconf-* .whl/gguf-* .carry/w/
     mv .whl/flash_linear_attention-* .whl/fla_core-* .whl/einops-* .carry/fla/
-    mv .whl/pytest-* .whl/pluggy-* .whl/iniconfig-* .carry/pytest/
+    mv .whl/pytest-* .whl/pytest_xdist-* .whl/execnet-* .whl/pluggy-* .whl/iniconfig-* .carry/pytest/
 }
 if [ "$wheels_only" = 1 ]; then
     cd "$(git rev-parse --show-toplevel)"

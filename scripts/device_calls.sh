@@ -30,8 +30,9 @@
 #                                        without gradients, the harness's fitted batch) into
 #                                        OUT/gpu_tests.log (TESTS "skip": none); BENCH_FLAGS adds options to
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
-#                                        JSONs' names; AB=1 (carry ab): before them, each of OPS at SHAPES in
-#                                        every tree of scripts/ab.sh, without fla (OUT/ab_OP/<tree>.bench_kernels.json);
+#                                        JSONs' names; AB=1 (carry ab): before them, each of OPS (or of AB_OPS) at
+#                                        SHAPES (or AB_SHAPES) in every tree of scripts/ab.sh, without fla
+#                                        (OUT/ab_OP/<tree>.bench_kernels.json);
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
@@ -268,9 +269,9 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
             [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
-            for op in $ops; do
+            for op in ${AB_OPS:-$ops}; do
                 # shellcheck disable=SC2086  # BENCH_FLAGS: words
-                bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "$shapes" \
+                bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" \
                     ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
             done
         fi

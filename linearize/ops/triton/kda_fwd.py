@@ -338,14 +338,15 @@ def kda_stages(K: int, ieee: bool, kernel: str, G: int = 1) -> int:
       256-wide keys;
     - 256-wide keys: the 16-bit WY backward (114,688 B) keeps 3;
     - at G = 1 the backward state kernel's loop over the query heads folds away and q and do are pipelined with
-      k, w and dΔ: 245,760 B for 16-bit K = 128 (155,648 at 2 stages), 286,720 for K = 256 at 2 (81,920 at 1),
-      so at most 2 stages at K = 128 and 1 at K = 256 there; K = 64 (139,264 B) keeps 3."""
+      k, w and dΔ: 196,608 B for 16-bit K = 128 at 3 stages (139,264 at 2; 3 replayed 1.05× faster at 2×8192 on
+      an H100, ``results/tune_launches_kda_2x8192_16warps_h100.json``), 327,680 for K = 256 at 3 and 225,280 at
+      2 (53,248 at 1), so 1 stage at K = 256 there (2 fit, untimed)."""
     wide = block_k(K) > 128
     stages = (1 if wide else 2) if ieee else 3
     if kernel == "state":
         return 2
-    if kernel == "state_bwd" and G == 1 and block_k(K) > 64:
-        return min(stages, 1 if wide else 2)
+    if kernel == "state_bwd" and G == 1 and wide:
+        return 1
     return stages
 
 

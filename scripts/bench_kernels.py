@@ -40,6 +40,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops import gated_delta_rule  # noqa: E402
 from linearize.ops.linear import linear_attention  # noqa: E402
+from linearize.ops.triton import linear_fwd  # noqa: E402
 
 
 def load_fla(op: str = "gdn"):
@@ -125,9 +126,10 @@ def log_decays(B, T, H, K, per_channel, decays, device):
     return -torch.rand(shape, device=device) * 0.1
 
 
-def add_kda_options(p) -> None:
-    """The inputs' log-decays and the kda operator's switches (``kda_fwd``, ``tiles``), here and in
-    tune_launches.py: each turns its path on or off for a whole run (:func:`apply_kda_options`)."""
+def add_operator_options(p) -> None:
+    """The inputs' log-decays, the kda operator's switches (``kda_fwd``, ``tiles``) and the linear one's
+    segments (``linear_fwd``), here and in tune_launches.py: each sets its path for a whole run
+    (:func:`apply_operator_options`)."""
     p.add_argument("--decays", choices=DECAYS, default="uniform",
                    help="the log-decays drawn (log_decays): uniform in (−0.1, 0), fla's logsigmoid of a normal, or the "
                         "converted block's Taylor init log(1 − 1/t)")
@@ -139,10 +141,14 @@ def add_kda_options(p) -> None:
                         "allows (ops/triton/kda_fwd.py, CHUNK_DOTS off)")
     p.add_argument("--kda-flush-exp", action="store_true",
                    help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
+    p.add_argument("--linear-segment", type=int, default=None, metavar="E",
+                   help="linear: chunks per segment where a state chain is cut (ops/triton/linear_fwd.py, SEGMENT)")
+    p.add_argument("--linear-segment-from", type=int, default=None, metavar="N",
+                   help="linear: cut a chain from N chunks of the longest sequence on (linear_fwd.SEGMENT_FROM)")
 
 
-def apply_kda_options(args) -> None:
-    """Sets the switches of :func:`add_kda_options` before the first launch (the kernels read them as they
+def apply_operator_options(args) -> None:
+    """Sets the switches of :func:`add_operator_options` before the first launch (the kernels read them as they
     compile; Triton refuses a global that changed under a compiled kernel)."""
     import triton.language as tl
 
@@ -154,6 +160,10 @@ def apply_kda_options(args) -> None:
         kda_fwd.CHUNK_DOTS = False
     if args.kda_flush_exp:
         tiles.FLUSH_EXP = tl.constexpr(True)
+    if args.linear_segment is not None:
+        linear_fwd.SEGMENT = args.linear_segment
+    if args.linear_segment_from is not None:
+        linear_fwd.SEGMENT_FROM = args.linear_segment_from
 
 
 def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True, decays="uniform"):
@@ -278,9 +288,9 @@ def main():
                         "the gated delta rule with a decay per key channel (kda), or the delta rule (deltanet, g = 0)")
     p.add_argument("--cudagraph", action="store_true",
                    help="also time each forward replayed from a CUDA graph (*_fwd_graph_ms: no host launch cost)")
-    add_kda_options(p)
+    add_operator_options(p)
     args = p.parse_args()
-    apply_kda_options(args)
+    apply_operator_options(args)
     if args.render:
         runs = [json.loads(path.read_text()) for path in args.render]
         rows = [row for run in runs for row in run["rows"]]
@@ -306,7 +316,8 @@ def main():
             "triton": triton.__version__, "copy_bandwidth_Bps": bw, "fla_guard_disabled": guard,
             "note": NOTES[args.op],
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
-            "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays}
+            "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
+            "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

@@ -27,7 +27,7 @@ from triton.runtime.jit import JITFunction
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_kernels import add_kda_options, apply_kda_options, fwd_bwd, inputs, operators  # noqa: E402
+from bench_kernels import add_operator_options, apply_operator_options, fwd_bwd, inputs, operators  # noqa: E402
 from profile_kernels import SHAPES  # noqa: E402  (the named shapes of the per-kernel breakdown and ncu)
 
 
@@ -77,10 +77,10 @@ def main():
                    help="also each kernel at its own warps and stages with registers capped (e.g. 128: two "
                         "8-warp programs an SM)")
     p.add_argument("--forward-only", action="store_true")
-    add_kda_options(p)
+    add_operator_options(p)
     p.add_argument("--output", type=Path, default=None)
     args = p.parse_args()
-    apply_kda_options(args)
+    apply_operator_options(args)
     if not torch.cuda.is_available():
         print("error: tune_launches.py times launches on a CUDA GPU; run it on a machine with one", file=sys.stderr)
         sys.exit(2)

@@ -28,10 +28,10 @@ kernels sum the same thing grouped by what ``g_r`` moves — ``exp(G_i)`` for i 
 Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward's states again
 (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
 every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it, and both kinds of
-state are read as :func:`~linearize.ops.triton.linear_fwd.chunk_state` sums: :func:`state_bwd_h`); ``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head)
-the rest. Both loop over the G query heads of their KV head, so dk, dv,
-dw and dg are summed over them without atomics. Dots in the input dtype with fp32 accumulation (IEEE fp32
-for fp32 inputs).
+state are read as :func:`~linearize.ops.triton.linear_fwd.chunk_state` sums: :func:`state_bwd_h`);
+``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head) the rest. Both loop
+over the G query heads of their KV head, so dk, dv, dw and dg are summed over them without atomics. Dots in
+the input dtype with fp32 accumulation (IEEE fp32 for fp32 inputs).
 """
 
 from __future__ import annotations
@@ -191,8 +191,8 @@ def _dqkwg_kernel(
             m_tv = m_t[:, None] & m_v[None, :]
             b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
             b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_h = chunk_state(hs, hin, hcum, h_offsets, chunk_indices, i_t, boh, i_c, i_h, o_k[:, None] * V + o_v[None, :],
-                              m_k[:, None] & m_v[None, :], H, K, V, E)
+            b_h = chunk_state(hs, hin, hcum, h_offsets, chunk_indices, i_t, boh, i_c, i_h,
+                              o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :], H, K, V, E)
             b_dq += mm(b_do, tl.trans(b_h), b_do, IEEE)
             b_ds += mm(b_do, tl.trans(b_v), b_do, IEEE)  # dS_rj = do_r·v_j
         b_dq = b_dq * tl.exp(b_G)[:, None]  # ∂L/∂q̃ through h₀

@@ -232,7 +232,8 @@ def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: d
             L.cu_seqlens, L.chunk_offsets, segments, scale, USE_DHT=dht is not None, STORE_DHS=True,
             STORE_DH0=dh0 is not None, **common)
         return Split(dhs, decay, L.cu_seqlens, 0)
-    dstart, dout = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=q.device) for _ in range(2))
+    dstart = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=q.device)
+    dout = torch.empty(NS, L.H, L.K, L.V, dtype=dhs.dtype, device=q.device)
     dseg = torch.empty(NS, L.H, dtype=torch.float32, device=q.device)
     dcum = torch.empty(L.NC, L.H, dtype=torch.float32, device=q.device)
     _state_bwd_kernel[grid](q, qdec, decay, do, dhs, dhs, dstart, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
@@ -273,13 +274,9 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, wf, dof, dhs, *dsplit.args(), dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
         E=dsplit.E, **c, num_warps=4)
-    # the segments' states read beside the chunks' take a third more shared memory a stage: 196,608 B at 3 stages
-    # for K = V = 128 (Triton 3.6, sm_90), 131,072 at 2, as many as the whole states take at 3
-    stages = min(c["num_stages"], 2) if dsplit.E else c["num_stages"]
     _dqkwg_kernel[(L.NC, H)](
         qf, kf, vf, gf, wf, dof, hs, *hsplit.args(), dhs, *dsplit.args(), dq, dk, dw, dg, L.cu_seqlens,
-        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **{**c, "num_stages": stages},
-        num_warps=4 if BK <= 64 else 8)
+        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **c, num_warps=4 if BK <= 64 else 8)
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H), shape(dw, H), dh0
 
 

@@ -146,7 +146,7 @@ def _linear_carry_kernel(hloc, dseg, hin, h0, ht, seg_offsets, H: tl.constexpr, 
         else:
             i_s = s0 + i
         p_s = (i_s * H + i_h) * K * V + p_h
-        tl.store(hin + p_s, b_h, mask=m_h)
+        tl.store(hin + p_s, b_h.to(hin.dtype.element_ty), mask=m_h)
         b_h = b_h * tl.load(dseg + i_s * H + i_h) + tl.load(hloc + p_s, mask=m_h, other=0.0)
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + p_h, b_h.to(ht.dtype.element_ty), mask=m_h)
@@ -159,7 +159,10 @@ def chunk_state(hs, hin, dcum, seg_offsets, chunk_indices, i_t, boh, i_c, i_h, p
     ``boh``; ``i_t``: its row of ``chunk_indices``), in ``hs``' dtype. With ``E`` > 0 the sequential kernels cut
     the chain into segments of ``E`` chunks and ``hs`` holds each chunk's share from its segment alone: the
     whole is ``hs + dcum · hin[segment]`` (``dcum`` [NC, H]: the decay between the segment's end that ``hin``
-    [NS, H, K, V] float32 holds the state at and the chunk; ``seg_offsets``: each sequence's first segment).
+    [NS, H, K, V] holds the state at and the chunk; ``seg_offsets``: each sequence's first segment), summed in
+    float32. ``hin`` has ``hs``' dtype, as a chunk's whole state has without segments: in 16 bits it keeps the
+    readers' registers where they were (the output kernel 136 at K = V = 128 in bf16, 178 with ``hin`` in
+    float32; Triton 3.6, sm_90).
     The backward's gradients of the states take the same form from the segment's other end."""
     p_c = (boh + i_c) * H + i_h
     b_h = tl.load(hs + p_c * K * V + p_kv, mask=m_kv, other=0.0)
@@ -280,7 +283,7 @@ def carry_segments(L: Layout, E: int, BK: int, BV: int, hloc, dseg, hin, h0, ht,
 class Split(NamedTuple):
     """How the states a sequential kernel stored per chunk are read (:func:`chunk_state`): ``E`` = 0, whole; else
     each chunk's share from its segment of ``E`` chunks, plus ``dcum`` [NC, H] times ``hin`` [NS, H, K, V]
-    (float32), the state at the segment's end; ``offsets`` [N + 1]: each sequence's first segment."""
+    (in the states' dtype), the state at the segment's end; ``offsets`` [N + 1]: each sequence's first segment."""
 
     hin: torch.Tensor
     dcum: torch.Tensor
@@ -312,7 +315,8 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
             **common)
         return Split(hs, decay, L.cu_seqlens, 0)
     # each segment's states from zero, its end state and total decay; then the chain over the segments
-    hend, hin = (torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device) for _ in range(2))
+    hend = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device)
+    hin = torch.empty(NS, L.H, L.K, L.V, dtype=hs.dtype, device=k.device)
     dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
     dcum = torch.empty(L.NC, L.H, dtype=torch.float32, device=k.device)
     _linear_state_kernel[grid](k, v, coef, decay, hs, hs, hend, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,

@@ -55,6 +55,7 @@ from .linear_fwd import (
     linear_state_bk,
     linear_state_bv,
     pair_decays,
+    segment_buffers,
 )
 from .settings import block_k
 from .tiles import mm
@@ -232,10 +233,7 @@ def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: d
             L.cu_seqlens, L.chunk_offsets, segments, scale, USE_DHT=dht is not None, STORE_DHS=True,
             STORE_DH0=dh0 is not None, **common)
         return Split(dhs, decay, L.cu_seqlens, 0)
-    dstart = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=q.device)
-    dout = torch.empty(NS, L.H, L.K, L.V, dtype=dhs.dtype, device=q.device)
-    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=q.device)
-    dcum = torch.empty(L.NC, L.H, dtype=torch.float32, device=q.device)
+    dstart, dout, dseg, dcum = segment_buffers(L, NS, dhs)
     _state_bwd_kernel[grid](q, qdec, decay, do, dhs, dhs, dstart, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
                             scale, USE_DHT=False, STORE_DHS=True, STORE_DH0=True, **common)
     carry_segments(L, E, SBK, SBV, dstart, dseg, dout, dht, dh0, reverse=True)

@@ -294,6 +294,16 @@ class Split(NamedTuple):
         return self.hin, self.dcum, self.offsets
 
 
+def segment_buffers(L: Layout, NS: int, hs: torch.Tensor) -> tuple:
+    """The buffers of ``NS`` segments' chains (forward or backward): each segment's own state at its far end
+    (float32) and the state the chain over the segments gives it (``hs``' dtype, :func:`chunk_state`), the
+    segment's total decay, and the decay between that state and each chunk (:class:`Split`'s ``dcum``)."""
+    own = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=hs.device)
+    entering = torch.empty(NS, L.H, L.K, L.V, dtype=hs.dtype, device=hs.device)
+    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=hs.device)
+    return own, entering, dseg, torch.empty(L.NC, L.H, dtype=torch.float32, device=hs.device)
+
+
 def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> Split:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk — where the chain is cut into segments (:func:`linear_segment`), each chunk's share from its
@@ -315,10 +325,7 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
             **common)
         return Split(hs, decay, L.cu_seqlens, 0)
     # each segment's states from zero, its end state and total decay; then the chain over the segments
-    hend = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=k.device)
-    hin = torch.empty(NS, L.H, L.K, L.V, dtype=hs.dtype, device=k.device)
-    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=k.device)
-    dcum = torch.empty(L.NC, L.H, dtype=torch.float32, device=k.device)
+    hend, hin, dseg, dcum = segment_buffers(L, NS, hs)
     _linear_state_kernel[grid](k, v, coef, decay, hs, hs, hend, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
                                USE_H0=False, STORE_HS=True, STORE_HT=True, **common)
     carry_segments(L, E, BK, BV, hend, dseg, hin, h0, ht, reverse=False)

@@ -268,7 +268,6 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         cuda_ptxas
         if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
             [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
-            # shellcheck disable=SC2086  # BENCH_FLAGS: words
             for op in ${AB_OPS:-$ops}; do
                 # shellcheck disable=SC2086  # BENCH_FLAGS: words
                 bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" \

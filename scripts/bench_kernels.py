@@ -40,7 +40,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops import gated_delta_rule  # noqa: E402
 from linearize.ops.linear import linear_attention  # noqa: E402
-from linearize.ops.triton import linear_fwd  # noqa: E402
+from linearize.ops.triton import function, linear_fwd  # noqa: E402
 
 
 def load_fla(op: str = "gdn"):
@@ -141,6 +141,9 @@ def add_operator_options(p) -> None:
                         "allows (ops/triton/kda_fwd.py, CHUNK_DOTS off)")
     p.add_argument("--kda-flush-exp", action="store_true",
                    help="kda: each decay's exp as one ex2 with denormals flushed (ops/triton/tiles.py, FLUSH_EXP)")
+    p.add_argument("--gdn-keep-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="gdn, deltanet: the forward's W, states and Δ kept for the backward, or computed again there "
+                        "(ops/triton/function.py, KEEP_FORWARD; default as set there)")
     p.add_argument("--linear-segment", type=int, default=None, metavar="E",
                    help="linear: chunks per segment where a state chain is cut (ops/triton/linear_fwd.py, SEGMENT)")
     p.add_argument("--linear-segment-from", type=int, default=None, metavar="N",
@@ -160,6 +163,8 @@ def apply_operator_options(args) -> None:
         kda_fwd.CHUNK_DOTS = False
     if args.kda_flush_exp:
         tiles.FLUSH_EXP = tl.constexpr(True)
+    if args.gdn_keep_forward is not None:
+        function.KEEP_FORWARD = args.gdn_keep_forward
     if args.linear_segment is not None:
         linear_fwd.SEGMENT = args.linear_segment
     if args.linear_segment_from is not None:
@@ -317,7 +322,8 @@ def main():
             "note": NOTES[args.op],
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
-            "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM}
+            "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM,
+            "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None)}  # None: a tree before the switch
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

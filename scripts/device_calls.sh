@@ -32,7 +32,9 @@
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
 #                                        JSONs' names; AB=1 (carry ab): before them, each of OPS (or of AB_OPS) at
 #                                        SHAPES (or AB_SHAPES) in every tree of scripts/ab.sh, without fla
-#                                        (OUT/ab_OP/<tree>.bench_kernels.json);
+#                                        (OUT/ab_OP/<tree>.bench_kernels.json); AB_FLAGS ("--a;--b c", ';' between
+#                                        flag sets): each of AB_OPS with each flag set in this tree, without fla
+#                                        (OUT/ab_OP/<flags>.json);
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
@@ -272,6 +274,18 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
                 # shellcheck disable=SC2086  # BENCH_FLAGS: words
                 bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" \
                     ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
+            done
+        fi
+        if [ -n "${AB_FLAGS:-}" ]; then  # a switch A/B in this tree: each of AB_FLAGS' ';'-separated flag sets
+            IFS=';' read -ra sets <<< "$AB_FLAGS"
+            for op in ${AB_OPS:-$ops}; do
+                for flags in "${sets[@]}"; do
+                    tag=$(echo "${flags:-default}" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
+                    echo "== $op $flags"
+                    # shellcheck disable=SC2086  # flags: words
+                    timeout 200 python3 scripts/bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" $flags \
+                        --output "$out/ab_$op/$tag.json" 2>&1 | grep -v Warn | tail -n 6
+                done
             done
         fi
         for op in $ops; do

@@ -136,6 +136,20 @@ def test_gated_delta_rule_triton_without_decay(B, T, H, G, K, V, cu, dtype):
     assert_within(errors, TOL[dtype])
 
 
+@pytest.mark.parametrize("decay", [True, False], ids=["gdn", "deltanet"])
+@pytest.mark.parametrize("B, T, H, G, K, V, cu", [
+    pytest.param(2, 8192, 16, 1, 128, 128, None, id="2x8192"),  # output groups of 8 read out of every state
+    pytest.param(1, 4096, 8, 4, 128, 128, None, id="llama3-8b"),
+    pytest.param(1, 5000, 4, 2, 64, 64, [0, 1, 63, 64, 65, 2000, 4999, 5000], id="packed"),
+])
+def test_gated_delta_rule_triton_kept_forward(monkeypatch, B, T, H, G, K, V, cu, decay):
+    """``function.KEEP_FORWARD``: the backward from the forward's W, states and Δ, in bf16, against float64."""
+    from linearize.ops.triton import function
+
+    monkeypatch.setattr(function, "KEEP_FORWARD", True)
+    assert_within(operator_errors(B, T, H, G, K, V, torch.bfloat16, cu=cu, decay=decay), TOL[torch.bfloat16])
+
+
 @slow
 def test_gated_delta_rule_triton_forward_at_65536_tokens():
     assert_within(operator_errors(1, 65536, 16, 1, 128, 128, torch.bfloat16, grads=False), TOL[torch.bfloat16])

@@ -1,10 +1,11 @@
 """Triton backward of the chunkwise gated delta rule: the kernels of ``linearize/ops/chunk_bwd.py``.
 
 Read that file's docstring first: it derives every term below, and its PyTorch code is the spec these
-kernels are tested against (besides the float64 reference). Of the forward's intermediates only
-``T = (I + A)⁻¹`` is kept (the solve stage is skipped); the backward recomputes W, U and g's cumsum with
-the forward's ``recompute_w_u``, then the forward's states (``chunk_fwd_h``) on a side CUDA stream while
-stages 1 and 2 below run (they do not need them), then runs four kernel stages, one module each:
+kernels are tested against (besides the float64 reference). Of the forward's intermediates ``T = (I + A)⁻¹``
+is kept (the solve stage is skipped), and where the forward kept them (``chunk_fwd.Kept``) W, g's cumsum,
+the states and Δ; else the backward recomputes W, U and g's cumsum with the forward's ``recompute_w_u``,
+then the forward's states (``chunk_fwd_h``) on a side CUDA stream while stages 1 and 2 below run (they do
+not need them). Then four kernel stages, one module each:
 
 1. ``dv_local.chunk_bwd_dv_local``  per (V block, chunk, KV head): ``Pᵀ do`` summed over the G query heads that
    read this KV head (the in-chunk part of ``dΔ``); under GQA also the chunk's ``Σ_g (γ⊙q_g)ᵀ do_g``
@@ -69,31 +70,37 @@ def _side_stream(device: torch.device):
     return _SIDE[device]
 
 
-def chunk_gated_delta_rule_bwd(*, q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, tm=None):
+def chunk_gated_delta_rule_bwd(*, q, k, v, g, beta, scale, initial_state, do, dht, cu_seqlens, tm=None,
+                               kept=None):
     """Gradients w.r.t. ``(q, k, v, g, beta, initial_state)`` (the last ``None`` without an initial state),
     each in its input's dtype. Inputs as the forward's, ``do`` like the output, ``dht`` like the final state or
-    None; ``tm`` the forward's T (recomputed when None). ``g`` None: no decay, and its gradient None."""
+    None; ``tm`` the forward's T (recomputed when None); ``kept`` the forward's ``chunk_fwd.Kept`` (recomputed
+    when None). ``g`` None: no decay, and its gradient None."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     qf, kf, vf, bf, dof = Layout.flat(q, k, v, beta, do)
     gf = Layout.flat(g)[0] if g is not None else None
     if tm is None:
         tm = solve_tril(layout=L, k=kf, g=gf, beta=bf)
-    gcum, w, u = recompute_w_u(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
-    # The forward's states are recomputed on a side stream while dv_local and the backward state kernel run:
-    # neither needs them, and at long T with few sequences each sequential kernel alone leaves SMs idle.
-    states = functools.partial(chunk_fwd_h, layout=L, k=kf, w=w, u=u, gcum=gcum, initial_state=initial_state,
-                               output_final_state=False)
-    side = _side_stream(L.device)
-    if side is not None:
-        main = torch.cuda.current_stream(L.device)
-        side.wait_stream(main)
-        with torch.cuda.stream(side):
-            hs, v_new, _ = states()
-        hs.record_stream(main)  # allocated on the side stream, used and freed on the main one
-        v_new.record_stream(main)
+    side = main = None
+    if kept is not None:
+        gcum, w, hs, v_new = kept
     else:
-        hs, v_new, _ = states()
+        gcum, w, u = recompute_w_u(layout=L, k=kf, v=vf, g=gf, beta=bf, tm=tm)
+        # The forward's states are recomputed on a side stream while dv_local and the backward state kernel
+        # run: neither needs them, and at long T with few sequences each sequential kernel alone leaves SMs idle.
+        states = functools.partial(chunk_fwd_h, layout=L, k=kf, w=w, u=u, gcum=gcum, initial_state=initial_state,
+                                   output_final_state=False)
+        side = _side_stream(L.device)
+        if side is None:
+            hs, v_new, _ = states()
+        else:
+            main = torch.cuda.current_stream(L.device)
+            side.wait_stream(main)
+            with torch.cuda.stream(side):
+                hs, v_new, _ = states()
+            hs.record_stream(main)  # allocated on the side stream, used and freed on the main one
+            v_new.record_stream(main)
 
     dvl, dql = chunk_bwd_dv_local(layout=L, q=qf, k=kf, gcum=gcum, do=dof, scale=scale, qdo=qdo_outside(L.G))
     dhs, dh0 = chunk_bwd_dh(layout=L, q=qf, k=kf, w=w, gcum=gcum, do=dof, dvl=dvl, dql=dql, dht=dht,

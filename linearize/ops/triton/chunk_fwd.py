@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -48,21 +49,37 @@ def _launch_settings(H: int, G: int, K: int, V: int, ieee: bool, bv: int, E: int
     })
 
 
+class Kept(NamedTuple):
+    """What the forward computed that the backward reads besides T (``keep=True``): g's in-chunk cumsum (None
+    without a decay), W, the state entering every chunk and Δ = U − W h, as ``chunk_bwd`` would compute them
+    again. Held from the forward to the backward, they cost ``tokens × H × (K + V)`` + ``chunks × H × K × V``
+    elements (~270 MB at 2×8192, 16 heads of 128, bf16) and spare the backward ``recompute_w_u`` and
+    ``chunk_fwd_h``."""
+
+    gcum: torch.Tensor | None
+    w: torch.Tensor
+    hs: torch.Tensor
+    v_new: torch.Tensor
+
+
 def chunk_gated_delta_rule_fwd(*, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                               v_offset=None):
+                               v_offset=None, keep: bool = False):
     """Host launcher. Inputs ``[B, T, H(q), D]``; returns ``(o, final_state, T)``, T = (I + A)⁻¹ of every
-    chunk, ``[tokens, H, 64]`` in k's dtype (float32 for float32 inputs), for the backward. ``v_offset``
-    (``[B, T, H, V]``, float32): added to every query head's output of its KV head (the Taylor back). ``g``
-    None: no decay (the delta rule; every kernel then reads no g and takes no exp of it)."""
+    chunk, ``[tokens, H, 64]`` in k's dtype (float32 for float32 inputs), for the backward; with ``keep`` a
+    fourth, :class:`Kept` (the state kernel then stores every chunk's state, not one per output group).
+    ``v_offset`` (``[B, T, H, V]``, float32): added to every query head's output of its KV head (the Taylor
+    back). ``g`` None: no decay (the delta rule; every kernel then reads no g and takes no exp of it)."""
     B, T = q.shape[:2]
     L = Layout(q, v, cu_seqlens)
     q, k, v, beta = Layout.flat(q, k, v, beta)
     g = Layout.flat(g)[0] if g is not None else None
-    every = output_group(L.K)  # the state kernel keeps one state per output group
+    every = output_group(L.K)  # the state kernel keeps one state per output group (or all, kept)
     tm = solve_tril(layout=L, k=k, g=g, beta=beta)
     gcum, w, u = recompute_w_u(layout=L, k=k, v=v, g=g, beta=beta, tm=tm)
     hs, v_new, ht = chunk_fwd_h(layout=L, k=k, w=w, u=u, gcum=gcum, initial_state=initial_state,
-                                output_final_state=output_final_state, every=every)
+                                output_final_state=output_final_state, every=1 if keep else every)
     vm = Layout.flat(v_offset.float())[0] if v_offset is not None else None
-    o = chunk_fwd_o(layout=L, q=q, k=k, v_new=v_new, gcum=gcum, hs=hs, scale=scale, v_offset=vm, every=every)
-    return o.view(B, T, L.HQ, L.V), ht, tm
+    o = chunk_fwd_o(layout=L, q=q, k=k, v_new=v_new, gcum=gcum, hs=hs, scale=scale, v_offset=vm, every=every,
+                    all_states=keep)
+    out = (o.view(B, T, L.HQ, L.V), ht, tm)
+    return out + (Kept(gcum, w, hs, v_new),) if keep else out

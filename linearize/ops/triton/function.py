@@ -6,26 +6,33 @@ import torch
 
 from ..common import TRITON_DTYPES
 from .chunk_bwd import chunk_gated_delta_rule_bwd
-from .chunk_fwd import chunk_gated_delta_rule_fwd
+from .chunk_fwd import Kept, chunk_gated_delta_rule_fwd
+
+# keep the forward's W, g cumsum, states and Δ for the backward (``chunk_fwd.Kept``) rather than compute them
+# again there: more memory held between the two, two launches fewer in the backward
+KEEP_FORWARD = False
 
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset=None):
-        o, ht, tm = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                                               output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                               v_offset=v_offset)
-        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm)
+        keep = KEEP_FORWARD and any(ctx.needs_input_grad)
+        o, ht, tm, *kept = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
+                                                      initial_state=initial_state,
+                                                      output_final_state=output_final_state,
+                                                      cu_seqlens=cu_seqlens, v_offset=v_offset, keep=keep)
+        # T always (the solve is the costly part); the rest only with KEEP_FORWARD, else the backward recomputes it
+        ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens, tm, *(kept[0] if kept else ()))
         ctx.scale = scale
         return o, ht
 
     @staticmethod
     def backward(ctx, do, dht):
-        # of the forward's intermediates only T is kept; the backward launcher recomputes the others
-        q, k, v, g, beta, h0, cu_seqlens, tm = ctx.saved_tensors
+        q, k, v, g, beta, h0, cu_seqlens, tm, *kept = ctx.saved_tensors
         dq, dk, dv, dg, dbeta, dh0 = chunk_gated_delta_rule_bwd(q=q, k=k, v=v, g=g, beta=beta, scale=ctx.scale,
                                                                 initial_state=h0, do=do, dht=dht,
-                                                                cu_seqlens=cu_seqlens, tm=tm)
+                                                                cu_seqlens=cu_seqlens, tm=tm,
+                                                                kept=Kept(*kept) if kept else None)
         dvo = None
         if ctx.needs_input_grad[9]:  # o = … + v_offset of the KV head, read by its G query heads
             B, T, HQ, V = do.shape

@@ -21,7 +21,7 @@ def _output_kernel(
     q, k, v_new, gcum, hs, o, vm, group_indices, cu_seqlens, chunk_offsets, scale, p0,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IEEE: tl.constexpr, HAS_VM: tl.constexpr,
-    E: tl.constexpr, USE_G: tl.constexpr = True,
+    E: tl.constexpr, USE_G: tl.constexpr = True, HS_EVERY: tl.constexpr = 0,
 ):
     """Per (V block, group of ``E`` consecutive chunks of one sequence, query head), chunk by chunk:
     ``o = scale·(γ (q h) + (q kᵀ ⊙ γ_r/γ_j)_causal Δ)``, plus the KV head's ``vm`` row (float32,
@@ -30,7 +30,8 @@ def _output_kernel(
     the program carries it to the next chunk itself, ``h ← γ_C h + Kᵀ (Δ ⊙ γ_C/γ_j)`` — the state kernel's
     update, on the Δ it stored — so the states cost 1/E of their traffic, and the loop lets Triton load
     the next chunk under this one's products. ``E = 1`` (``group_indices`` = the chunk table): one chunk, no
-    loop, the state read in the dots' dtype."""
+    loop, the state read in the dots' dtype. ``HS_EVERY`` 1: ``hs`` holds every chunk's state (kept for the
+    backward), of which the group's first is read; 0: one per ``E`` chunks."""
     i_v, i_p, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first group
     i_h = i_hq // G
     HQ: tl.constexpr = H * G
@@ -65,7 +66,8 @@ def _output_kernel(
         vm += (bos * H + i_h) * V
         o += (bos * HQ + i_hq) * V
         gcum += bos * H + i_h
-        b_h = tl.load(hs + (state_slot(boh, i_n, c0, E) * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
+        slot = state_slot(boh, i_n, c0, HS_EVERY if HS_EVERY else E)
+        b_h = tl.load(hs + (slot * H + i_h) * K * V + o_k[:, None] * V + o_v[None, :],
                       mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         for i_c in range(c0, tl.minimum(c0 + E, tl.cdiv(T, BT))):
             t0 = i_c * BT
@@ -120,10 +122,11 @@ def output_settings(H: int, G: int, K: int, V: int, ieee: bool, E: int) -> tuple
 
 
 def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torch.Tensor, gcum: torch.Tensor | None,
-                hs: torch.Tensor, scale: float, v_offset: torch.Tensor | None, every: int) -> torch.Tensor:
-    """``o [tokens, HQ, V]`` in v_new's dtype from the states ``hs`` kept every ``every`` chunks
-    (:func:`state_fwd.chunk_fwd_h`); ``v_offset`` (flat ``[tokens, H, V]`` float32, or None) is added to every
-    query head of its KV head, before the one rounding."""
+                hs: torch.Tensor, scale: float, v_offset: torch.Tensor | None, every: int,
+                all_states: bool = False) -> torch.Tensor:
+    """``o [tokens, HQ, V]`` in v_new's dtype, ``every`` chunks a program, from the states ``hs`` kept every
+    ``every`` chunks (:func:`state_fwd.chunk_fwd_h`), or every chunk's with ``all_states``; ``v_offset`` (flat
+    ``[tokens, H, V]`` float32, or None) is added to every query head of its KV head, before the one rounding."""
     L = layout
     o = torch.empty(L.tokens, L.HQ, L.V, dtype=v_new.dtype, device=L.device)
     if L.NC:
@@ -133,5 +136,5 @@ def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torc
             fn[(cdiv(L.V, c["BV"]), n, L.HQ)](
                 q, k, v_new, o if gcum is None else gcum, hs, o, v_offset if v_offset is not None else o, groups,
                 L.cu_seqlens, L.chunk_offsets, scale, p0, **{**c, "HAS_VM": v_offset is not None},
-                USE_G=gcum is not None, num_warps=warps, num_stages=stages)
+                USE_G=gcum is not None, HS_EVERY=int(all_states), num_warps=warps, num_stages=stages)
     return o

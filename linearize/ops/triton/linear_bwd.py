@@ -272,6 +272,7 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     _dv_kernel[(cdiv(V, BV), L.NC, H)](
         qf, kf, gf, wf, dof, dhs, *dsplit.args(), dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
         E=dsplit.E, **c, num_warps=4)
+    assert hsplit.E == dsplit.E  # one linear_segment call cuts both chains alike; the kernel reads both by E
     _dqkwg_kernel[(L.NC, H)](
         qf, kf, vf, gf, wf, dof, hs, *hsplit.args(), dhs, *dsplit.args(), dq, dk, dw, dg, L.cu_seqlens,
         L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **c, num_warps=4 if BK <= 64 else 8)

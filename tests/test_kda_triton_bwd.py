@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _calls import counted_calls
 from conftest import needs_interpreter
 from test_kda import kda_inputs
 from test_kda_triton import GPU_SHAPES, SHAPES, TOL, ids
@@ -109,18 +110,7 @@ def test_kda_backward_from_the_kept_forward_equals_the_one_that_computes_it_agai
     h0 = torch.randn(2, 1, 32, 16, generator=torch.Generator().manual_seed(2))
     offset = torch.randn(1, 100, 1, 16, generator=torch.Generator().manual_seed(3)).to(dtype)
     cu = torch.tensor([0, 40, 100])
-    calls = {"kda_prepare": 0, "kda_states": 0}
-
-    def counted(name):
-        real = getattr(kda_bwd, name)
-
-        def run(*a, **kw):
-            calls[name] += 1
-            return real(*a, **kw)
-        return run
-
-    for name in calls:  # the backward's own calls (the forward's are kda_fwd's)
-        monkeypatch.setattr(kda_bwd, name, counted(name))
+    calls = counted_calls(monkeypatch, kda_bwd, ["kda_prepare", "kda_states"])  # the backward's own calls
     monkeypatch.setattr(kda_bwd, "KEEP_FORWARD", False)
     again = grads(kda_triton, q, k, v, g, beta, h0, offset, cu)
     assert calls == {"kda_prepare": 1, "kda_states": 1}

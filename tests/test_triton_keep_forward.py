@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _calls import counted_calls
 from _poison import poisoned_outputs
 from test_ops import gdn_inputs, rel
 
@@ -52,18 +53,7 @@ def test_backward_from_the_kept_forward_equals_the_one_that_computes_it_again(po
     from linearize.ops.triton import chunk_bwd, chunk_fwd, function
 
     monkeypatch.setattr(chunk_fwd, "output_group", lambda K: group)
-    calls = {"recompute_w_u": 0, "chunk_fwd_h": 0}
-
-    def counted(name):
-        real = getattr(chunk_bwd, name)
-
-        def call(*a, **kw):
-            calls[name] += 1
-            return real(*a, **kw)
-        return call
-
-    for name in calls:  # the backward's own calls (the forward's are chunk_fwd's)
-        monkeypatch.setattr(chunk_bwd, name, counted(name))
+    calls = counted_calls(monkeypatch, chunk_bwd, ["recompute_w_u", "chunk_fwd_h"])  # the backward's own
     B, T, H, G, K, V, cu = 1, 300, 2, 2, 16, 32, torch.tensor([0, 37, 37, 101, 300])
     q, k, v, g, beta = gdn_inputs(B, T, H, G, K, V, seed=21, dtype=torch.float64, beta_scale=2.0)
     g = g if decay else None
@@ -84,12 +74,15 @@ def test_backward_from_the_kept_forward_equals_the_one_that_computes_it_again(po
             continue
         assert torch.equal(a, b), name
         assert torch.isfinite(a).all() and rel(a, ref) < tol, (name, rel(a, ref))
+    asked = []  # the keep argument of each forward launcher call
+    real_fwd = function.chunk_gated_delta_rule_fwd
+    monkeypatch.setattr(function, "chunk_gated_delta_rule_fwd", lambda **kw: asked.append(kw["keep"]) or real_fwd(**kw))
     with torch.no_grad():
         from linearize.ops.triton import chunk_gated_delta_rule_triton
 
         o, _ = chunk_gated_delta_rule_triton(*low[:5], scale=0.6, initial_state=low[5], output_final_state=True,
                                              cu_seqlens=cu, v_offset=low[6])
-    assert torch.equal(o, kept[0])
+    assert asked == [False] and torch.equal(o, kept[0])
 
 
 def test_kept_forward_stores_every_chunks_state():

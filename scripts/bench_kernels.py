@@ -164,6 +164,10 @@ def apply_operator_options(args) -> None:
     if args.kda_flush_exp:
         tiles.FLUSH_EXP = tl.constexpr(True)
     if args.gdn_keep_forward is not None:
+        if not hasattr(function, "KEEP_FORWARD"):  # an older tree (scripts/ab.sh): the switch is not there
+            print("error: --gdn-keep-forward: this tree's linearize/ops/triton/function.py has no KEEP_FORWARD; "
+                  "run it without the flag", file=sys.stderr)
+            sys.exit(2)
         function.KEEP_FORWARD = args.gdn_keep_forward
     if args.linear_segment is not None:
         linear_fwd.SEGMENT = args.linear_segment

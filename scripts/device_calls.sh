@@ -33,8 +33,9 @@
 #                                        JSONs' names; AB=1 (carry ab): before them, each of OPS (or of AB_OPS) at
 #                                        SHAPES (or AB_SHAPES) in every tree of scripts/ab.sh, without fla
 #                                        (OUT/ab_OP/<tree>.bench_kernels.json); AB_FLAGS ("--a;--b c", ';' between
-#                                        flag sets): each of AB_OPS with each flag set in this tree, without fla
-#                                        (OUT/ab_OP/<flags>.json);
+#                                        flag sets; a leading ';' adds a run without flags): each of AB_OPS with
+#                                        each flag set in this tree, without fla and without BENCH_FLAGS
+#                                        (OUT/ab_OP/<the flags' letters and digits>.json);
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs

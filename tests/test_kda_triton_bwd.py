@@ -119,10 +119,18 @@ def test_kda_backward_from_the_kept_forward_equals_the_one_that_computes_it_agai
     assert calls == {"kda_prepare": 1, "kda_states": 1}  # none more
     for name, a, b in zip(NAMES, kept, again):
         assert (a is None and b is None) or torch.equal(a, b), name
-    with torch.no_grad():  # nothing to keep: the forward alone, its output the same
-        o, _ = kda_triton(q, k, v, g, beta, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                          v_offset=offset)
-    assert torch.equal(o, kept[0])
+    # nothing kept where autograd will not differentiate: under no_grad with leaves that require gradients,
+    # and with gradients on but no leaf requiring one; the output the same
+    asked = []
+    real_fwd = kda_bwd.kda_fwd
+    monkeypatch.setattr(kda_bwd, "kda_fwd", lambda **kw: asked.append(kw["keep"]) or real_fwd(**kw))
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v, g, beta, h0, offset)]
+    with torch.no_grad():
+        o, _ = kda_triton(*leaves[:5], scale=0.7, initial_state=leaves[5], output_final_state=True, cu_seqlens=cu,
+                          v_offset=leaves[6])
+    o2, _ = kda_triton(q, k, v, g, beta, scale=0.7, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                       v_offset=offset)
+    assert asked == [False, False] and torch.equal(o, kept[0]) and torch.equal(o2, kept[0])
 
 
 def test_gated_delta_rule_routes_a_per_channel_g_to_the_kernels():

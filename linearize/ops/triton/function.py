@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..common import TRITON_DTYPES
+from ..common import TRITON_DTYPES, wants_grad
 from .chunk_bwd import chunk_gated_delta_rule_bwd
 from .chunk_fwd import Kept, chunk_gated_delta_rule_fwd
 
@@ -15,8 +15,8 @@ KEEP_FORWARD = False
 
 class ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset=None):
-        keep = KEEP_FORWARD and any(ctx.needs_input_grad)
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset=None,
+                keep=False):
         o, ht, tm, *kept = chunk_gated_delta_rule_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale,
                                                       initial_state=initial_state,
                                                       output_final_state=output_final_state,
@@ -38,7 +38,7 @@ class ChunkGatedDeltaRule(torch.autograd.Function):
             B, T, HQ, V = do.shape
             H = v.shape[2]
             dvo = do.reshape(B, T, H, HQ // H, V).sum(3, dtype=torch.float32)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo, None
 
 
 def chunk_gated_delta_rule_triton(
@@ -51,6 +51,8 @@ def chunk_gated_delta_rule_triton(
         raise ValueError(f"the Triton backend takes {', '.join(map(str, TRITON_DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
+    # kept only where autograd will differentiate this call (not under no_grad, not without a leaf to differentiate)
+    keep = KEEP_FORWARD and wants_grad(q, k, v, g, beta, initial_state, v_offset)
     o, ht = ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale),
-                                      output_final_state, cu_seqlens, v_offset)
+                                      output_final_state, cu_seqlens, v_offset, keep)
     return o, ht

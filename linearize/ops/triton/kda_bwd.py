@@ -416,8 +416,7 @@ KEEP_FORWARD = True
 
 class KDAFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset):
-        keep = KEEP_FORWARD and any(ctx.needs_input_grad)
+    def forward(ctx, q, k, v, g, beta, initial_state, scale, output_final_state, cu_seqlens, v_offset, keep):
         o, ht, tm, pm, *kept = kda_fwd(q=q, k=k, v=v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
                                        v_offset=v_offset, return_scores=True, keep=keep)
@@ -440,7 +439,7 @@ class KDAFunction(torch.autograd.Function):
             B, T, HQ, V = do.shape
             H = v.shape[2]
             dvo = do.reshape(B, T, H, HQ // H, V).sum(3, dtype=torch.float32).to(ctx.offset_dtype)
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo, None
 
 
 PTXAS_FIXED = (12, 9)  # the first ptxas that compiles the backward's 16-bit tensor-core products right
@@ -489,6 +488,9 @@ def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, outp
         raise ValueError(f"the Triton backend takes {', '.join(map(str, TRITON_DTYPES))}; got {q.dtype} (use backend='torch')")
     if v_offset is not None and v_offset.shape != v.shape:
         raise ValueError(f"v_offset must be shaped like v {tuple(v.shape)}; got {tuple(v_offset.shape)}")
-    if wants_grad(q, k, v, g, beta, initial_state, v_offset):
+    grad = wants_grad(q, k, v, g, beta, initial_state, v_offset)
+    if grad:
         check_backward_compiler(q.dtype, q.device)
-    return KDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens, v_offset)
+    # the forward's tensors kept only where autograd will differentiate this call
+    return KDAFunction.apply(q, k, v, g, beta, initial_state, float(scale), output_final_state, cu_seqlens, v_offset,
+                             KEEP_FORWARD and grad)

@@ -136,5 +136,5 @@ def chunk_fwd_o(*, layout: Layout, q: torch.Tensor, k: torch.Tensor, v_new: torc
             fn[(cdiv(L.V, c["BV"]), n, L.HQ)](
                 q, k, v_new, o if gcum is None else gcum, hs, o, v_offset if v_offset is not None else o, groups,
                 L.cu_seqlens, L.chunk_offsets, scale, p0, **{**c, "HAS_VM": v_offset is not None},
-                USE_G=gcum is not None, HS_EVERY=int(all_states), num_warps=warps, num_stages=stages)
+                USE_G=gcum is not None, HS_EVERY=int(all_states and every > 1), num_warps=warps, num_stages=stages)
     return o

@@ -100,3 +100,29 @@ def test_kept_forward_stores_every_chunks_state():
     assert isinstance(kept, Kept) and ht is None
     assert kept.hs.shape == (2 * 3, 1, 128, 16) and kept.v_new.shape == (2 * 130, 1, 16)
     assert kept.w.shape == (2 * 130, 1, 128) and kept.gcum.shape == (2 * 130, 1)
+
+
+@pytest.mark.parametrize("decay", [True, False], ids=["gdn", "deltanet"])
+def test_kept_forward_without_states_dense_batch(poisoned, monkeypatch, decay):
+    """The other branches: a dense batch of two, no initial state, no final state (so no ``dht``), output groups
+    of 2 over three chunks: the kept path's gradients equal the recomputing path's and the float64 reference's."""
+    from linearize.ops.triton import chunk_bwd, chunk_fwd, chunk_gated_delta_rule_triton, function
+
+    monkeypatch.setattr(chunk_fwd, "output_group", lambda K: 2)
+    calls = counted_calls(monkeypatch, chunk_bwd, ["recompute_w_u", "chunk_fwd_h"])
+    inputs = list(gdn_inputs(2, 150, 2, 1, 16, 16, seed=8, dtype=torch.float64, beta_scale=2.0))
+    inputs[3] = inputs[3] if decay else None
+    got = {}
+    for name, keep in (("reference", None), ("again", False), ("kept", True)):
+        monkeypatch.setattr(function, "KEEP_FORWARD", bool(keep))
+        leaves = [x.detach().clone().to(torch.float64 if keep is None else torch.float32).requires_grad_(True)
+                  if x is not None else None for x in inputs]
+        if keep is None:
+            o, _ = gated_delta_rule(*leaves, scale=0.6, backend="reference")
+        else:
+            o, _ = chunk_gated_delta_rule_triton(*leaves, scale=0.6)
+        (o.double() * torch.randn(o.shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)).sum().backward()
+        got[name] = [o.detach()] + [x.grad for x in leaves if x is not None]
+    assert calls == {"recompute_w_u": 1, "chunk_fwd_h": 1}  # the recomputing path's only
+    for a, b, ref in zip(got["kept"], got["again"], got["reference"]):
+        assert torch.equal(a, b) and rel(a, ref) < 1e-5

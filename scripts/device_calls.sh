@@ -35,7 +35,8 @@
 #                                        (OUT/ab_OP/<tree>.bench_kernels.json); AB_FLAGS ("--a;--b c", ';' between
 #                                        flag sets; a leading ';' adds a run without flags): each of AB_OPS with
 #                                        each flag set in this tree, without fla and without BENCH_FLAGS
-#                                        (OUT/ab_OP/<the flags' letters and digits>.json);
+#                                        (OUT/ab_OP/<the flags' letters and digits>.json); EARLY_TESTS=1: the
+#                                        tests after the A/Bs, before the timings against fla;
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
@@ -289,6 +290,17 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
                 done
             done
         fi
+        # the GPU tests' time is the compiler's (the kda tests: 705 s in one process on an H100): pytest-xdist,
+        # where .carry/pytest brings it, spreads them over TEST_WORKERS processes (default 8) of the 16 cores
+        workers=$(python3 -c 'import xdist' 2> /dev/null && echo "-n ${TEST_WORKERS:-8}")
+        gpu_tests() {  # a module needing a package the machine lacks does not stop the rest
+            # shellcheck disable=SC2086  # workers: words
+            python3 -m pytest -q -p no:cacheprovider $workers --continue-on-collection-errors -m gpu -k "$tests" \
+                tests/ > "$out/gpu_tests.log" 2>&1
+            tail -n 3 "$out/gpu_tests.log"
+        }
+        # EARLY_TESTS=1: the tests before the tables against fla (which outlast a call), after the A/Bs
+        [ "${EARLY_TESTS:-0}" = 1 ] && [ "$tests" != skip ] && gpu_tests
         for op in $ops; do
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \
@@ -297,14 +309,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         done
         echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) autotuned kernels kept"
 
-        [ "$tests" = skip ] && exit 0
-        # the GPU tests' time is the compiler's (the kda tests: 705 s in one process on an H100): pytest-xdist,
-        # where .carry/pytest brings it, spreads them over TEST_WORKERS processes (default 8) of the 16 cores
-        workers=$(python3 -c 'import xdist' 2> /dev/null && echo "-n ${TEST_WORKERS:-8}")
-        # shellcheck disable=SC2086  # workers: words
-        python3 -m pytest -q -p no:cacheprovider $workers --continue-on-collection-errors -m gpu -k "$tests" tests/ \
-            > "$out/gpu_tests.log" 2>&1  # a module needing a package the machine lacks does not stop the rest
-        tail -n 3 "$out/gpu_tests.log" ;;
+        [ "$tests" = skip ] || [ "${EARLY_TESTS:-0}" = 1 ] || gpu_tests ;;
     kernels-start)
         shift
         k=$w/kernels

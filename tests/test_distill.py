@@ -798,20 +798,44 @@ def test_distill_deltanet_target_trains_and_saves(tiny_dir, tmp_path):
     assert saved["linearize"]["options"]["target"] == "deltanet"
 
 
-def test_distill_two_gloo_processes_match_one_process(tiny_dir, tmp_path):
-    """torchrun with 2 CPU processes (gloo) on the same global batch gives the 1-process losses."""
-    args = overrides(tiny_dir, tmp_path / "one", **{"stages.0.steps": 4, "output.checkpoint_every": 4})
-    run_recipe(load_recipe(None, args))
-    two = tmp_path / "two"
+def test_parallel_check_script_on_two_gloo_processes(tiny_dir, tmp_path):
+    """``scripts/parallel_check.py`` on 2 CPU processes (gloo): ddp and fsdp give the 1-process losses on the
+    same global batch (align, then distill), and the ddp run whose rank 1 was SIGKILLed mid-run and then
+    continued with --resume logs exactly what the uninterrupted ddp run logged."""
     recipe = tmp_path / "r.yaml"
-    recipe.write_text("seed: 0\n")
-    args2 = overrides(tiny_dir, two, **{"stages.0.steps": 4, "output.checkpoint_every": 4})
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                           "--master-port", str(free_port()), "-m", "linearize", "distill", str(recipe), *args2],
-                          env=env, capture_output=True, text=True, timeout=600)
+    recipe.write_text("stages:\n  - {name: align, steps: 6, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
+                      "  - {name: distill, steps: 6, batch_size: 2, lr: 0.01, trainable: self_attn}\n"
+                      "seed: 0\ndevice: cpu\n")
+    keys = [a for a in overrides(tiny_dir, tmp_path, **{"output.checkpoint_every": 4})
+            if a.split("=")[0] not in ("output.dir", "stages.0.steps")]
+    out = tmp_path / "check.json"
+    script = Path(__file__).parents[1] / "scripts" / "parallel_check.py"
+    proc = subprocess.run([sys.executable, str(script), str(recipe), *keys, "--work", str(tmp_path / "w"),
+                           "--kill-after", "5", "--output", str(out),
+                           "--markdown", str(tmp_path / "check.md")], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert losses(two) == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    res = json.loads(out.read_text())
+    assert all(res["runs"][r]["steps_logged"] == 12 for r in ("one", "ddp", "fsdp", "ddp_killed"))
+    assert set(res["runs"]["one"]["median_tokens_per_s"]) == {"align", "distill"}
+    for name in ("ddp", "fsdp"):
+        assert res["against_one"][name]["common_steps"] == 12
+        assert res["against_one"][name]["loss_rel_diff_max"] <= 1e-4, (name, res["against_one"][name])
+    kill = res["kill"]
+    assert 4 <= kill["resumed_from_step"] <= kill["killed_after_step"] < 12  # a checkpoint at 4, 6 (align's end), 8
+    assert kill["same_steps"] and kill["identical"], kill
+    assert "records identical to the uninterrupted ddp run's" in (tmp_path / "check.md").read_text()
+
+
+def test_parallel_check_script_refuses_a_kill_before_the_first_checkpoint(tmp_path):
+    recipe = recipe_file(tmp_path)
+    script = Path(__file__).parents[1] / "scripts" / "parallel_check.py"
+    proc = subprocess.run([sys.executable, str(script), str(recipe), "stages.0.steps=10", "output.checkpoint_every=4",
+                           "--work", str(tmp_path / "w"), "--kill-after", "3"], capture_output=True, text=True)
+    assert proc.returncode == 2 and not (tmp_path / "w").exists()
+    assert proc.stderr.strip().splitlines()[-1] == (
+        "error: --kill-after 3 must lie past the first checkpoint (step 4) and before the last step (10); "
+        "set it or output.checkpoint_every")
 
 
 def free_port() -> int:

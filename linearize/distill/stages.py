@@ -17,6 +17,8 @@ from __future__ import annotations
 import math
 import time
 
+import torch
+
 from ..config import RecipeError, stage_seq_len
 from . import checkpoint
 from .batches import batch_positions, batch_rows, rows_of_length
@@ -103,6 +105,8 @@ def train(run, resume: bool, progress=None) -> dict:
                 step += 1
                 rec = {"step": step, "stage": st.name, "stage_step": s + 1, "loss": loss_value,
                        "lr": sched.get_last_lr()[0], "tokens_per_s": ids.numel() * size / (time.perf_counter() - t0)}
+                if run.device.type == "cuda":  # this process's peak so far, MiB
+                    rec["peak_mem_mib"] = torch.cuda.max_memory_allocated(run.device) / 2**20
                 if per_layer is not None:
                     rec["layer_loss"] = per_layer_values(per_layer)
                 if (s + 1) % cfg.output.eval_every == 0 or s + 1 == st.steps:

@@ -29,12 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+from linearize.distill.metrics import read_metrics
+
 TIMINGS = ("tokens_per_s", "peak_mem_mib")
-
-
-def records(out: Path) -> list[dict]:
-    p = out / "metrics.jsonl"
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()] if p.is_file() else []
 
 
 def distill_cmd(nproc: int, recipe: Path, args: list[str], port: int) -> list[str]:
@@ -99,7 +96,7 @@ def run_and_kill(cmd: list[str], out: Path, after: int, log: Path, timeout_s: fl
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout_s
         while proc.poll() is None and time.monotonic() < deadline:
-            recs = records(out) if (out / "metrics.jsonl").is_file() else []
+            recs = read_metrics(out)  # rank 0 may be mid-line: a torn last line is skipped
             if recs and recs[-1]["step"] >= after:
                 victim = rank_process(proc.pid, 1)
                 if victim is not None:
@@ -113,7 +110,7 @@ def run_and_kill(cmd: list[str], out: Path, after: int, log: Path, timeout_s: fl
         code = proc.wait(timeout=timeout_s)
     if code == 0:
         sys.exit(f"torchrun exited 0 after its rank 1 was killed (see {log}); the kill came too late")
-    return max(r["step"] for r in records(out))
+    return max(r["step"] for r in read_metrics(out))
 
 
 def rel(a: float, b: float) -> float:
@@ -226,7 +223,7 @@ def main() -> None:
                                                        "parallel=ddp", "--resume"], free_port())
     run(resume_cmd, args.work / "ddp_resumed.log")
     seconds["ddp_killed"] = time.perf_counter() - t0
-    recs = {name: records(d) for name, d in dirs.items()}
+    recs = {name: read_metrics(d) for name, d in dirs.items()}
     result = {
         "recipe": str(args.recipe), "overrides": args.overrides, "nproc": args.nproc,
         "commands": {**{k: " ".join(v) for k, v in cmds.items()}, "resume": " ".join(resume_cmd)},

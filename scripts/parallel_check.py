@@ -29,6 +29,9 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
+from linearize.config import RecipeError, load_recipe
 from linearize.distill.metrics import read_metrics
 
 TIMINGS = ("tokens_per_s", "peak_mem_mib")
@@ -197,8 +200,6 @@ def main() -> None:
         p.exit(2, f"error: --work {args.work} is not empty; give a fresh folder\n")
     if any(o.split("=", 1)[0] in ("output.dir", "parallel") for o in args.overrides):
         p.exit(2, "error: output.dir and parallel are the check's own; leave them out of the overrides\n")
-    from linearize.config import RecipeError, load_recipe
-
     try:
         cfg = load_recipe(args.recipe, args.overrides)
     except RecipeError as e:
@@ -243,8 +244,6 @@ def main() -> None:
 
 
 def device_line(device: str, nproc: int) -> str:
-    import torch
-
     if device in ("auto", "cuda") and torch.cuda.is_available():
         names = {torch.cuda.get_device_name(i) for i in range(min(nproc, torch.cuda.device_count()))}
         return f"{nproc} × {', '.join(sorted(names))} (NCCL), one after the other in one call"

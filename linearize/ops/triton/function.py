@@ -11,7 +11,7 @@ from .chunk_fwd import Kept, chunk_gated_delta_rule_fwd
 # keep the forward's W, g cumsum, states and Δ for the backward (``chunk_fwd.Kept``) rather than compute them
 # again there: more memory held between the two, two launches fewer in the backward. On an H100 (bf16, 16 heads
 # of 128) forward+backward 1.91 → 1.64 / 2.20 → 1.86 / 4.39 → 3.65 ms at 2×8192 / 1×16384 / 1×32768 for GDN,
-# 1.70 → 1.41 / 1.93 → 1.62 / 3.81 → 3.13 for DeltaNet, the peak lower too (934 vs 998 MiB at 2×8192):
+# 1.70 → 1.41 / 1.93 → 1.62 / 3.81 → 3.13 for DeltaNet, one call's peak lower too (934 vs 998 MiB at 2×8192):
 # results/ab_gdn_keep_forward_h100/
 KEEP_FORWARD = True
 

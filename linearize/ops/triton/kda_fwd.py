@@ -8,9 +8,9 @@ its docstring first), chunk 64, GQA-native and varlen. Five kernels in four stag
    :func:`kda_tiles.sub_chunk_pairs`);
    ``_solve_kernel`` per (chunk, KV head), one warp: ``T = (I + A)⁻¹`` as the GDN solve inverts it
    (:func:`solve.store_inverse`). T and P are kept for the backward.
-1. ``_prepare_kernel``  per (chunk, KV head): ``W = T (βγ⊙k)``, ``U = T (βv)``, for the state kernel
-   ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C``, the chunk's total log-decay per channel, and for the output kernel
-   every query head's ``scale·γ⊙q``.
+1. ``_prepare_kernel``  per (chunk, KV head, block of 64 key channels or of value columns): ``W = T (βγ⊙k)``,
+   ``U = T (βv)``, for the state kernel ``K̃ = k ⊙ exp(G_C − G)`` and ``G_C``, the chunk's total log-decay per
+   channel, and for the output kernel every query head's ``scale·γ⊙q``.
 2. ``_state_kernel``    per (V block, sequence × KV head), over the chunks in order — the only sequential part:
    stores the state entering each chunk, ``Δ = U − W h``, then ``h ← Diag(exp(G_C)) h + K̃ᵀ Δ``; it reads
    no log-decays, and its V block narrows when (sequence, head) pairs are few (:func:`kda_state_bv`).
@@ -45,6 +45,8 @@ from .solve import store_inverse
 from .tiles import exp_ftz, mm
 
 SUB = 16  # rows of a sub-chunk: the pairwise decays are taken inside one (kda_tiles)
+# channels of the prepare kernel's key blocks (_prepare_kernel), one program each beside the value blocks' programs
+PREPARE_BK = 64
 # the pairs inside the sub-chunks as tensor-core dots through anchored offsets (kda_tiles.sub_chunk_dots), in the
 # programs whose span allows it, the row-by-row steps elsewhere; off: the steps everywhere. On an H100 the dots
 # take 8-9% off the forward and 1-2% off forward+backward (results/bench_kda_sub_chunk_dots_h100.md)
@@ -160,42 +162,52 @@ def _prepare_kernel(
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     IEEE: tl.constexpr, G: tl.constexpr = 1, QG: tl.constexpr = False, KG: tl.constexpr = False,
 ):
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    """Per (chunk, KV head, block): the chunk's ``NK`` key blocks (BK channels each: K̃, G_C, γ⊙k, W and
+    scale·γ⊙q of those channels) and ``NV`` value blocks (U of BV columns), one block a program, the blocks of a
+    chunk adjacent (axis 0: chunk·(NK + NV) + block) so that their programs read the chunk's T from L2. Every
+    channel's cumulative decay and every column of ``T ·`` is independent of the others: a block holds (BT, BK)
+    tiles where one program per chunk held (BT, K) ones, at a quarter of the registers."""
+    NK: tl.constexpr = (K + BK - 1) // BK
+    NV: tl.constexpr = (V + BV - 1) // BV
+    i_s, i_h = tl.program_id(0), tl.program_id(1)
+    i_t, i_b = i_s // (NK + NV), i_s % (NK + NV)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
-    o_r, o_k = tl.arange(0, BT), tl.arange(0, BK)
+    o_r = tl.arange(0, BT)
     n = tl.minimum(T - i_c * BT, BT)  # rows inside the document
     m_t = o_r < n
     rows = bos + i_c * BT + o_r  # (BT,) int64: the chunk's tokens
-    m_tk = m_t[:, None] & (o_k < K)[None, :]
-    p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
-    b_G = chunk_log_decay(g, p_k, m_tk)
-    b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
-    # for the state kernel, off its sequential path: K̃ = k ⊙ exp(G_C − G) in k's dtype (the dtype its product
-    # takes it in) and the chunk's total log-decay G_C per channel
-    g_last = row_of(b_G, BT - 1)
-    b_kd = b_k.to(tl.float32) * exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
-    tl.store(kd + p_k, b_kd.to(kd.dtype.element_ty), mask=m_tk)
-    tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
-    b_gamma = exp_ftz(b_G)
-    b_kg = b_k.to(tl.float32) * b_gamma  # γ⊙k
-    if KG:  # for the backward's WY kernel, in k's dtype (its products take it in that)
-        tl.store(kg + p_k, b_kg.to(kg.dtype.element_ty), mask=m_tk)
     b_T = tl.load(tm + (rows * H + i_h)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
-    tl.store(w + p_k, mm(b_T, b_kg * b_beta[:, None], b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)  # T (βγ⊙k)
-    for i_v in range(tl.cdiv(V, BV)):
-        o_v = i_v * BV + tl.arange(0, BV)
+    if i_b < NK:  # channels i_b·BK …
+        o_k = i_b * BK + tl.arange(0, BK)
+        m_tk = m_t[:, None] & (o_k < K)[None, :]
+        p_k = (rows * H + i_h)[:, None] * K + o_k[None, :]
+        b_G = chunk_log_decay(g, p_k, m_tk)
+        b_k = tl.load(k + p_k, mask=m_tk, other=0.0)
+        # for the state kernel, off its sequential path: K̃ = k ⊙ exp(G_C − G) in k's dtype (the dtype its product
+        # takes it in) and the chunk's total log-decay G_C per channel
+        g_last = row_of(b_G, BT - 1)
+        b_kd = b_k.to(tl.float32) * exp_ftz(tl.where(m_tk, g_last[None, :] - b_G, float("-inf")))
+        tl.store(kd + p_k, b_kd.to(kd.dtype.element_ty), mask=m_tk)
+        tl.store(gc + ((boh + i_c) * H + i_h) * K + o_k, g_last, mask=o_k < K)
+        b_gamma = exp_ftz(b_G)
+        b_kg = b_k.to(tl.float32) * b_gamma  # γ⊙k
+        if KG:  # for the backward's WY kernel, in k's dtype (its products take it in that)
+            tl.store(kg + p_k, b_kg.to(kg.dtype.element_ty), mask=m_tk)
+        tl.store(w + p_k, mm(b_T, b_kg * b_beta[:, None], b_k, IEEE).to(w.dtype.element_ty), mask=m_tk)  # T (βγ⊙k)
+        if QG:  # scale·γ⊙q of each query head, in q's dtype: for the output kernel and the backward's state
+            # kernel, so that neither takes a log-decay
+            b_gs = b_gamma * scale
+            for i_g in range(G):
+                p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
+                b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
+                tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
+    else:  # columns (i_b − NK)·BV … of U = T (βv)
+        o_v = (i_b - NK) * BV + tl.arange(0, BV)
         m_tv = m_t[:, None] & (o_v < V)[None, :]
         p_v = (rows * H + i_h)[:, None] * V + o_v[None, :]
         b_v = tl.load(v + p_v, mask=m_tv, other=0.0)
-        tl.store(u + p_v, mm(b_T, b_v.to(tl.float32) * b_beta[:, None], b_k, IEEE).to(u.dtype.element_ty), mask=m_tv)
-    if QG:  # scale·γ⊙q of each query head, in q's dtype: for the output kernel and the backward's state kernel,
-        # so that neither takes a log-decay
-        b_gs = b_gamma * scale
-        for i_g in range(G):
-            p_q = (rows * (H * G) + i_h * G + i_g)[:, None] * K + o_k[None, :]
-            b_q = tl.load(q + p_q, mask=m_tk, other=0.0)
-            tl.store(qg + p_q, (b_q.to(tl.float32) * b_gs).to(qg.dtype.element_ty), mask=m_tk)
+        tl.store(u + p_v, mm(b_T, b_v.to(tl.float32) * b_beta[:, None], b_v, IEEE).to(u.dtype.element_ty), mask=m_tv)
 
 
 @triton.jit
@@ -295,9 +307,9 @@ def replayed(K: int, ieee: bool) -> bool:
 
 
 def replay_warps(K: int, ieee: bool) -> int:
-    """Warps of the prepare kernel and of the backward's ``_dqk_kernel``: 4 where :func:`replayed` — at 2×8192
-    faster than 8, prepare 1.41× (forward) and 1.25× (backward's call), ``_dqk_kernel`` 1.09× (the backward's
-    ``_intra_bwd_kernel`` 1.18× at 4 warps and 2 stages) — else :func:`chunk_warps`."""
+    """Warps of the backward's ``_dqk_kernel``: 4 where :func:`replayed` — at 2×8192 1.09× faster than 8 (the
+    backward's ``_intra_bwd_kernel`` 1.18× at 4 warps and 2 stages; the prepare kernel, when it took a whole
+    chunk's keys, 1.41×) — else :func:`chunk_warps`."""
     return 4 if replayed(K, ieee) else chunk_warps(K)
 
 
@@ -386,12 +398,12 @@ def kda_prepare(*, layout: Layout, k, v, g, beta, tm=None, q=None, scale: float 
     qg = torch.empty_like(q) if q is not None else None
     kg = torch.empty_like(k) if kg else None
     if L.NC:
-        _prepare_kernel[(L.NC, L.H)](
+        bk, bv = min(PREPARE_BK, block_k(L.K)), kda_bv(L.K, L.V)
+        _prepare_kernel[(L.NC * (cdiv(L.K, bk) + cdiv(L.V, bv)), L.H)](
             k, v, g, beta, tm, w, u, kd, gc, q if q is not None else k, qg if q is not None else k,
             kg if kg is not None else k, float(scale),
-            L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=block_k(L.K),
-            BV=kda_bv(L.K, L.V), IEEE=L.ieee, G=L.G if q is not None else 1, QG=q is not None, KG=kg is not None,
-            num_warps=replay_warps(L.K, L.ieee))
+            L.chunk_indices, L.cu_seqlens, L.chunk_offsets, H=L.H, K=L.K, V=L.V, BT=BT, BK=bk, BV=bv, IEEE=L.ieee,
+            G=L.G if q is not None else 1, QG=q is not None, KG=kg is not None, num_warps=4)
     return tm, w, u, kd, gc, qg, kg
 
 

@@ -88,6 +88,8 @@ def _scores_kernel(
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
     p_a = (rows * H + i_h)[:, None] * BT + o_r[None, :]
+    # A's blocks that the solve reads (:func:`_a_block`, (BT/4)² each): those on and below the diagonal
+    m_a = m_tt & (o_r[:, None] // (BT // 4) >= o_r[None, :] // (BT // 4))
     if STORE_P:
         p_q = (rows * HQ + i_h * G)[:, None] * K + o_k[None, :]
         p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
@@ -98,7 +100,7 @@ def _scores_kernel(
         m_x = m_tt & ((o_r[:, None] // SUB != o_r[None, :] // SUB) | (o_r[:, None] <= o_r[None, :])
                       | (tl.zeros([BT, BT], dtype=tl.int32) + mode != 0))  # a tile: the interpreter's scalar | is int
         b_A, b_P = chunk_scores(b_q, b_k, b_G, b_E, mode, n, SUB, True, IEEE, WHOLE)
-        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x)
+        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x & m_a)
         tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
         for i_g in range(1, G):  # the other query heads of a GQA group
             b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
@@ -120,7 +122,7 @@ def _scores_kernel(
                             SUB, G, BT)
     else:
         b_A = decayed_scores(b_k, b_k, k + p0, g + p0, H * K, b_G, n, K, True, SUB, IEEE)
-        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_tt)
+        tl.store(am + p_a, b_A * b_beta[:, None], mask=m_a)
 
 
 @triton.jit

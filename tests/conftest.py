@@ -121,6 +121,16 @@ def run_and_kill_when(code: str, marker: Path, timeout_s: float = 120.0) -> None
 
 
 @pytest.fixture
+def poisoned():
+    """NaN-poisons the kernels' outputs (tests/_poison.py), for the interpreted kernel tests: an element a
+    kernel never writes and another reads shows there too."""
+    from _poison import poisoned_outputs
+
+    with poisoned_outputs():
+        yield
+
+
+@pytest.fixture
 def compiled():
     """For the GPU tests of the kernels: fails under TRITON_INTERPRET=1 (that would interpret them), and
     NaN-poisons the kernels' outputs (tests/_poison.py)."""

@@ -54,7 +54,7 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, tol=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
-def test_kda_triton_interpreted_equals_reference(dtype, shape):
+def test_kda_triton_interpreted_equals_reference(dtype, shape, poisoned):
     needs_interpreter()
     check(dtype, "cpu", *shape)
 

@@ -71,7 +71,7 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, *, h0=True, final=True, to
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
-def test_kda_triton_grads_interpreted_equal_reference(shape):
+def test_kda_triton_grads_interpreted_equal_reference(shape, poisoned):
     needs_interpreter()
     check(torch.float32, "cpu", *shape)
 

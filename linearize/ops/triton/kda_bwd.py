@@ -59,6 +59,7 @@ from .kda_fwd import (
     kda_states,
     replay_warps,
     replayed,
+    scores_block_mask,
 )
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, sub_chunk_dots_fit
 from .layout import BT, Layout, chunk_at, sequence_at
@@ -91,7 +92,8 @@ def _dv_local_kernel(
         i_hq = i_h * G + i_g
         b_do = tl.load(do + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
         if HAS_P:
-            b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+            b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :],
+                          mask=m_t[:, None] & scores_block_mask(BT), other=0.0)
         else:
             b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
             b_P = decayed_scores(b_q, b_k, k + p0, g + p0, H * K, b_G, n, K, False, SUB, IEEE)

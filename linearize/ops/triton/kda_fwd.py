@@ -62,6 +62,14 @@ SUB_CHUNK_SPAN = {torch.float16: 6.0, None: 30.0}
 
 
 @triton.jit
+def scores_block_mask(BT: tl.constexpr):
+    """(BT, BT): the (BT/4)² blocks of a chunk's scores on and below the diagonal, the ones the scores kernel
+    stores of A and P; the rest of a causal score tile is 0, and its readers load them masked by this (other 0)."""
+    o_r = tl.arange(0, BT)
+    return o_r[:, None] // (BT // 4) >= o_r[None, :] // (BT // 4)
+
+
+@triton.jit
 def _scores_kernel(
     q, k, g, beta, am, pm, chunk_indices, cu_seqlens, chunk_offsets,
     H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, SUB: tl.constexpr,
@@ -88,8 +96,9 @@ def _scores_kernel(
     b_beta = tl.load(beta + rows * H + i_h, mask=m_t, other=0.0).to(tl.float32)
     p0 = ((bos + i_c * BT) * H + i_h) * K  # the chunk's first row of k and g
     p_a = (rows * H + i_h)[:, None] * BT + o_r[None, :]
-    # A's blocks that the solve reads (:func:`_a_block`, (BT/4)² each): those on and below the diagonal
-    m_a = m_tt & (o_r[:, None] // (BT // 4) >= o_r[None, :] // (BT // 4))
+    # the (BT/4)² blocks on and below the diagonal: A's that the solve reads (:func:`_a_block`) and P's that the
+    # output kernel and the backward read (the others, 0, are not stored: :func:`scores_block_mask`)
+    m_a = m_tt & scores_block_mask(BT)
     if STORE_P:
         p_q = (rows * HQ + i_h * G)[:, None] * K + o_k[None, :]
         p_p = (rows * HQ + i_h * G)[:, None] * BT + o_r[None, :]
@@ -101,11 +110,11 @@ def _scores_kernel(
                       | (tl.zeros([BT, BT], dtype=tl.int32) + mode != 0))  # a tile: the interpreter's scalar | is int
         b_A, b_P = chunk_scores(b_q, b_k, b_G, b_E, mode, n, SUB, True, IEEE, WHOLE)
         tl.store(am + p_a, b_A * b_beta[:, None], mask=m_x & m_a)
-        tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x)
+        tl.store(pm + p_p, b_P.to(pm.dtype.element_ty), mask=m_x & m_a)
         for i_g in range(1, G):  # the other query heads of a GQA group
             b_q = tl.load(q + p_q + i_g * K, mask=m_tk, other=0.0)
             b_none, b_P = chunk_scores(b_q, b_k, b_G, b_E, mode, n, SUB, False, IEEE, WHOLE)  # M_bb: 0
-            tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x)
+            tl.store(pm + p_p + i_g * BT, b_P.to(pm.dtype.element_ty), mask=m_x & m_a)
         if mode == 0:
             HS: tl.constexpr = SUB // 2
             o_h = tl.arange(0, BT // 2)
@@ -267,7 +276,8 @@ def _output_kernel(
     rows = bos + i_c * BT + o_r
     m_tk = m_t[:, None] & m_k[None, :]
     b_qg = tl.load(qg + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
-    b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None], other=0.0)
+    b_P = tl.load(pm + (rows * HQ + i_hq)[:, None] * BT + o_r[None, :], mask=m_t[:, None] & scores_block_mask(BT),
+                  other=0.0)
     p_s = ((boh + i_c) * H + i_h) * K * V
     for i_v in range(tl.cdiv(V, BV)):
         o_v = i_v * BV + tl.arange(0, BV)

@@ -84,14 +84,14 @@ def operators(op: str, K: int):
     return ours, fla_call
 
 
-NOTES = {  # what "ours backward" is, per operator
+NOTES = {  # what "ours backward" is, per operator (as the library's defaults set it)
     "gdn": "ours backward = Triton kernels (linearize/ops/triton/chunk_bwd.py): T = (I+A)^-1 kept from the forward, "
-           "the other intermediates recomputed",
+           "and with gdn_keep_forward the forward's other intermediates too (else recomputed)",
     "linear": "ours backward = Triton kernels (linearize/ops/triton/linear_bwd.py): the chunk states recomputed",
     "deltanet": "ours = the GDN kernels without a decay (g=None: no g read, no exp of it, no g gradient); "
                 "fla = chunk_delta_rule",
     "kda": "ours backward = Triton kernels (linearize/ops/triton/kda_bwd.py): the forward's T and in-chunk scores P "
-           "kept, W, U and the chunk states recomputed; launch settings untuned",
+           "kept, and with kda_bwd.KEEP_FORWARD (on) its W, K~, G_C, scale*gamma*q, gamma*k, chunk states and Delta",
 }
 
 

@@ -298,6 +298,9 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
             python3 -m pytest -q -p no:cacheprovider $workers --continue-on-collection-errors -m gpu -k "$tests" \
                 tests/ > "$out/gpu_tests.log" 2>&1
             tail -n 3 "$out/gpu_tests.log"
+            # a -k that matches nothing still ends "N skipped" (the modules skipped at collection): say so
+            grep -qE "[0-9]+ (passed|failed)" "$out/gpu_tests.log" \
+                || echo "warning: -k \"$tests\" ran no GPU test (parametrized dtypes' ids are dtype0, dtype1, …)"
         }
         # EARLY_TESTS=1: the tests before the tables against fla (which outlast a call), after the A/Bs
         [ "${EARLY_TESTS:-0}" = 1 ] && [ "$tests" != skip ] && gpu_tests

@@ -177,7 +177,8 @@ def _prepare_kernel(
     scale·γ⊙q of those channels) and ``NV`` value blocks (U of BV columns), one block a program, the blocks of a
     chunk adjacent (axis 0: chunk·(NK + NV) + block) so that their programs read the chunk's T from L2. Every
     channel's cumulative decay and every column of ``T ·`` is independent of the others: a block holds (BT, BK)
-    tiles where one program per chunk held (BT, K) ones, at a quarter of the registers."""
+    tiles where one program per chunk held (BT, K) ones (sm_90, bf16, K = 128: 128-149 registers, none spilled,
+    against 255 and a spill; ``scripts/kernel_resources.py --launchers``)."""
     NK: tl.constexpr = (K + BK - 1) // BK
     NV: tl.constexpr = (V + BV - 1) // BV
     i_s, i_h = tl.program_id(0), tl.program_id(1)

@@ -57,7 +57,7 @@ def check(dtype, device, B, T, H, G, D, prior, size, block, seed=0) -> tuple[flo
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_cache_triton_interpreted_equals_reference(dtype, case):
+def test_cache_triton_interpreted_equals_reference(dtype, case, poisoned):
     needs_interpreter()
     check(dtype, "cpu", *case)
 
@@ -101,7 +101,7 @@ def check_thresholds(device, B, T, H, G, D, prior, size, block, seed=0):
 
 
 @pytest.mark.parametrize("case", CASES + [(2, 300, 2, 1, 8, 100, 100, 128), (1, 200, 3, 1, 8, 0, 40, 70)], ids=case_id)
-def test_threshold_kernel_interpreted_equals_the_count(case):
+def test_threshold_kernel_interpreted_equals_the_count(case, poisoned):
     """The selection's thresholds through the kernel (several tiles of queries and of pool entries, carried entries
     some empty, stream steps that write nothing) against the PyTorch form's count."""
     needs_interpreter()

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _poison import poisoned_outputs
 
 from linearize.ops import gated_delta_rule, gated_delta_rule_step, taylor_back, taylor_front
 from linearize.ops.decode import taylor_gdn_step_
@@ -96,13 +95,6 @@ def check_step(x, backend, tol_o, tol_state):
     assert errs["o"] < tol_o, errs
     assert max(errs["state"], errs["sum_k"], errs["sum_v"]) < tol_state, errs
     return errs
-
-
-@pytest.fixture
-def poisoned():
-    """torch.empty/empty_like return NaN-filled tensors inside the Triton host code."""
-    with poisoned_outputs():
-        yield
 
 
 def masks(N):

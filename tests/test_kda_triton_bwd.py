@@ -77,7 +77,7 @@ def test_kda_triton_grads_interpreted_equal_reference(shape, poisoned):
 
 
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[3]], ids=ids)
-def test_kda_triton_grads_interpreted_fp16(shape):
+def test_kda_triton_grads_interpreted_fp16(shape, poisoned):
     needs_interpreter()
     check(torch.float16, "cpu", *shape)
 

@@ -48,7 +48,7 @@ def check(dtype, device, B, T, H, G, K, V, cu, tol=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
-def test_linear_attention_triton_interpreted_equals_reference(dtype, shape):
+def test_linear_attention_triton_interpreted_equals_reference(dtype, shape, poisoned):
     needs_interpreter()
     check(dtype, "cpu", *shape)
 

@@ -80,7 +80,7 @@ def test_linear_attention_decay_gradient_identity_float64():
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=ids)
-def test_linear_attention_triton_grads_interpreted_equal_reference(shape):
+def test_linear_attention_triton_grads_interpreted_equal_reference(shape, poisoned):
     needs_interpreter()
     check(torch.float32, "cpu", *shape)
 
@@ -135,7 +135,7 @@ def test_linear_attention_triton_grads_with_state_chains_cut(monkeypatch, shape,
     check(torch.float32, "cpu", *shape, h0=False, final=False)
 
 
-def test_linear_attention_triton_grads_fp16_interpreted():
+def test_linear_attention_triton_grads_fp16_interpreted(poisoned):
     needs_interpreter()
     check(torch.float16, "cpu", 1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130])
 

@@ -61,7 +61,7 @@ def check(dtype, device, case, seed=0) -> float:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=str)
-def test_mix_triton_interpreted_equals_reference(dtype, case):
+def test_mix_triton_interpreted_equals_reference(dtype, case, poisoned):
     needs_interpreter()
     check(dtype, "cpu", case)
 

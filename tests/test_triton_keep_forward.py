@@ -6,18 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 from _calls import counted_calls
-from _poison import poisoned_outputs
 from test_ops import gdn_inputs, rel
 
 from linearize.ops import gated_delta_rule, taylor_back
 
 NAMES = "o h q k v g beta h0 v_offset".split()
-
-
-@pytest.fixture
-def poisoned():
-    with poisoned_outputs():
-        yield
 
 
 def run(q, k, v, g, beta, h0, vm, cu, backend):

@@ -19,7 +19,6 @@ import math
 
 import pytest
 import torch
-from _poison import poisoned_outputs
 from conftest import tiny_model
 from test_convert import calib, ids
 from transformers import DynamicCache
@@ -50,13 +49,6 @@ def run_step(x, window, sinks, backend, decays=True):
 
 def named(buffers: WindowBuffers) -> dict[str, torch.Tensor]:
     return dict(zip(BUFFERS, buffers.tensors()))
-
-
-@pytest.fixture
-def poisoned():
-    """torch.empty/empty_like return NaN-filled tensors inside the Triton host code."""
-    with poisoned_outputs():
-        yield
 
 
 # ---- real states: a converted model, prefilled and decoded --------------------------------------------------

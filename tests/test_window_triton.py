@@ -86,7 +86,7 @@ def check(dtype, device, B, T, H, G, D, W, S, layout, seed=0) -> tuple[float, fl
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("case", CASES, ids=case_id)
-def test_sink_window_triton_interpreted_equals_reference(dtype, case):
+def test_sink_window_triton_interpreted_equals_reference(dtype, case, poisoned):
     needs_interpreter()
     check(dtype, "cpu", *case)
 

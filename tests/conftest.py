@@ -131,12 +131,8 @@ def poisoned():
 
 
 @pytest.fixture
-def compiled():
+def compiled(poisoned):
     """For the GPU tests of the kernels: fails under TRITON_INTERPRET=1 (that would interpret them), and
-    NaN-poisons the kernels' outputs (tests/_poison.py)."""
-    from _poison import poisoned_outputs
-
+    NaN-poisons the kernels' outputs (:func:`poisoned`)."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         pytest.fail("TRITON_INTERPRET=1 interprets the kernels; run the gpu tests with TRITON_INTERPRET=0")
-    with poisoned_outputs():
-        yield

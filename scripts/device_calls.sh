@@ -23,7 +23,7 @@
 #   scripts/device_calls.sh fla          carry .carry/fla: flash-linear-attention, for scripts/bench_kernels.py
 #   scripts/device_calls.sh kernels [OPS] [SHAPES] [TESTS]   after 'wheels', carry .carry/fla .carry/pytest (and
 #                                        .carry/w: then no 'wheels' call is needed): the
-#                                        operators OPS (default "linear gdn") timed against fla at SHAPES
+#                                        operators OPS (default "linear gdn"; "none": the tests alone) timed against fla at SHAPES
 #                                        (default the long ones, 2x8192,1x16384,1x32768) into OUT/bench_OP.json, then
 #                                        the GPU tests matching TESTS (a pytest -k expression; default: the mix
 #                                        kernel, the prefill through the fused front and the kernels, its default
@@ -163,7 +163,7 @@ case ${1:-} in
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/pytest/*.whl
         rm -rf "$repo/tests" && cp -r tests "$repo"/ && cp pyproject.toml "$repo"/
         cuda_ptxas
-        (cd "$repo" && TRITON_INTERPRET=0 setsid nohup bash -c 'python3 -m pytest -q -p no:cacheprovider \
+        (cd "$repo" && TRITON_INTERPRET=0 setsid nohup bash -c 'python3 -m pytest -v -rfE -p no:cacheprovider \
             --continue-on-collection-errors -m gpu -k "$0" tests/; echo "== gpu tests ended: exit $?"' "${2:-$gpu_tests}" \
             > "$w/gpu_tests.log" 2>&1 < /dev/null &)
         sleep 5
@@ -262,6 +262,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
     kernels)
         ops=${2:-linear gdn} shapes=${3:-2x8192,1x16384,1x32768} tests=${4:-$gpu_tests}
         [ "$shapes" = all ] && shapes=std,smollm2,llama3-8b
+        [ "$ops" = none ] && ops=""  # the tests alone
         [ -d .carry/fla ] && [ -d .carry/pytest ] || die "carry .carry/fla and .carry/pytest"
         # .carry/w carried too: the training wheels in the same call (no 'wheels' call before)
         python3 -m pip install -q --no-index --no-deps --no-compile --target "$site" .carry/fla/*.whl .carry/pytest/*.whl \
@@ -295,8 +296,9 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         workers=$(python3 -c 'import xdist' 2> /dev/null && echo "-n ${TEST_WORKERS:-8}")
         gpu_tests() {  # a module needing a package the machine lacks does not stop the rest
             # shellcheck disable=SC2086  # workers: words
-            python3 -m pytest -q -p no:cacheprovider $workers --continue-on-collection-errors -m gpu -k "$tests" \
-                tests/ > "$out/gpu_tests.log" 2>&1
+            # -v: each test's outcome in the log as it ends (a call cut off still shows which failed)
+            python3 -m pytest -v -rfE -p no:cacheprovider $workers --continue-on-collection-errors -m gpu \
+                -k "$tests" tests/ > "$out/gpu_tests.log" 2>&1
             tail -n 3 "$out/gpu_tests.log"
             # a -k that matches nothing still ends "N skipped" (the modules skipped at collection): say so
             grep -qE "[0-9]+ (passed|failed)" "$out/gpu_tests.log" \
@@ -310,7 +312,8 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
                 --output "$out/bench_$op${BENCH_TAG:-}.json" 2>&1 | tail -n 12
             (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$out/autotune.tgz" -T -)
         done
-        echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) autotuned kernels kept"
+        [ -z "$ops" ] || echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) \
+autotuned kernels kept"
 
         [ "$tests" = skip ] || [ "${EARLY_TESTS:-0}" = 1 ] || gpu_tests ;;
     kernels-start)

@@ -168,6 +168,21 @@ def test_a_16_bit_backward_is_refused_where_ptxas_miscompiles_it(monkeypatch):
         assert kb.backward_compiles(torch.bfloat16, cuda)
 
 
+def test_the_gpu_runs_read_a_ptxas_release_off_its_version_line(tmp_path):
+    """conftest.py hands the GPU tests the CUDA toolkit's ptxas where Triton's own miscompiles: it reads the
+    release off ``ptxas --version`` (the lines of CUDA 13.0's), and None where there is no ptxas to ask."""
+    from conftest import ptxas_release
+
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho 'ptxas: NVIDIA (R) Ptx optimizing assembler'\n"
+                    "echo 'Cuda compilation tools, release 13.0, V13.0.88'\necho 'Build cuda_13.0.r13.0/compiler.0'\n")
+    fake.chmod(0o755)
+    assert ptxas_release(fake) == (13, 0)
+    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+    assert ptxas_release(fake) == (12, 8)
+    assert ptxas_release(tmp_path / "missing") is None
+
+
 def test_the_backward_compiler_is_asked_before_a_forward_that_will_want_gradients(monkeypatch):
     """``kda_triton`` checks the backward's compiler before its forward runs, and only when gradients will follow."""
     import linearize.ops.triton.kda_bwd as kb

@@ -12,39 +12,27 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import pytest
 import torch
 
-CUDA_PTXAS = Path("/usr/local/cuda/bin/ptxas")
-
-
-def ptxas_release(path: Path) -> tuple[int, int] | None:
-    """``(major, minor)`` of the ptxas at ``path`` (its ``--version``: "… release 13.0, V13.0.88"), or None."""
-    try:
-        out = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30).stdout
-        major, minor = out.split("release ")[1].split(",")[0].split(".")[:2]
-        return int(major), int(minor)
-    except (OSError, IndexError, ValueError, subprocess.SubprocessError):
-        return None
-
 
 def pytest_configure(config):
     """On a CUDA machine whose Triton ships a ptxas that miscompiles the KDA backward's 16-bit products (older
     than 12.9: ``kda_bwd.backward_compiles``), the GPU tests compile with the CUDA toolkit's ptxas where that
-    one is new enough: the kernels' tests are about the kernels (the refusal has its own test), and without it
-    every 16-bit KDA backward test fails with the refusal's line. ``TRITON_PTXAS_PATH`` set by hand wins."""
+    one is new enough (``ptxas.toolkit_ptxas``): the kernels' tests are about the kernels (the refusal has
+    its own test), and under the old one every 16-bit KDA backward test is refused. A set
+    ``TRITON_PTXAS_PATH`` wins."""
     if os.environ.get("TRITON_PTXAS_PATH") or not torch.cuda.is_available():
         return
-    from linearize.ops.triton import kda_bwd
+    from linearize.ops.triton.ptxas import PTXAS_FIXED, ptxas_version, toolkit_ptxas
 
-    own = kda_bwd.ptxas_version()
-    toolkit = ptxas_release(CUDA_PTXAS) if CUDA_PTXAS.exists() else None
-    if own is not None and own < kda_bwd.PTXAS_FIXED and toolkit is not None and toolkit >= kda_bwd.PTXAS_FIXED:
-        os.environ["TRITON_PTXAS_PATH"] = str(CUDA_PTXAS)
+    own, toolkit = ptxas_version(), toolkit_ptxas()
+    if own is not None and own < PTXAS_FIXED and toolkit is not None:
+        os.environ["TRITON_PTXAS_PATH"] = str(toolkit)
 
 
 def pytest_report_header(config):
     if torch.cuda.is_available():
-        from linearize.ops.triton import kda_bwd
+        from linearize.ops.triton.ptxas import ptxas_version
 
-        return f"ptxas for Triton: {kda_bwd.ptxas_version()} ({os.environ.get('TRITON_PTXAS_PATH', 'its own')})"
+        return f"ptxas for Triton: {ptxas_version()} ({os.environ.get('TRITON_PTXAS_PATH', 'its own')})"
     return None
 
 

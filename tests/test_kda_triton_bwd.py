@@ -168,19 +168,75 @@ def test_a_16_bit_backward_is_refused_where_ptxas_miscompiles_it(monkeypatch):
         assert kb.backward_compiles(torch.bfloat16, cuda)
 
 
-def test_the_gpu_runs_read_a_ptxas_release_off_its_version_line(tmp_path):
-    """conftest.py hands the GPU tests the CUDA toolkit's ptxas where Triton's own miscompiles: it reads the
-    release off ``ptxas --version`` (the lines of CUDA 13.0's), and None where there is no ptxas to ask."""
-    from conftest import ptxas_release
+def fake_ptxas(path, release: str):
+    """An executable at ``path`` that answers ``--version`` as CUDA's ptxas does, with ``release``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\necho 'ptxas: NVIDIA (R) Ptx optimizing assembler'\n"
+                    f"echo 'Cuda compilation tools, release {release}, V{release}.88'\necho 'Build cuda_{release}'\n")
+    path.chmod(0o755)
+    return path
 
-    fake = tmp_path / "ptxas"
-    fake.write_text("#!/bin/sh\necho 'ptxas: NVIDIA (R) Ptx optimizing assembler'\n"
-                    "echo 'Cuda compilation tools, release 13.0, V13.0.88'\necho 'Build cuda_13.0.r13.0/compiler.0'\n")
-    fake.chmod(0o755)
-    assert ptxas_release(fake) == (13, 0)
-    fake.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
-    assert ptxas_release(fake) == (12, 8)
+
+def test_a_ptxas_release_is_read_off_its_version_line(tmp_path):
+    """The release of a ptxas comes off ``ptxas --version`` (CUDA's lines); None where there is none to ask."""
+    from linearize.ops.triton.ptxas import ptxas_release
+
+    assert ptxas_release(fake_ptxas(tmp_path / "a" / "ptxas", "13.0")) == (13, 0)
+    assert ptxas_release(fake_ptxas(tmp_path / "b" / "ptxas", "12.8")) == (12, 8)
     assert ptxas_release(tmp_path / "missing") is None
+
+
+def test_the_refusal_and_the_fallback_name_a_newer_toolkit_ptxas(monkeypatch, tmp_path):
+    """Where Triton's ptxas miscompiles the 16-bit backward, the refusal (``backend="triton"``) and the warning
+    of ``backend="auto"``'s PyTorch fallback (once a dtype) name the CUDA toolkit's ptxas when it is 12.9+
+    (``$CUDA_HOME/bin``), and say what to look for when it is older or absent."""
+    import warnings
+
+    import linearize.ops.triton.kda_bwd as kb
+    from linearize.ops.triton import ptxas
+
+    monkeypatch.setattr(kb, "ptxas_version", lambda: (12, 8))
+    cuda = torch.device("cuda")
+    for release, named in (("13.0", True), ("12.8", False), (None, False)):
+        home = tmp_path / str(release)
+        if release:
+            fake_ptxas(home / "bin" / "ptxas", release)
+        monkeypatch.setenv("CUDA_HOME", str(home))
+        ptxas.toolkit_ptxas.cache_clear()
+        kb.warn_torch_backward.cache_clear()
+        with pytest.raises(RuntimeError) as refused:
+            kb.check_backward_compiler(torch.bfloat16, cuda)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            kb.warn_torch_backward(torch.bfloat16)
+            kb.warn_torch_backward(torch.bfloat16)  # once
+        assert len(said) == 1 and "PyTorch chunkwise form" in str(said[0].message)
+        for line in (str(refused.value), str(said[0].message)):
+            assert ("ptxas 12.8" in line) and ("TRITON_PTXAS_PATH" in line)
+            assert (f"TRITON_PTXAS_PATH={home / 'bin' / 'ptxas'}" in line) == named
+    ptxas.toolkit_ptxas.cache_clear()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_trains_a_16_bit_kda_through_pytorch_where_ptxas_miscompiles_it(monkeypatch):
+    """``backend="auto"`` on CUDA, bf16, gradients wanted, under a ptxas that would miscompile the kernels'
+    backward: the chunkwise PyTorch form, with the warning; without gradients, the kernels."""
+    import linearize.ops.triton.kda_bwd as kb
+    from linearize.ops import gated_delta_rule
+
+    monkeypatch.setattr(kb, "ptxas_version", lambda: (12, 8))
+    kb.warn_torch_backward.cache_clear()
+    q, k, v, g, beta = (x.float().cuda() for x in kda_inputs(1, 70, 2, 1, 32, 32, seed=3, decay=1.0))
+    q, k, v = (x.bfloat16() for x in (q, k, v))
+    with pytest.warns(UserWarning, match="PyTorch chunkwise form.*ptxas 12.8"):
+        o, _ = gated_delta_rule(q.requires_grad_(), k, v, g, beta, backend="auto")
+    assert type(o.grad_fn).__name__ != "KDAFunctionBackward"
+    with torch.no_grad():
+        o, _ = gated_delta_rule(q, k, v, g, beta, backend="auto")
+    want, _ = gated_delta_rule(q, k, v, g, beta, backend="triton")
+    assert torch.equal(o, want)
+    kb.warn_torch_backward.cache_clear()
 
 
 def test_the_backward_compiler_is_asked_before_a_forward_that_will_want_gradients(monkeypatch):
@@ -206,7 +262,13 @@ def test_the_backward_compiler_is_asked_before_a_forward_that_will_want_gradient
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=ids)
 def test_kda_triton_grads_gpu_equal_reference(dtype, shape, compiled):
-    from linearize.ops.triton.kda_bwd import PTXAS_FIXED, ptxas_version
+    check_on_gpu(dtype, shape)
+
+
+def check_on_gpu(dtype, shape):
+    """:func:`check` on CUDA; where Triton's ptxas would miscompile a 16-bit backward (conftest.py hands the
+    tests a newer one where it finds it), that the call is refused, then a skip that says so."""
+    from linearize.ops.triton.ptxas import PTXAS_FIXED, ptxas_version
 
     version = ptxas_version()
     if dtype != torch.float32 and version is not None and version < PTXAS_FIXED:
@@ -289,7 +351,7 @@ def test_chunk_dots_gpu_equal_reference(shape, monkeypatch, compiled):
     from linearize.ops.triton import kda_fwd
 
     monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", True)
-    check(torch.bfloat16, "cuda", *shape)
+    check_on_gpu(torch.bfloat16, shape)
 
 
 @pytest.mark.gpu
@@ -303,7 +365,7 @@ def test_sub_chunk_dots_gpu_equal_reference(shape, monkeypatch, compiled):
 
     monkeypatch.setattr(kda_fwd, "SUB_CHUNK_DOTS", True)
     monkeypatch.setattr(kda_fwd, "CHUNK_DOTS", False)
-    check(torch.bfloat16, "cuda", *shape)
+    check_on_gpu(torch.bfloat16, shape)
 
 
 @pytest.mark.gpu

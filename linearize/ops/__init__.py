@@ -99,10 +99,12 @@ def gated_delta_rule(
     if backend == "auto":
         fits = q.is_cuda and _triton_usable(q) and q.shape[-1] <= TRITON_MAX_K
         if fits and per_channel:  # KDA: key heads up to the width its GPU tests passed at (128), and not
-            from .triton.kda_bwd import backward_compiles  # where ptxas would miscompile a 16-bit backward
+            from .triton.kda_bwd import backward_compiles, warn_torch_backward  # where ptxas would miscompile
 
-            grad = wants_grad(q, k, v, g, beta, initial_state, v_offset)
-            fits = q.shape[-1] <= KDA_AUTO_MAX_K and (not grad or backward_compiles(q.dtype, q.device))
+            fits = q.shape[-1] <= KDA_AUTO_MAX_K  # … a 16-bit backward: then the PyTorch form, said once
+            if fits and wants_grad(q, k, v, g, beta, initial_state, v_offset) and not backward_compiles(q.dtype, q.device):
+                warn_torch_backward(q.dtype)
+                fits = False
         backend = "triton" if fits else "torch"
     if g is None and backend != "triton":  # the PyTorch forms take the zeros the kernels skip
         g = torch.zeros_like(beta, dtype=compute_dtype(beta.dtype))

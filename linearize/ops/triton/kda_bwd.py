@@ -42,6 +42,9 @@ after.
 
 from __future__ import annotations
 
+import warnings
+from functools import cache
+
 import torch
 import triton
 import triton.language as tl
@@ -63,6 +66,7 @@ from .kda_fwd import (
 )
 from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, sub_chunk_dots_fit
 from .layout import BT, Layout, chunk_at, sequence_at
+from .ptxas import PTXAS_FIXED, newer_ptxas_advice, ptxas_version
 from .settings import block_k
 from .tiles import exp_ftz, mm
 
@@ -444,20 +448,6 @@ class KDAFunction(torch.autograd.Function):
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, dvo, None
 
 
-PTXAS_FIXED = (12, 9)  # the first ptxas that compiles the backward's 16-bit tensor-core products right
-
-
-def ptxas_version() -> tuple[int, int] | None:
-    """``(major, minor)`` of the ptxas Triton compiles for this CUDA GPU with, or None where it cannot tell."""
-    try:
-        from triton.backends.nvidia.compiler import get_ptxas
-
-        major, minor = torch.cuda.get_device_capability()
-        return tuple(int(x) for x in str(get_ptxas(10 * major + minor).version).split(".")[:2])
-    except Exception:  # no CUDA, another backend, another Triton layout: nothing known to refuse
-        return None
-
-
 def backward_compiles(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether the backward kernels compile right here: always in float32 and off CUDA; in 16 bits on CUDA
     only with ptxas 12.9 or newer. ptxas 12.8, the one Triton 3.6 ships, takes the shared-memory address of
@@ -476,8 +466,19 @@ def check_backward_compiler(dtype: torch.dtype, device: torch.device) -> None:
         version = ptxas_version()
         raise RuntimeError(
             f"the KDA Triton backward in {dtype} needs ptxas >= 12.9, and Triton compiles with ptxas "
-            f"{version[0]}.{version[1]}, which miscompiles it; set TRITON_PTXAS_PATH to a newer ptxas (CUDA 12.9+, "
-            "e.g. /usr/local/cuda/bin/ptxas), or train kda in float32 or with backend='torch'")
+            f"{version[0]}.{version[1]}, which miscompiles it; {newer_ptxas_advice()}, or train kda in float32 or "
+            "with backend='torch'")
+
+
+@cache
+def warn_torch_backward(dtype: torch.dtype) -> None:
+    """Once a process and dtype: ``backend="auto"`` trains a 16-bit KDA on CUDA through the chunkwise PyTorch
+    form, since :func:`backward_compiles` says Triton's ptxas would miscompile the kernels' backward."""
+    version = ptxas_version()
+    warnings.warn(
+        f"KDA in {dtype} trains through the PyTorch chunkwise form, not the Triton kernels: Triton compiles with "
+        f"ptxas {version[0]}.{version[1]}, which miscompiles their backward; {newer_ptxas_advice()} for the "
+        "kernels", stacklevel=3)
 
 
 def kda_triton(q, k, v, g, beta, *, scale: float = 1.0, initial_state=None, output_final_state: bool = False,

@@ -22,6 +22,8 @@ SHAPES = [  # (B, T, H, G, K, V, cu_seqlens, decay)
     (1, 130, 2, 2, 16, 32, [0, 17, 17, 81, 130], 5.0),  # packed, an empty document
     (1, 90, 1, 2, 24, 20, [0, 0, 70, 90, 90], 2.0),  # empty first and last documents; K, V not powers of two
     (2, 1, 1, 2, 8, 8, None, 1.0),
+    # keys wider than the prepare kernel's 64 channels (kda_fwd.PREPARE_BK): two key blocks, the second masked
+    (1, 100, 1, 2, 96, 40, [0, 37, 100], 2.0),
 ]
 ids = lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else "") + f"-decay{s[7]:g}"  # noqa: E731
 

@@ -40,7 +40,10 @@
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
-#                                        it chose on that machine, of the same GPU kind: minutes less per operator)
+#                                        it chose on that machine, of the same GPU kind: minutes less per
+#                                        operator); the GPU tests' compiled kernels come back as
+#                                        OUT/test_kernels.tgz (where ≤ 16 MiB), which carried as
+#                                        .carry/tcache/test_kernels.tgz spares a re-run of them the compiling
 #   scripts/device_calls.sh kernels-start [OPS] [SHAPES] [TESTS]   the same step in the background, its files into
 #                                        W/kernels (a whole table against fla outlasts a call: fla compiles and
 #                                        autotunes for minutes per operator); SHAPES "all": every shape of the bench
@@ -295,11 +298,21 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         # where .carry/pytest brings it, spreads them over TEST_WORKERS processes (default 8) of the 16 cores
         workers=$(python3 -c 'import xdist' 2> /dev/null && echo "-n ${TEST_WORKERS:-8}")
         gpu_tests() {  # a module needing a package the machine lacks does not stop the rest
+            # the tests' kernels compiled into a cache of their own, whose cubins and metadata (what Triton loads
+            # a cached kernel from) come back as OUT/test_kernels.tgz where it fits a call's 16 MiB: carried as
+            # .carry/tcache/test_kernels.tgz, a later run of unchanged kernels on the same compiler skips compiling
+            local cache=$w/test-cache
+            mkdir -p "$cache"
+            [ -f .carry/tcache/test_kernels.tgz ] && tar xzf .carry/tcache/test_kernels.tgz -C "$cache"
             # shellcheck disable=SC2086  # workers: words
             # -v: each test's outcome in the log as it ends (a call cut off still shows which failed)
-            python3 -m pytest -v -rfE -p no:cacheprovider $workers --continue-on-collection-errors -m gpu \
-                -k "$tests" tests/ > "$out/gpu_tests.log" 2>&1
+            TRITON_CACHE_DIR=$cache python3 -m pytest -v -rfE -p no:cacheprovider $workers --continue-on-collection-errors \
+                -m gpu -k "$tests" tests/ > "$out/gpu_tests.log" 2>&1
             tail -n 3 "$out/gpu_tests.log"
+            (cd "$cache" && find . \( -name '*.cubin' -o -name '*.json' \) | tar czf "$out/test_kernels.tgz" -T -)
+            [ "$(stat -c %s "$out/test_kernels.tgz")" -le 16000000 ] \
+                || { echo "test_kernels.tgz: $(du -h "$out/test_kernels.tgz" | cut -f1), over a call's 16 MiB: dropped"
+                     rm -f "$out/test_kernels.tgz"; }
             # a -k that matches nothing still ends "N skipped" (the modules skipped at collection): say so
             grep -qE "[0-9]+ (passed|failed)" "$out/gpu_tests.log" \
                 || echo "warning: -k \"$tests\" ran no GPU test (parametrized dtypes' ids are dtype0, dtype1, …)"
@@ -328,8 +341,8 @@ autotuned kernels kept"
         k=$w/kernels end=$(( $(date +%s) + ${2:-540} ))
         [ -e "$k/step.log" ] || die "no kernels step: 'kernels-start' first"
         while [ "$(date +%s)" -lt "$end" ] && [ ! -e "$k/done" ]; do sleep 5; done
-        tar czf "$out/kernels.tgz" -C "$k" --exclude=autotune.tgz .
-        cp "$k/autotune.tgz" "$out"/ 2>/dev/null
+        tar czf "$out/kernels.tgz" -C "$k" --exclude=autotune.tgz --exclude=test_kernels.tgz .
+        cp "$k/autotune.tgz" "$k/test_kernels.tgz" "$out"/ 2>/dev/null
         tail -n 40 "$k/step.log"
         if [ -e "$k/done" ]; then cat "$k/done"; else echo "still running: call 'kernels-wait' again"; fi ;;
     gemma-part)

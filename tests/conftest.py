@@ -21,11 +21,11 @@ def pytest_configure(config):
     ``TRITON_PTXAS_PATH`` wins."""
     if os.environ.get("TRITON_PTXAS_PATH") or not torch.cuda.is_available():
         return
-    from linearize.ops.triton.ptxas import PTXAS_FIXED, ptxas_version, toolkit_ptxas
+    from linearize.ops.triton.kda_bwd import backward_compiles
+    from linearize.ops.triton.ptxas import toolkit_ptxas
 
-    own, toolkit = ptxas_version(), toolkit_ptxas()
-    if own is not None and own < PTXAS_FIXED and toolkit is not None:
-        os.environ["TRITON_PTXAS_PATH"] = str(toolkit)
+    if not backward_compiles(torch.bfloat16, torch.device("cuda")) and toolkit_ptxas() is not None:
+        os.environ["TRITON_PTXAS_PATH"] = str(toolkit_ptxas())
 
 
 def pytest_report_header(config):

@@ -268,13 +268,12 @@ def test_kda_triton_grads_gpu_equal_reference(dtype, shape, compiled):
 def check_on_gpu(dtype, shape):
     """:func:`check` on CUDA; where Triton's ptxas would miscompile a 16-bit backward (conftest.py hands the
     tests a newer one where it finds it), that the call is refused, then a skip that says so."""
-    from linearize.ops.triton.ptxas import PTXAS_FIXED, ptxas_version
+    from linearize.ops.triton.kda_bwd import backward_compiles, ptxas_version
 
-    version = ptxas_version()
-    if dtype != torch.float32 and version is not None and version < PTXAS_FIXED:
+    if not backward_compiles(dtype, torch.device("cuda")):
         with pytest.raises(RuntimeError, match="needs ptxas >= 12.9"):
             check(dtype, "cuda", *shape)
-        pytest.skip(f"ptxas {version} miscompiles the 16-bit backward (refused); set TRITON_PTXAS_PATH to 12.9+")
+        pytest.skip(f"ptxas {ptxas_version()} miscompiles the 16-bit backward (refused); set TRITON_PTXAS_PATH to 12.9+")
     check(dtype, "cuda", *shape)
 
 

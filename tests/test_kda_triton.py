@@ -37,10 +37,12 @@ def check(dtype, device, B, T, H, G, K, V, cu, decay, tol=None):
     cu_t = torch.tensor(cu) if cu else None
     low = [x.to(dtype) for x in (q, k, v)]  # the kernels' inputs, and the reference on the same rounded values
     g, beta, h0 = g.float(), beta.float(), h0.float()
-    ref, h_ref = kda_reference(*(x.double() for x in (*low, g, beta)), scale=0.7, initial_state=h0.double(),
-                               output_final_state=True, cu_seqlens=cu_t)
-    ref = ref + offset.repeat_interleave(G, 2)
     dev = lambda x: x.to(device)  # noqa: E731
+    # the float64 reference on the kernels' device (on a GPU its steps are launches; on the CPU 2×2048 tokens of
+    # sixteen 128-wide heads took minutes a test), compared on the CPU
+    ref, h_ref = kda_reference(*(dev(x.double()) for x in (*low, g, beta)), scale=0.7, initial_state=dev(h0.double()),
+                               output_final_state=True, cu_seqlens=cu_t)
+    ref, h_ref = ref.cpu() + offset.repeat_interleave(G, 2), h_ref.cpu()
     from linearize.ops.triton.kda_fwd import kda_fwd
 
     q, k, v, g, beta = map(dev, (*low, g, beta))

@@ -31,10 +31,12 @@ def check(dtype, device, B, T, H, G, K, V, cu, tol=None):
     cu_t = torch.tensor(cu) if cu else None
     offset = torch.randn(B, T, H, V, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     low = [x.to(dtype) for x in (q, k, v)]  # the kernels' inputs, and the reference on the same rounded values
-    ref, h_ref = linear_attention_reference(*(x.double() for x in low), g, w, scale=0.7, initial_state=h0,
-                                            output_final_state=True, cu_seqlens=cu_t)
-    ref = ref + offset.repeat_interleave(G, 2)
     dev = lambda x: x.to(device)  # noqa: E731
+    # the float64 reference on the kernels' device (on a GPU its steps are launches, on the CPU minutes at the
+    # real head sizes), compared on the CPU
+    ref, h_ref = linear_attention_reference(*(dev(x.double()) for x in low), dev(g), dev(w), scale=0.7,
+                                            initial_state=dev(h0), output_final_state=True, cu_seqlens=cu_t)
+    ref, h_ref = ref.cpu() + offset.repeat_interleave(G, 2), h_ref.cpu()
     o, h = linear_attention(*map(dev, low), dev(g.float()), dev(w.float()), scale=0.7, initial_state=dev(h0.float()),
                             output_final_state=True, cu_seqlens=None if cu_t is None else dev(cu_t), backend="triton",
                             v_offset=dev(offset.float()))

@@ -47,9 +47,11 @@ def check(dtype, device, B, T, H, G, K, V, cu, *, h0=True, final=True, decay=1.0
     q, k, v, offset = (x.to(dtype) for x in (q, k, v, offset))  # the kernels' inputs; the reference sees the same values
     g, w = g.float(), w.float()
     s0 = s0.float() if h0 else None
-    ref = grads("reference", *(x.double() if x is not None else None for x in (q, k, v, g, w, s0, offset)), cu_t,
-                final=final)
     dev = lambda x: x.to(device) if x is not None else None  # noqa: E731
+    # the float64 reference on the kernels' device (test_linear_triton.check says why), compared on the CPU
+    ref = grads("reference", *(dev(x.double()) if x is not None else None for x in (q, k, v, g, w, s0, offset)),
+                cu_t, final=final)
+    ref = [x.cpu() if x is not None else None for x in ref]
     got = grads("triton", *map(dev, (q, k, v, g, w, s0, offset, cu_t)), final=final)
     tol = tol or TOL[dtype]
     for name, a, b in zip(NAMES, got, ref):

@@ -41,15 +41,18 @@
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
 #                                        it chose on that machine, of the same GPU kind: minutes less per
-#                                        operator); the GPU tests' compiled kernels come back as
-#                                        OUT/test_kernels.tgz (where ≤ 16 MiB), which carried as
-#                                        .carry/tcache/test_kernels.tgz spares a re-run of them the compiling
+#                                        operator); the compiled kernels come back too, the timings' as
+#                                        OUT/bench_kernels.tgz (after each operator), the GPU tests' as
+#                                        OUT/test_kernels.tgz (each in parts of 15 MB, .tgz.00 …, where larger),
+#                                        which carried in .carry/tcache spare a re-run on the same kind of GPU the
+#                                        compiling (the timings' compiling is most of their time)
 #   scripts/device_calls.sh kernels-start [OPS] [SHAPES] [TESTS]   the same step in the background, its files into
 #                                        W/kernels (a whole table against fla outlasts a call: fla compiles and
 #                                        autotunes for minutes per operator); SHAPES "all": every shape of the bench
 #   scripts/device_calls.sh kernels-wait [SECONDS]   until that step ends or SECONDS pass (default 540); then its
 #                                        files so far into OUT/kernels.tgz (a call brings back 8 files at most),
-#                                        OUT/autotune.tgz beside it, and its log's end; call again while it runs
+#                                        OUT/autotune.tgz and the compiled kernels so far beside it, and its log's
+#                                        end; call again while it runs
 #   scripts/device_calls.sh gpu-tests [TESTS]   after 'teacher' (and 'lm-eval' for the harness's tests), carry
 #                                        .carry/pytest: the GPU tests matching TESTS (pytest -k; default as 'kernels')
 #                                        in the background, from a copy of tests/ beside the repo, so that they run
@@ -123,6 +126,33 @@ pack() {  # ARCHIVE 'GLOBS': the files under W the globs match, into OUT/ARCHIVE
 }
 running() {  # PIDFILE: its process is alive
     kill -0 "$(cat "$1" 2>/dev/null)" 2>/dev/null
+}
+cache_out() {  # DIR NAME PARTS: the compiled kernels under the Triton cache DIR (their cubins and metadata,
+    # what Triton loads a cached kernel from; autotuning's choices too) into OUT/NAME.tgz, or in parts of 15 MB
+    # (NAME.tgz.00 …) where larger, at most PARTS of them (a call brings back 8 files of 16 MiB at most); carried
+    # back as .carry/tcache/NAME.tgz* (cache_in), a later run of unchanged kernels on the same kind of GPU and
+    # compiler skips compiling them. Written aside, then moved: a 'kernels-wait' copying them never sees half
+    local tmp=$out/.$2.parts n
+    rm -rf "$tmp" && mkdir -p "$tmp"
+    (cd "$1" && find . \( -name '*.cubin' -o -name '*.json' \) -not -path './tmp.*' | tar czf - -T -) \
+        | split -b 15000000 -d -a 2 - "$tmp/$2.tgz."
+    n=$(find "$tmp" -type f | wc -l)
+    rm -f "$out/$2".tgz*
+    if [ "$n" -gt "$3" ]; then
+        echo "$2: $(cat "$tmp"/* | wc -c) bytes, over $3 parts of 15 MB: not kept"
+    elif [ "$n" = 1 ]; then
+        mv "$tmp/$2.tgz.00" "$out/$2.tgz"
+    else
+        mv "$tmp"/* "$out"/
+    fi
+    rm -rf "$tmp"
+}
+cache_in() {  # NAME DIR: .carry/tcache/NAME.tgz (or its parts, joined), made by cache_out, unpacked into DIR
+    local parts
+    parts=$(ls .carry/tcache/"$1".tgz .carry/tcache/"$1".tgz.[0-9][0-9] 2>/dev/null)
+    [ -z "$parts" ] && return 0
+    # shellcheck disable=SC2086  # the parts' names: words
+    cat $parts | tar xzf - -C "$2" && echo "$1: $(find "$2" -name '*.cubin' | wc -l) compiled kernels carried in"
 }
 ablating() {  # a variant of 'ablate' is still training or being measured
     pgrep -f "scripts/ablate.sh .*/aruns" > /dev/null
@@ -273,6 +303,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         export TRITON_INTERPRET=0 TRITON_CACHE_DIR=$w/triton-cache TRITON_CACHE_AUTOTUNING=1
         mkdir -p "$TRITON_CACHE_DIR"
         [ -f .carry/tcache/autotune.tgz ] && tar xzf .carry/tcache/autotune.tgz -C "$TRITON_CACHE_DIR"
+        cache_in bench_kernels "$TRITON_CACHE_DIR"
         cuda_ptxas
         if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
             [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
@@ -303,16 +334,13 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
             # .carry/tcache/test_kernels.tgz, a later run of unchanged kernels on the same compiler skips compiling
             local cache=$w/test-cache
             mkdir -p "$cache"
-            [ -f .carry/tcache/test_kernels.tgz ] && tar xzf .carry/tcache/test_kernels.tgz -C "$cache"
+            cache_in test_kernels "$cache"
             # shellcheck disable=SC2086  # workers: words
             # -v: each test's outcome in the log as it ends (a call cut off still shows which failed)
             TRITON_CACHE_DIR=$cache python3 -m pytest -v -rfE -p no:cacheprovider $workers --continue-on-collection-errors \
                 -m gpu -k "$tests" tests/ > "$out/gpu_tests.log" 2>&1
             tail -n 3 "$out/gpu_tests.log"
-            (cd "$cache" && find . \( -name '*.cubin' -o -name '*.json' \) | tar czf "$out/test_kernels.tgz" -T -)
-            [ "$(stat -c %s "$out/test_kernels.tgz")" -le 16000000 ] \
-                || { echo "test_kernels.tgz: $(du -h "$out/test_kernels.tgz" | cut -f1), over a call's 16 MiB: dropped"
-                     rm -f "$out/test_kernels.tgz"; }
+            cache_out "$cache" test_kernels 2
             # a -k that matches nothing still ends "N skipped" (the modules skipped at collection): say so
             grep -qE "[0-9]+ (passed|failed)" "$out/gpu_tests.log" \
                 || echo "warning: -k \"$tests\" ran no GPU test (parametrized dtypes' ids are dtype0, dtype1, …)"
@@ -324,6 +352,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \
                 --output "$out/bench_$op${BENCH_TAG:-}.json" 2>&1 | tail -n 12
             (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$out/autotune.tgz" -T -)
+            cache_out "$TRITON_CACHE_DIR" bench_kernels 4  # after each operator: a run cut off keeps what it compiled
         done
         [ -z "$ops" ] || echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) \
 autotuned kernels kept"
@@ -341,8 +370,8 @@ autotuned kernels kept"
         k=$w/kernels end=$(( $(date +%s) + ${2:-540} ))
         [ -e "$k/step.log" ] || die "no kernels step: 'kernels-start' first"
         while [ "$(date +%s)" -lt "$end" ] && [ ! -e "$k/done" ]; do sleep 5; done
-        tar czf "$out/kernels.tgz" -C "$k" --exclude=autotune.tgz --exclude=test_kernels.tgz .
-        cp "$k/autotune.tgz" "$k/test_kernels.tgz" "$out"/ 2>/dev/null
+        tar czf "$out/kernels.tgz" -C "$k" --exclude='autotune.tgz' --exclude='*_kernels.tgz*' --exclude='.*.parts' .
+        cp "$k/autotune.tgz" "$k"/*_kernels.tgz* "$out"/ 2>/dev/null
         tail -n 40 "$k/step.log"
         if [ -e "$k/done" ]; then cat "$k/done"; else echo "still running: call 'kernels-wait' again"; fi ;;
     gemma-part)

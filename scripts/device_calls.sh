@@ -40,9 +40,9 @@
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
-#                                        it chose on that machine, of the same GPU kind: minutes less per
-#                                        operator); the compiled kernels come back too, the timings' as
-#                                        OUT/bench_kernels.tgz (after each operator), the GPU tests' as
+#                                        it chose on that machine: minutes less per operator; dropped where they
+#                                        come from another kind of GPU); the compiled kernels come back too, the
+#                                        timings' as OUT/bench_kernels.tgz (after each operator), the GPU tests' as
 #                                        OUT/test_kernels.tgz (each in parts of 15 MB, .tgz.00 …, where larger),
 #                                        which carried in .carry/tcache spare a re-run on the same kind of GPU the
 #                                        compiling (the timings' compiling is most of their time)
@@ -146,6 +146,18 @@ cache_out() {  # DIR NAME PARTS: the compiled kernels under the Triton cache DIR
         mv "$tmp"/* "$out"/
     fi
     rm -rf "$tmp"
+}
+tuned_here() {  # DIR: autotuning's choices carried into the Triton cache DIR kept where they were made on this
+    # kind of GPU (DIR/gpu.json names it; none: unknown), dropped elsewhere (fla then autotunes anew: an H100's
+    # choices would time fla on an H200 with configs chosen for another card); DIR/gpu.json then names this one
+    local here there
+    here=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1)
+    there=$(python3 -c 'import json, sys; print(json.load(open(sys.argv[1]))["gpu"])' "$1/gpu.json" 2>/dev/null)
+    if [ "$here" != "$there" ] && [ -n "$(find "$1" -name '*.autotune.json' | head -n 1)" ]; then
+        find "$1" -name '*.autotune.json' -delete
+        echo "autotuning's choices carried from ${there:-an unnamed GPU}, not this ${here:-unnamed one}: dropped"
+    fi
+    printf '{"gpu": "%s"}\n' "$here" > "$1/gpu.json"
 }
 cache_in() {  # NAME DIR: .carry/tcache/NAME.tgz (or its parts, joined), made by cache_out, unpacked into DIR
     local parts
@@ -314,6 +326,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         mkdir -p "$TRITON_CACHE_DIR"
         [ -f .carry/tcache/autotune.tgz ] && tar xzf .carry/tcache/autotune.tgz -C "$TRITON_CACHE_DIR"
         cache_in bench_kernels "$TRITON_CACHE_DIR"
+        tuned_here "$TRITON_CACHE_DIR"
         cuda_ptxas
         if [ "${AB:-0}" = 1 ]; then  # first the A/B of the trees scripts/ab.sh made (carry ab), without fla
             [ -d ab ] || die "AB=1: carry ab (scripts/ab.sh trees REV ... makes it)"
@@ -361,10 +374,10 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
             # shellcheck disable=SC2086  # BENCH_FLAGS: words
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \
                 --output "$out/bench_$op${BENCH_TAG:-}.json" 2>&1 | tail -n 12
-            (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' | tar czf "$out/autotune.tgz" -T -)
+            (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -o -name gpu.json | tar czf "$out/autotune.tgz" -T -)
             cache_out "$TRITON_CACHE_DIR" bench_kernels 4  # after each operator: a run cut off keeps what it compiled
         done
-        [ -z "$ops" ] || echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | wc -l) \
+        [ -z "$ops" ] || echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | grep -c autotune.json) \
 autotuned kernels kept"
 
         [ "$tests" = skip ] || [ "${EARLY_TESTS:-0}" = 1 ] || gpu_tests ;;

@@ -45,7 +45,8 @@
 #                                        timings' as OUT/bench_kernels.tgz (after each operator), the GPU tests' as
 #                                        OUT/test_kernels.tgz (each in parts of 15 MB, .tgz.00 …, where larger),
 #                                        which carried in .carry/tcache spare a re-run on the same kind of GPU the
-#                                        compiling (the timings' compiling is most of their time)
+#                                        compiling (the timings' compiling is most of their time; a call carries
+#                                        64 MiB with the ~15 MB tree: carry what fits)
 #   scripts/device_calls.sh kernels-start [OPS] [SHAPES] [TESTS]   the same step in the background, its files into
 #                                        W/kernels (a whole table against fla outlasts a call: fla compiles and
 #                                        autotunes for minutes per operator); SHAPES "all": every shape of the bench
@@ -129,9 +130,9 @@ running() {  # PIDFILE: its process is alive
 }
 cache_out() {  # DIR NAME PARTS: the compiled kernels under the Triton cache DIR (their cubins and metadata,
     # what Triton loads a cached kernel from; autotuning's choices too) into OUT/NAME.tgz, or in parts of 15 MB
-    # (NAME.tgz.00 …) where larger, at most PARTS of them (a call brings back 8 files of 16 MiB at most); carried
-    # back as .carry/tcache/NAME.tgz* (cache_in), a later run of unchanged kernels on the same kind of GPU and
-    # compiler skips compiling them. Written aside, then moved: a 'kernels-wait' copying them never sees half
+    # (NAME.tgz.00 …) where larger, at most PARTS of them (a call brings back 8 files of 16 MiB and carries 64
+    # MiB); carried back as .carry/tcache/NAME.tgz* (cache_in), a later run of unchanged kernels on the same kind
+    # of GPU and compiler skips compiling them. Written aside, then moved: a 'kernels-wait' never copies half
     local tmp=$out/.$2.parts n
     rm -rf "$tmp" && mkdir -p "$tmp"
     (cd "$1" && find . \( -name '*.cubin' -o -name '*.json' \) -not -path './tmp.*' | tar czf - -T -) \
@@ -352,9 +353,8 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         # where .carry/pytest brings it, spreads them over TEST_WORKERS processes (default 8) of the 16 cores
         workers=$(python3 -c 'import xdist' 2> /dev/null && echo "-n ${TEST_WORKERS:-8}")
         gpu_tests() {  # a module needing a package the machine lacks does not stop the rest
-            # the tests' kernels compiled into a cache of their own, whose cubins and metadata (what Triton loads
-            # a cached kernel from) come back as OUT/test_kernels.tgz where it fits a call's 16 MiB: carried as
-            # .carry/tcache/test_kernels.tgz, a later run of unchanged kernels on the same compiler skips compiling
+            # the tests' kernels compiled into a cache of their own, which comes back as OUT/test_kernels.tgz*
+            # (cache_out) and, carried in .carry/tcache, spares a later run of unchanged kernels the compiling
             local cache=$w/test-cache
             mkdir -p "$cache"
             cache_in test_kernels "$cache"
@@ -375,7 +375,7 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
             python3 scripts/bench_kernels.py --op "$op" --only "$shapes" ${BENCH_FLAGS:-} \
                 --output "$out/bench_$op${BENCH_TAG:-}.json" 2>&1 | tail -n 12
             (cd "$TRITON_CACHE_DIR" && find . -name '*.autotune.json' -o -name gpu.json | tar czf "$out/autotune.tgz" -T -)
-            cache_out "$TRITON_CACHE_DIR" bench_kernels 4  # after each operator: a run cut off keeps what it compiled
+            cache_out "$TRITON_CACHE_DIR" bench_kernels 3  # after each operator: a run cut off keeps what it compiled
         done
         [ -z "$ops" ] || echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | grep -c autotune.json) \
 autotuned kernels kept"

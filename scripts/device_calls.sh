@@ -171,17 +171,16 @@ ablating() {  # a variant of 'ablate' is still training or being measured
     pgrep -f "scripts/ablate.sh .*/aruns" > /dev/null
 }
 cuda_ptxas() {  # the CUDA toolkit's ptxas (12.9 or newer) where there is one: with Triton 3.6's own (12.8) the kda
-    # target's backward falls back to the chunkwise PyTorch form (linearize.ops.triton.kda_bwd); its release read
-    # off `ptxas --version` ("… release 13.0, V13.0.88") as linearize.ops.triton.ptxas.toolkit_ptxas reads it
-    local p=/usr/local/cuda/bin/ptxas release
-    [ -z "${TRITON_PTXAS_PATH:-}" ] && [ -x "$p" ] || return 0
-    release=$("$p" --version 2>/dev/null | sed -n 's/.*release \([0-9]*\)\.\([0-9]*\),.*/\1 \2/p')
-    release=${release:-none}
-    # shellcheck disable=SC2086  # "major minor": two words
-    if [ "$release" != none ] && [ "$(printf '%d%03d' $release)" -ge 12009 ]; then
+    # target's backward falls back to the chunkwise PyTorch form (linearize.ops.triton.kda_bwd); found as the
+    # package finds it (linearize.ops.triton.ptxas.toolkit_ptxas: $CUDA_HOME/bin, /usr/local/cuda/bin)
+    [ -z "${TRITON_PTXAS_PATH:-}" ] || return 0
+    local p
+    p=$(python3 -c 'from linearize.ops.triton.ptxas import toolkit_ptxas; print(toolkit_ptxas() or "")') \
+        || { echo "warning: linearize.ops.triton.ptxas not importable here: Triton's own ptxas stays" >&2; return 0; }
+    if [ -n "$p" ]; then
         export TRITON_PTXAS_PATH=$p
     else
-        echo "warning: $p is not 12.9+ (release: ${release/ /.}): Triton's own ptxas stays" >&2
+        echo "warning: no CUDA toolkit ptxas of 12.9+ found: Triton's own ptxas stays" >&2
     fi
 }
 gemma_eval() {  # the options of `linearize eval` for the Gemma runs and the teacher (the test split where there is one)

@@ -6,7 +6,8 @@
 1. Breakdown: ``torch.profiler`` over forward and forward+backward of ours and (when importable)
    flash-linear-attention, at a few shapes; GPU time per call of every kernel, summed per kernel name, and
    the GPU's idle time between kernels with the host operations that ran while it waited (``idle_gaps``).
-   ``--op kda``: the per-key-channel decay (``ops/triton/kda_*.py``) against fla's ``chunk_kda``.
+   ``--op kda``: the per-key-channel decay (``ops/triton/kda_*.py``) against fla's ``chunk_kda``; ``--op linear``
+   and ``--op deltanet`` likewise against ``chunk_simple_gla`` and ``chunk_delta_rule``.
 2. Sweep (``--sweep state_fwd,state_bwd``): each of our kernels alone, timed with ``triton.testing.do_bench`` under every
    (V block, warps, stages) it accepts, so launch settings are chosen from measurements.
 Prints tables and writes JSON. Timings are medians on the device the script runs on; compare them only
@@ -237,8 +238,9 @@ def _sweep_shape(name, only):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output", type=Path, default=None)
-    p.add_argument("--op", choices=("gdn", "kda"), default="gdn",
-                   help="the breakdown's operator: one decay per head (gdn) or per key channel (kda)")
+    p.add_argument("--op", choices=("gdn", "kda", "linear", "deltanet"), default="gdn",
+                   help="the breakdown's operator (as bench_kernels.py's --op): one decay per head (gdn), per key "
+                        "channel (kda), the decayed linear attention (linear), the delta rule without decay")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
     p.add_argument("--no-breakdown", action="store_true", help="the sweep only")
     p.add_argument("--no-fla", action="store_true", help="our kernels only in the breakdown")
@@ -246,8 +248,8 @@ def main():
                    "solve, prepare, state_fwd, output, dv_local, state_bwd, dqk, wy_bwd")
     args = p.parse_args()
     shapes = args.shapes.split(",")
-    if args.op == "kda" and args.sweep:
-        p.error("--sweep times the GDN kernels; leave it out with --op kda")
+    if args.op != "gdn" and args.sweep:
+        p.error(f"--sweep times the GDN kernels; leave it out with --op {args.op}")
     fla, guard = (None, False) if args.no_fla else load_fla(args.op)  # as load_fla returns when fla is missing
     out = {"command": " ".join(["python", *sys.argv]), "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "triton": triton.__version__, "fla_guard_disabled": guard, "op": args.op,

@@ -117,11 +117,14 @@ def test_linear_output_in_groups_of_chunks(monkeypatch, shape, GE, E):
     check(torch.float16, "cpu", *shape)
 
 
-def test_linear_output_groups_chunks_at_128_wide_keys():
-    """Eight chunks a program at K = 128 (the GDN output's rule), one at 64 and 256."""
-    from linearize.ops.triton.linear_fwd import linear_output_group
+def test_linear_output_groups_chunks_only_at_128_wide_keys(monkeypatch):
+    """OUTPUT_GROUP chunks a program where the GDN output groups them (K = 128), one at 64 and 256; one at
+    every K as the module ships (the grouped path not yet timed)."""
+    from linearize.ops.triton import linear_fwd
 
-    assert [linear_output_group(K) for K in (64, 128, 256)] == [1, 8, 1]
+    assert [linear_fwd.linear_output_group(K) for K in (64, 128, 256)] == [1, 1, 1]
+    monkeypatch.setattr(linear_fwd, "OUTPUT_GROUP", 8)
+    assert [linear_fwd.linear_output_group(K) for K in (64, 128, 256)] == [1, 8, 1]
 
 
 def test_linear_segment_cuts_only_few_long_chains(monkeypatch):

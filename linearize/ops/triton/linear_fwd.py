@@ -11,10 +11,10 @@
    own plus the segment's entering state times the decay between them, summed where it is read
    (:func:`chunk_state`), so no second pass over the segments stores it;
 2. per (V block, chunk, query head), in parallel:
-   ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``; at 64 < K ≤ 128
-   per group of 8 chunks instead (:func:`linear_output_group`), carrying the state through the group from its
-   first chunk's, the one stage 1 then stores (the states' traffic, as large as q, k, v and o's together at
-   K = V = 128, cut 8-fold).
+   ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``; or, with
+   ``OUTPUT_GROUP`` > 1 at 64 < K ≤ 128 (:func:`linear_output_group`; off until timed), per group of chunks,
+   carrying the state through the group from its first chunk's, the only one stage 1 then stores (the
+   states' traffic, as large as q, k, v and o's together at K = V = 128, cut by the group's size).
 
 ``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0, and the
 decays between two tokens are summed from the g between them (:func:`chunk_gates`, :func:`pair_decays`). The backward
@@ -272,11 +272,16 @@ def linear_bv(K: int, V: int) -> int:
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
 
 
+OUTPUT_GROUP = 1  # chunks per output program where the GDN output groups them (8 there); 1 until timed here
+
+
 def linear_output_group(K: int) -> int:
-    """Chunks per program of the forward's output stage: the GDN output's rule
-    (:func:`~linearize.ops.triton.settings.output_group`, 8 at 64 < K ≤ 128), where the [K, V] states are large
-    next to a chunk's q, k and v; 1 (a program per chunk, every state stored) elsewhere."""
-    return output_group(K)
+    """Chunks per program of the forward's output stage: ``OUTPUT_GROUP`` where the GDN output's rule
+    (:func:`~linearize.ops.triton.settings.output_group`) groups chunks (64 < K ≤ 128: the [K, V] states large
+    next to a chunk's q, k and v), else 1 (a program per chunk, every state stored). ``OUTPUT_GROUP`` stays 1
+    until the grouped path is timed against the per-chunk one on a GPU: an earlier program per segment of 16
+    chunks carrying the state was slower at 1×16384 and 1×32768 (docs/kernels.md)."""
+    return OUTPUT_GROUP if output_group(K) > 1 else 1
 
 
 SEGMENT = 16  # chunks per segment of a cut state chain (linear_segment)

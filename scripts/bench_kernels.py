@@ -148,9 +148,6 @@ def add_operator_options(p) -> None:
                    help="linear: chunks per segment where a state chain is cut (ops/triton/linear_fwd.py, SEGMENT)")
     p.add_argument("--linear-segment-from", type=int, default=None, metavar="N",
                    help="linear: cut a chain from N chunks of the longest sequence on (linear_fwd.SEGMENT_FROM)")
-    p.add_argument("--linear-output-group", type=int, default=None, metavar="GE",
-                   help="linear: chunks per program of the forward's output stage at K = 128 "
-                        "(linear_fwd.OUTPUT_GROUP; 1: every state stored, a program per chunk)")
 
 
 def apply_operator_options(args) -> None:
@@ -176,12 +173,6 @@ def apply_operator_options(args) -> None:
         linear_fwd.SEGMENT = args.linear_segment
     if args.linear_segment_from is not None:
         linear_fwd.SEGMENT_FROM = args.linear_segment_from
-    if args.linear_output_group is not None:
-        if not hasattr(linear_fwd, "OUTPUT_GROUP"):  # an older tree (scripts/ab.sh)
-            print("error: --linear-output-group: this tree's linearize/ops/triton/linear_fwd.py has no "
-                  "OUTPUT_GROUP; run it without the flag", file=sys.stderr)
-            sys.exit(2)
-        linear_fwd.OUTPUT_GROUP = args.linear_output_group
 
 
 def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True, decays="uniform"):
@@ -336,7 +327,6 @@ def main():
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
             "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM,
-            "linear_output_group": getattr(linear_fwd, "OUTPUT_GROUP", 1),
             "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None)}  # None: a tree before the switch
     if args.only:
         keep = set(args.only.split(","))

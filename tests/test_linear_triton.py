@@ -100,33 +100,6 @@ def test_linear_state_chain_cut_in_segments(monkeypatch, shape, E):
     check(torch.float16, "cpu", *shape)
 
 
-@pytest.mark.parametrize("GE,E", [(2, 0), (3, 0), (3, 1), (2, 2)])
-@pytest.mark.parametrize("shape", [SHAPES[1], (1, 330, 2, 2, 16, 16, [0, 17, 17, 81, 330]), (2, 200, 1, 3, 16, 16, None)],
-                         ids=lambda s: "x".join(map(str, s[:6])) + ("-packed" if s[6] else ""))
-def test_linear_output_in_groups_of_chunks(monkeypatch, shape, GE, E):
-    """The output stage a program per GE chunks, carrying the state from the group's first chunk (the only one
-    stage 1 stores), as at K = 128 on a GPU, with and without the state chain cut into segments of E chunks
-    (groups across segments' edges where E does not divide GE): output and final state as the float64
-    reference, with an initial state, an empty document and documents shorter than a group."""
-    needs_interpreter()
-    from linearize.ops.triton import linear_fwd
-
-    monkeypatch.setattr(linear_fwd, "linear_output_group", lambda K: GE)
-    monkeypatch.setattr(linear_fwd, "linear_segment", lambda layout, device: E)
-    check(torch.float32, "cpu", *shape)
-    check(torch.float16, "cpu", *shape)
-
-
-def test_linear_output_groups_chunks_only_at_128_wide_keys(monkeypatch):
-    """OUTPUT_GROUP chunks a program where the GDN output groups them (K = 128), one at 64 and 256; one at
-    every K as the module ships (the grouped path not yet timed)."""
-    from linearize.ops.triton import linear_fwd
-
-    assert [linear_fwd.linear_output_group(K) for K in (64, 128, 256)] == [1, 1, 1]
-    monkeypatch.setattr(linear_fwd, "OUTPUT_GROUP", 8)
-    assert [linear_fwd.linear_output_group(K) for K in (64, 128, 256)] == [1, 8, 1]
-
-
 def test_linear_segment_cuts_only_few_long_chains(monkeypatch):
     """On a GPU of 132 SMs one sequence of 16 KV heads and 16K tokens (256 chunks) is cut into segments, eight
     such sequences too (128 pairs); nine (144 pairs) fill the SMs whole, and 8K tokens (128 chunks) are too few

@@ -11,10 +11,7 @@
    own plus the segment's entering state times the decay between them, summed where it is read
    (:func:`chunk_state`), so no second pass over the segments stores it;
 2. per (V block, chunk, query head), in parallel:
-   ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``; or, with
-   ``OUTPUT_GROUP`` > 1 at 64 < K ≤ 128 (:func:`linear_output_group`; off until timed), per group of chunks,
-   carrying the state through the group from its first chunk's, the only one stage 1 then stores (the
-   states' traffic, as large as q, k, v and o's together at K = V = 128, cut by the group's size).
+   ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
 
 ``G`` is the cumulative log-decay inside the chunk, summed in the kernels; every exponent is ≤ 0, and the
 decays between two tokens are summed from the g between them (:func:`chunk_gates`, :func:`pair_decays`). The backward
@@ -31,8 +28,8 @@ import triton
 import triton.language as tl
 
 from ..common import cdiv, next_pow2
-from .layout import BT, Layout, chain_at, chunk_at, grid_slices, sequence_at
-from .settings import block_k, output_group, sms_for, state_bv
+from .layout import BT, Layout, chain_at, chunk_at, grid_slices
+from .settings import block_k, sms_for, state_bv
 from .tiles import mm
 
 
@@ -80,27 +77,15 @@ def _linear_gates_kernel(g, w, coef, decay, qdec, cu_seqlens, chunk_indices, chu
 
 
 @triton.jit
-def store_state(hs, dcum, i_t, b_h, b_d, p_h, m_h, H: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                E: tl.constexpr):
-    """Store the state entering chunk ``i_t`` (and, in a segment, the decay from the segment's start to it)."""
-    tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)
-    if E > 0:  # every (V, K) block of the chain stores the same value
-        tl.store(dcum + i_t * H, b_d)
-
-
-@triton.jit
 def _linear_state_kernel(
     k, v, coef, decay, hs, h0, ht, dseg, dcum, cu_seqlens, chunk_offsets, segments,
     H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     E: tl.constexpr, USE_H0: tl.constexpr, STORE_HS: tl.constexpr, STORE_HT: tl.constexpr, IEEE: tl.constexpr,
-    EVERY: tl.constexpr = 1,
 ):
     """Per (V block, K block, chain × KV head): a chain is a whole sequence (``E`` = 0) or the segment of ``E``
     chunks that row ``i`` of ``segments`` names (sequence, segment). ``h0``/``ht``: the state entering/leaving
     each chain; with ``E`` > 0 and ``STORE_HT``, ``dseg`` gets the chain's total decay ``Π exp(G_C)``, and with
-    ``STORE_HS`` ``dcum`` [NC, H] the decay from the chain's start to each chunk (:func:`chunk_state`).
-    ``EVERY`` > 1: only the states (and ``dcum``) of the chunks whose index in their sequence is a multiple of
-    it are stored, what the grouped output kernel reads (:func:`_linear_output_group_kernel`)."""
+    ``STORE_HS`` ``dcum`` [NC, H] the decay from the chain's start to each chunk (:func:`chunk_state`)."""
     i_v, i_k, i_nh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_c, i_h = i_nh // H, i_nh % H  # the chain
     bos, T, boh, c0, c1 = chain_at(segments, cu_seqlens, chunk_offsets, i_c, E, BT)
@@ -121,10 +106,9 @@ def _linear_state_kernel(
         t0 = i_t * BT
         m_t = o_r < T - t0
         if STORE_HS:  # the state entering chunk i_t
-            if EVERY == 1:
-                store_state(hs, dcum, i_t, b_h, b_d, p_h, m_h, H, K, V, E)
-            elif i_t % EVERY == 0:
-                store_state(hs, dcum, i_t, b_h, b_d, p_h, m_h, H, K, V, E)
+            tl.store(hs + i_t * (H * K * V) + p_h, b_h.to(hs.dtype.element_ty), mask=m_h)
+            if E > 0:  # every (V, K) block of the chain stores the same value
+                tl.store(dcum + i_t * H, b_d)
         b_c = tl.load(coef + (t0 + o_r) * H, mask=m_t, other=0.0)
         b_k = tl.load(k + (t0 + o_r)[:, None] * (H * K) + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         b_v = tl.load(v + (t0 + o_r)[:, None] * (H * V) + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
@@ -180,19 +164,10 @@ def chunk_state(hs, hin, dcum, seg_offsets, chunk_indices, i_t, boh, i_c, i_h, p
     readers' registers where they were (the output kernel 136 at K = V = 128 in bf16, 178 with ``hin`` in
     float32; Triton 3.6, sm_90).
     The backward's gradients of the states take the same form from the segment's other end."""
-    i_n = 0
-    if E > 0:
-        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
-    return sequence_chunk_state(hs, hin, dcum, seg_offsets, i_n, boh, i_c, i_h, p_kv, m_kv, H, K, V, E)
-
-
-@triton.jit
-def sequence_chunk_state(hs, hin, dcum, seg_offsets, i_n, boh, i_c, i_h, p_kv, m_kv, H: tl.constexpr,
-                         K: tl.constexpr, V: tl.constexpr, E: tl.constexpr):
-    """:func:`chunk_state` of chunk ``i_c`` of sequence ``i_n`` (read only where ``E`` > 0)."""
     p_c = (boh + i_c) * H + i_h
     b_h = tl.load(hs + p_c * K * V + p_kv, mask=m_kv, other=0.0)
     if E > 0:
+        i_n = tl.load(chunk_indices + i_t * 2).to(tl.int64)
         i_s = tl.load(seg_offsets + i_n).to(tl.int64) + i_c // E
         b_in = tl.load(hin + (i_s * H + i_h) * K * V + p_kv, mask=m_kv, other=0.0)
         b_h = (b_h.to(tl.float32) + tl.load(dcum + p_c) * b_in).to(hs.dtype.element_ty)
@@ -205,8 +180,7 @@ def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, sc
                  BV: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr):
     """Store the output rows of the chunk at token ``t0`` of the sequence at ``bos`` (``T`` tokens) for query
     head ``i_hq`` and V block ``i_v``, from ``b_h`` (K × BV), the state entering the chunk:
-    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``.
-    Returns what carries the state over the chunk: ``(k, v, w_j exp(G_C − G_j), exp(G_C))``."""
+    ``o_r = scale·(exp(G_r) q_r h_0 + Σ_{j≤r} exp(G_r − G_j) w_j (q_r·k_j) v_j) (+ v_offset_r)``."""
     o_k, o_v, o_r = tl.arange(0, BK), i_v * BV + tl.arange(0, BV), tl.arange(0, BT)
     m_k, m_v, m_t = o_k < K, o_v < V, o_r < T - t0
     rows = bos + t0 + o_r  # (BT,) int64: the chunk's tokens
@@ -214,7 +188,7 @@ def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, sc
     b_q = tl.load(q + (rows * HQ + i_hq)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_k = tl.load(k + (rows * H + i_h)[:, None] * K + o_k[None, :], mask=m_tk, other=0.0)
     b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-    b_G, b_w, g_last, b_tail = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
+    b_G, b_w, _, _ = chunk_gates(g + bos * H + i_h, w + bos * H + i_h, t0, o_r, T - t0, H, BT)
     b_o = mm(b_q, b_h, b_q, IEEE) * tl.exp(b_G)[:, None]  # exp(G_r) q_r h_0
     b_d = pair_decays(g + bos * H + i_h, t0, o_r, m_t, H, BT)  # exp(G_r − G_j), 0 above the diagonal
     b_s = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_d * b_w[None, :]
@@ -222,7 +196,6 @@ def chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, t0, i_h, i_hq, i_v, sc
     if USE_OFFSET:
         b_o += tl.load(v_offset + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0).to(tl.float32)
     tl.store(o + (rows * HQ + i_hq)[:, None] * V + o_v[None, :], b_o.to(o.dtype.element_ty), mask=m_tv)
-    return b_k, b_v, b_w * tl.exp(b_tail), tl.exp(g_last)
 
 
 @triton.jit
@@ -242,46 +215,9 @@ def _linear_output_kernel(
                  USE_OFFSET, IEEE)
 
 
-@triton.jit
-def _linear_output_group_kernel(
-    q, k, v, g, w, hs, hin, dcum, seg_offsets, o, v_offset, cu_seqlens, group_indices, chunk_offsets, scale, p0,
-    H: tl.constexpr, HQ: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    BV: tl.constexpr, E: tl.constexpr, GE: tl.constexpr, USE_OFFSET: tl.constexpr, IEEE: tl.constexpr,
-):
-    """Per (V block, group of ``GE`` consecutive chunks of one sequence, query head): the state entering the
-    group's first chunk (:func:`sequence_chunk_state`; the state kernel stores one per ``GE`` chunks), then chunk
-    by chunk :func:`chunk_output` and the state carried on to the next chunk in float32,
-    ``h ← exp(G_C) h + Σ_j w_j exp(G_C − G_j) k_j v_jᵀ`` (the state kernel's update), so the [K, V] states cost
-    1/GE of their memory traffic."""
-    i_v, i_p, i_hq = tl.program_id(0), tl.program_id(1) + p0, tl.program_id(2)  # p0: this launch's first group
-    i_h = i_hq // (HQ // H)
-    i_n = tl.load(group_indices + i_p * 2).to(tl.int64)
-    c0 = tl.load(group_indices + i_p * 2 + 1).to(tl.int64) * GE
-    bos, T, boh = sequence_at(cu_seqlens, chunk_offsets, i_n)
-    o_k, o_v = tl.arange(0, BK), i_v * BV + tl.arange(0, BV)
-    p_kv, m_kv = o_k[:, None] * V + o_v[None, :], (o_k < K)[:, None] & (o_v < V)[None, :]
-    b_h = sequence_chunk_state(hs, hin, dcum, seg_offsets, i_n, boh, c0, i_h, p_kv, m_kv, H, K, V, E).to(tl.float32)
-    for i_c in range(c0, tl.minimum(c0 + GE, tl.cdiv(T, BT))):
-        b_k, b_v, b_c, b_e = chunk_output(q, k, v, g, w, o, v_offset, b_h, bos, T, i_c * BT, i_h, i_hq, i_v, scale,
-                                          H, HQ, K, V, BT, BK, BV, USE_OFFSET, IEEE)
-        b_h = b_h * b_e + mm(tl.trans(b_k.to(tl.float32) * b_c[:, None]), b_v, b_v, IEEE)
-
-
 def linear_bv(K: int, V: int) -> int:
     """V block of every linear-attention kernel: 64, 32 for 256-wide keys, at most V's next power of two."""
     return min(64 if block_k(K) <= 128 else 32, max(16, next_pow2(V)))
-
-
-OUTPUT_GROUP = 1  # chunks per output program where the GDN output groups them (8 there); 1 until timed here
-
-
-def linear_output_group(K: int) -> int:
-    """Chunks per program of the forward's output stage: ``OUTPUT_GROUP`` where the GDN output's rule
-    (:func:`~linearize.ops.triton.settings.output_group`) groups chunks (64 < K ≤ 128: the [K, V] states large
-    next to a chunk's q, k and v), else 1 (a program per chunk, every state stored). ``OUTPUT_GROUP`` stays 1
-    until the grouped path is timed against the per-chunk one on a GPU: an earlier program per segment of 16
-    chunks carrying the state was slower at 1×16384 and 1×32768 (docs/kernels.md)."""
-    return OUTPUT_GROUP if output_group(K) > 1 else 1
 
 
 SEGMENT = 16  # chunks per segment of a cut state chain (linear_segment)
@@ -368,13 +304,12 @@ def segment_buffers(L: Layout, NS: int, hs: torch.Tensor) -> tuple:
     return own, entering, dseg, torch.empty(L.NC, L.H, dtype=torch.float32, device=hs.device)
 
 
-def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None, every: int = 1) -> Split:
+def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> Split:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
     chunk — where the chain is cut into segments (:func:`linear_segment`), each chunk's share from its
     segment, the rest in the returned :class:`Split` — and, when given, ``ht`` with each sequence's final
     state. ``k``, ``v``: flat ``[tokens, H, ·]``; ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32
-    ``[N, H, K, V]`` or None; ``gates``: :func:`linear_gates` of g and w, if made already; ``every`` > 1: only
-    the states of every ``every``-th chunk of a sequence (its first included) are stored."""
+    ``[N, H, K, V]`` or None; ``gates``: :func:`linear_gates` of g and w, if made already."""
     L = layout
     coef, decay, _ = gates or linear_gates(L, g, w)
     E = linear_segment(L, k.device)
@@ -382,8 +317,7 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
     BV = linear_state_bv(L, k.device, NS)
     BK = linear_state_bk(L, BV, k.device, NS)
     grid = (cdiv(L.V, BV), cdiv(L.K, BK), NS * L.H)
-    common = {"H": L.H, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "E": E, "IEEE": L.ieee, "EVERY": every,
-              "num_warps": 4}
+    common = {"H": L.H, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "E": E, "IEEE": L.ieee, "num_warps": 4}
     if not E:
         _linear_state_kernel[grid](
             k, v, coef, decay, hs, h0 if h0 is not None else hs, ht if ht is not None else hs, decay, decay,
@@ -419,15 +353,7 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
     off = Layout.flat(v_offset)[0] if v_offset is not None else vf
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
-    GE = linear_output_group(K)
-    split = linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht, every=GE)
-    if GE > 1:  # a program per group of GE chunks, carrying the state from the group's first
-        groups, NG = L.groups(GE)
-        for p0, n in grid_slices(NG):
-            _linear_output_group_kernel[(cdiv(V, BV), n, HQ)](
-                qf, kf, vf, gf, wf, hs, *split.args(), o, off, L.cu_seqlens, groups, L.chunk_offsets, float(scale),
-                p0, HQ=HQ, E=split.E, GE=GE, USE_OFFSET=v_offset is not None, **common, num_warps=4, num_stages=2)
-        return o.view(B, T, HQ, V), ht
+    split = linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     for p0, n in grid_slices(L.NC):
         _linear_output_kernel[(cdiv(V, BV), n, HQ)](
             qf, kf, vf, gf, wf, hs, *split.args(), o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),

@@ -229,11 +229,21 @@ def measure(name, run, tensors, graph=False):
     return {**out, f"{name}_fwdbwd_ms": bench(fb), f"{name}_peak_mib": peak(fb)}
 
 
+def repeat_kv(G: int):
+    """How k, v, g and β reach fla (and the ``ours_repkv`` rows): each KV head repeated to its G query heads, a
+    copy made inside the timed call (fla's operators take a key head per query head: its user pays the copy
+    every call); at G = 1 the tensors themselves, since ``repeat_interleave(x, 1)`` still copies x and would
+    put a copy of k, v and g on fla's time."""
+    if G == 1:
+        return lambda x: x
+    return lambda x: x.repeat_interleave(G, dim=2)
+
+
 def bench_shape(kind, B, T, HQ, H, K, V, fla, bw, graph=False, op="gdn", decays="uniform"):
     G = HQ // H
     q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda", decay=op != "deltanet", decays=decays)
     ts = tuple(t for t in (q, k, v, g, beta) if t.requires_grad)
-    rep = lambda x: x.repeat_interleave(G, dim=2)
+    rep = repeat_kv(G)
     ours, fla_call = operators(op, K)
     row = {"shape": kind, "op": op, "B": B, "T": T, "q_heads": HQ, "kv_heads": H, "K": K, "V": V}
     row.update(measure("ours", lambda: ours(q, k, v, g, beta), ts, graph))
@@ -327,7 +337,9 @@ def main():
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
             "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM,
-            "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None)}  # None: a tree before the switch
+            "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None),  # None: a tree before the switch
+            # earlier files lack this key: their fla timings at G = 1 included copies of k, v, g and β
+            "fla_inputs_copied_at_g1": False}
     if args.only:
         keep = set(args.only.split(","))
         shapes = [sh for sh in shapes if sh[0] in keep or f"{sh[1]}x{sh[2]}" in keep]

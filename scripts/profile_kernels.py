@@ -36,7 +36,7 @@ from linearize.ops.triton.solve import solve_tril  # noqa: E402
 from linearize.ops.triton.state_fwd import chunk_fwd_h  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_kernels import fwd_bwd, inputs, load_fla, operators  # noqa: E402
+from bench_kernels import fwd_bwd, inputs, load_fla, operators, repeat_kv  # noqa: E402
 
 SHAPES = {"8x2048": (8, 2048, 16, 16, 128, 128), "2x8192": (2, 8192, 16, 16, 128, 128),
           "1x16384": (1, 16384, 16, 16, 128, 128),
@@ -106,10 +106,10 @@ def breakdown(shapes, fla, op="gdn", save=lambda res: None):
 
 def _breakdown_shape(name, fla, op, res, save):
     B, T, HQ, H, K, V = SHAPES[name]
-    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda")
+    q, k, v, g, beta = inputs(B, T, HQ, H, K, V, per_channel=op == "kda", decay=op != "deltanet")
     ts = (q, k, v, g, beta)
     G = HQ // H
-    rep = lambda x: x.repeat_interleave(G, dim=2)  # noqa: E731
+    rep = repeat_kv(G)  # the copy only where fla needs it (G > 1)
     ours, fla_call = operators(op, K)
     runs = {"ours": lambda: ours(q, k, v, g, beta)}
     if fla is not None:

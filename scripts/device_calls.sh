@@ -36,7 +36,9 @@
 #                                        flag sets; a leading ';' adds a run without flags): each of AB_OPS with
 #                                        each flag set in this tree, without fla and without BENCH_FLAGS
 #                                        (OUT/ab_OP/<the flags' letters and digits>.json); EARLY_TESTS=1: the
-#                                        tests after the A/Bs, before the timings against fla;
+#                                        tests after the A/Bs, before the timings against fla; PROFILE_OPS
+#                                        ("linear kda"): after the timings, scripts/profile_kernels.py --op OP
+#                                        at PROFILE_SHAPES (its names; default 2x8192) into OUT/profile_OP.json;
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned
 #                                        kernel's timings (fla's), which an earlier run's copy carried as
 #                                        .carry/tcache/autotune.tgz gives back (fla then compiles only the configs
@@ -378,6 +380,10 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
         done
         [ -z "$ops" ] || echo "Triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1), $(tar tzf "$out/autotune.tgz" | grep -c autotune.json) \
 autotuned kernels kept"
+        for op in ${PROFILE_OPS:-}; do  # then where each operator's time goes, ours and fla's, kernel by kernel
+            timeout 300 python3 scripts/profile_kernels.py --op "$op" --shapes "${PROFILE_SHAPES:-2x8192}" \
+                --output "$out/profile_$op.json" 2>&1 | grep -v Warn | tail -n 30
+        done
 
         [ "$tests" = skip ] || [ "${EARLY_TESTS:-0}" = 1 ] || gpu_tests ;;
     kernels-start)

@@ -36,6 +36,14 @@ def pytest_report_header(config):
     return None
 
 
+def load_script(name: str):
+    """``scripts/NAME.py`` imported as a module (the scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def needs_interpreter():
     """Skips the calling test unless the Triton kernels run interpreted: TRITON_INTERPRET=1, which this file sets
     unless told otherwise (the GPU runs set 0 and take the ``gpu`` tests instead)."""

@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import torch
-
-
-def load_bench():
-    path = Path(__file__).parents[1] / "scripts" / "bench_kernels.py"
-    spec = importlib.util.spec_from_file_location("bench_kernels", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def test_fla_gets_the_tensors_themselves_with_one_query_head_per_kv_head():
     """At G = 1 fla's inputs are k, v, g and β as they are: a copy (``repeat_interleave(x, 1)`` makes one) would
     be timed as fla's. At G = 3 each KV head is repeated to its three query heads, in order."""
-    repeat_kv = load_bench().repeat_kv
+    repeat_kv = load_script("bench_kernels").repeat_kv
     x = torch.randn(2, 5, 2, 4)
     assert repeat_kv(1)(x) is x
     assert torch.equal(repeat_kv(3)(x), x[:, :, [0, 0, 0, 1, 1, 1]])

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import load_script, tiny_model
 from typer.testing import CliRunner
 
 from linearize.cli import app
@@ -427,16 +427,12 @@ def test_passkey_of_several_keys_counts_answers_of_another_key(world):
 def test_default_depths_keep_the_key_out_of_the_last_quarter(world):
     """The default depths stop a quarter of the filler before the question: a key there would sit in a converted
     block's exact window. The recount of stored runs drops exactly the depth-1.0 trials."""
-    import importlib.util
-
     from linearize.quality.passkey import DEPTHS, depths, make_prompt
 
     assert DEPTHS == (0.0, 0.25, 0.5, 0.75) and depths(2) == [0.0, 0.5]
     p = make_prompt(world["tok"], 1000, DEPTHS[-1], "48213")
     assert len(p.ids) - p.key_at > len(p.ids) // 4  # the key sentence, the last quarter of the filler and the question
-    spec = importlib.util.spec_from_file_location("recount", Path(__file__).parents[1] / "scripts" / "passkey_recount.py")
-    recount = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(recount)
+    recount = load_script("passkey_recount")
     records = [{"length": 8, "depth": d, "correct": ok} for d, ok in ((0.0, True), (0.5, False), (1.0, True), (1.0, True))]
     assert recount.recount(records) == {"8": {"reported": 75.0, "before_the_end": 50.0, "trials": 2, "depth_1": "2/2"}}
     doc = {"results": {"model": {"passkey": {"records": records}}}, "other": [{"records": []}]}
@@ -447,11 +443,7 @@ def test_ablation_table_cuts_a_teacher_measured_alone_at_the_students_spans():
     """``scripts/ablation_table.py``: a span the file measured is read as is; one it did not (a student's
     1093-2047 beside a teacher measured alone) comes from the teacher's NLL at every context length; a file
     without those (written before they were kept) gives none."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("table", Path(__file__).parents[1] / "scripts" / "ablation_table.py")
-    table = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(table)
+    table = load_script("ablation_table")
     nll = [3.0, 2.0, 1.0, 0.5]  # context lengths 1-4
     teacher = {"by_context": {"prose, context 1-4": 4.0}, "nll_by_length": {"prose": nll}}
     assert table.span_of(teacher, "prose, context 1-4") == 4.0

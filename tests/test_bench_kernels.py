@@ -15,3 +15,17 @@ def test_fla_gets_the_tensors_themselves_with_one_query_head_per_kv_head():
     assert torch.equal(repeat_kv(3)(x), x[:, :, [0, 0, 0, 1, 1, 1]])
     g = torch.randn(2, 5, 2)  # a decay per head: [B, T, H]
     assert torch.equal(repeat_kv(3)(g), g[:, :, [0, 0, 0, 1, 1, 1]])
+
+
+def test_the_table_shows_fla_graph_time_beside_ours():
+    """A row timed from CUDA graphs shows ours and fla's graph forwards side by side, each under its header;
+    a row without graphs shows neither column."""
+    markdown = load_script("bench_kernels").markdown
+    row = {"shape": "std", "B": 2, "T": 8192, "q_heads": 16, "kv_heads": 16, "ours_fwd_ms": 0.5, "fla_fwd_ms": 0.7,
+           "ours_fwd_graph_ms": 0.4, "fla_fwd_graph_ms": 0.6, "speedup_fwd_vs_fla": 1.4}
+    head, rule, line = markdown([row]).splitlines()
+    cells = dict(zip([c.strip() for c in head.split("|")], [c.strip() for c in line.split("|")]))
+    assert (cells["ours fwd (graph)"], cells["fla fwd (graph)"], cells["fla fwd"]) == ("0.40", "0.60", "0.70")
+    assert rule.count("---") == head.count("|") - 1
+    plain = {k: v for k, v in row.items() if "graph" not in k}
+    assert "graph" not in markdown([plain]).splitlines()[0]

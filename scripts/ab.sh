@@ -3,10 +3,12 @@
 # the trees are made here and the runs there:
 #   scripts/ab.sh trees REV...                       (here) ab/<name>/ per REV: its linearize/, today's scripts/
 #   scripts/ab.sh run LIMIT_S OUT_DIR SCRIPT [ARGS]  (there, carry "ab") SCRIPT in every tree in turn, each with
-#                                                    its own time limit, writing OUT_DIR/<tree>.<script>.json
+#                                                    its own time limit, writing OUT_DIR/<tree>.<script>.json;
+#                                                    AB_ROUNDS=N: N rounds, the trees interleaved in each
+#                                                    (OUT_DIR/<tree>.r<k>.<script>.json), for scripts/ab_table.py
 # e.g. scripts/ab.sh run 150 "$OUT" bench_kernels.py --no-fla --only 1x16384,llama3-8b
 set -uo pipefail
-usage() { sed -n '2,7p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
@@ -30,12 +32,19 @@ case "${1:-}" in
     limit=$1 out=$2 script=$3
     shift 3
     [ -d "$root/ab" ] || { echo "no ab/ folder: run scripts/ab.sh trees REV... first (and carry ab)" >&2; exit 2; }
+    rounds=${AB_ROUNDS:-1}
+    [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "AB_ROUNDS must be a positive whole number, not '$rounds'" >&2; exit 2; }
     mkdir -p "$out"
-    for tree in "$root"/ab/*/; do
-        name=$(basename "$tree")
-        echo "== $name: $script $* (limit ${limit}s)"
-        timeout "$limit" python "$tree/scripts/$script" "$@" --output "$out/$name.${script%.py}.json"
-        echo "== exit $?"
+    # the same process twice can differ by 10-20% (clocks): rounds interleave the trees, so a drift
+    # falls on every tree alike and the spread across rounds shows what a difference must beat
+    for (( r = 1; r <= rounds; r++ )); do
+        for tree in "$root"/ab/*/; do
+            name=$(basename "$tree")
+            [ "$rounds" = 1 ] || name="$name.r$r"
+            echo "== $name: $script $* (limit ${limit}s)"
+            timeout "$limit" python "$tree/scripts/$script" "$@" --output "$out/$name.${script%.py}.json"
+            echo "== exit $?"
+        done
     done ;;
   *) usage >&2; exit 2 ;;
 esac

@@ -32,7 +32,8 @@
 #                                        bench_kernels.py (--kda-no-chunk-dots --decays taylor …), BENCH_TAG to the
 #                                        JSONs' names; AB=1 (carry ab): before them, each of OPS (or of AB_OPS) at
 #                                        SHAPES (or AB_SHAPES) in every tree of scripts/ab.sh, without fla
-#                                        (OUT/ab_OP/<tree>.bench_kernels.json); AB_FLAGS ("--a;--b c", ';' between
+#                                        (OUT/ab_OP/<tree>.bench_kernels.json; AB_ROUNDS=N: N interleaved rounds,
+#                                        scripts/ab_table.py's medians in the log); AB_FLAGS ("--a;--b c", ';' between
 #                                        flag sets; a leading ';' adds a run without flags): each of AB_OPS with
 #                                        each flag set in this tree, without fla and without BENCH_FLAGS
 #                                        (OUT/ab_OP/<the flags' letters and digits>.json); EARLY_TESTS=1: the
@@ -336,18 +337,23 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
                 # shellcheck disable=SC2086  # BENCH_FLAGS: words
                 bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" \
                     ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
+                python3 scripts/ab_table.py "$out/ab_$op"  # the variants' medians beside the base's, in the log
             done
         fi
         if [ -n "${AB_FLAGS:-}" ]; then  # a switch A/B in this tree: each of AB_FLAGS' ';'-separated flag sets
             IFS=';' read -ra sets <<< "$AB_FLAGS"
             for op in ${AB_OPS:-$ops}; do
-                for flags in "${sets[@]}"; do
-                    tag=$(echo "${flags:-default}" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
-                    echo "== $op $flags"
-                    # shellcheck disable=SC2086  # flags: words
-                    timeout 200 python3 scripts/bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" $flags \
-                        --output "$out/ab_$op/$tag.json" 2>&1 | grep -v Warn | tail -n 6
+                for (( r = 1; r <= ${AB_ROUNDS:-1}; r++ )); do  # rounds interleave the flag sets, as ab.sh's trees
+                    for flags in "${sets[@]}"; do
+                        tag=$(echo "${flags:-default}" | tr -c 'A-Za-z0-9\n' _ | sed 's/^_*//')
+                        [ "${AB_ROUNDS:-1}" = 1 ] || tag="$tag.r$r"
+                        echo "== $op $flags"
+                        # shellcheck disable=SC2086  # flags: words
+                        timeout 200 python3 scripts/bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" \
+                            $flags --output "$out/ab_$op/$tag.json" 2>&1 | grep -v Warn | tail -n 6
+                    done
                 done
+                python3 scripts/ab_table.py "$out/ab_$op"
             done
         fi
         # the GPU tests' time is the compiler's (the kda tests: 705 s in one process on an H100): pytest-xdist,

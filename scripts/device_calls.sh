@@ -337,7 +337,6 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
                 # shellcheck disable=SC2086  # BENCH_FLAGS: words
                 bash scripts/ab.sh run 200 "$out/ab_$op" bench_kernels.py --op "$op" --no-fla --only "${AB_SHAPES:-$shapes}" \
                     ${BENCH_FLAGS:-} 2>&1 | grep -v Warn | tail -n 24
-                python3 scripts/ab_table.py "$out/ab_$op"  # the variants' medians beside the base's, in the log
             done
         fi
         if [ -n "${AB_FLAGS:-}" ]; then  # a switch A/B in this tree: each of AB_FLAGS' ';'-separated flag sets
@@ -353,6 +352,10 @@ print(' '.join(s['file'] for dom in m['domains'].values() for split in dom.value
                             $flags --output "$out/ab_$op/$tag.json" 2>&1 | grep -v Warn | tail -n 6
                     done
                 done
+            done
+        fi
+        if [ "${AB:-0}" = 1 ] || [ -n "${AB_FLAGS:-}" ]; then  # the trees' and flag sets' medians, one table per
+            for op in ${AB_OPS:-$ops}; do                       # operator beside the base's, in the log
                 python3 scripts/ab_table.py "$out/ab_$op"
             done
         fi

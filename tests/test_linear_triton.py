@@ -67,6 +67,17 @@ def test_linear_state_kernel_split_over_key_blocks(monkeypatch, shape):
     check(torch.float32, "cpu", *shape)
 
 
+def test_linear_output_kernel_over_several_v_blocks(monkeypatch):
+    """The output kernel with each state's value columns in blocks of 16 (V = 32: two, as at the real head sizes,
+    where V blocks are 64 wide), packed documents and two query heads per KV head: output and final state as
+    the float64 reference."""
+    needs_interpreter()
+    from linearize.ops.triton import linear_fwd
+
+    monkeypatch.setattr(linear_fwd, "linear_bv", lambda K, V: 16)
+    check(torch.float32, "cpu", *SHAPES[2])
+
+
 def test_linear_state_bk_splits_keys_only_while_programs_leave_sms_idle(monkeypatch):
     """K = V = 128 on a GPU of 132 SMs: one sequence of 16 heads (V blocks of 16: 128 programs) takes K blocks
     of 64; eight sequences keep whole key rows; off CUDA the rows stay whole."""

@@ -121,6 +121,13 @@ def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
     check(torch.float32, "cpu", 1, 150, 2, 2, 64, 40, cu)
 
 
+def test_linear_attention_triton_grads_one_query_head_two_v_blocks():
+    """One query head per KV head (the kernels' own path for it) and V = 80 in two V blocks: output, final
+    state and every gradient as the reference."""
+    needs_interpreter()
+    check(torch.float32, "cpu", 1, 90, 2, 1, 24, 80, [0, 0, 70, 90, 90])
+
+
 @pytest.mark.parametrize("E", [1, 2])
 @pytest.mark.parametrize("shape", [SHAPES[1], (1, 330, 2, 2, 16, 16, [0, 17, 17, 81, 330]), SHAPES[3]], ids=ids)
 def test_linear_attention_triton_grads_with_state_chains_cut(monkeypatch, shape, E):

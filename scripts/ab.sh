@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # A/B runs over git revisions in one GPU call. The device gets a copy of the working tree without .git, so
 # the trees are made here and the runs there:
-#   scripts/ab.sh trees REV...                       (here) ab/<name>/ per REV: its linearize/, today's scripts/
+#   scripts/ab.sh trees REV...                       (here) ab/<name>/ per REV: its linearize/ and tests/, today's
+#                                                    scripts/
 #   scripts/ab.sh run LIMIT_S OUT_DIR SCRIPT [ARGS]  (there, carry "ab") SCRIPT in every tree in turn, each with
 #                                                    its own time limit, writing OUT_DIR/<tree>.<script>.json;
 #                                                    AB_ROUNDS=N: N rounds, the trees interleaved in each
 #                                                    (OUT_DIR/<tree>.r<k>.<script>.json), for scripts/ab_table.py
+#   scripts/ab.sh test OUT_DIR [PYTEST ARGS]         (there) each tree's tests/ on its linearize/ (AB_TREES: these
+#                                                    trees only) into OUT_DIR/<tree>.log, its last line printed
 # e.g. scripts/ab.sh run 150 "$OUT" bench_kernels.py --no-fla --only 1x16384,llama3-8b
 set -uo pipefail
-usage() { sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
@@ -22,9 +25,9 @@ case "${1:-}" in
     for rev in "$@"; do
         dir="$root/ab/${rev//\//_}"
         mkdir -p "$dir"
-        git -C "$root" archive "$rev" linearize | tar -x -C "$dir" || exit 1
+        git -C "$root" archive "$rev" linearize tests | tar -x -C "$dir" || exit 1
         cp -r "$root/scripts" "$dir/"
-        echo "$dir: linearize/ of $(git -C "$root" rev-parse --short "$rev") ($rev), today's scripts/"
+        echo "$dir: linearize/ and tests/ of $(git -C "$root" rev-parse --short "$rev") ($rev), today's scripts/"
     done ;;
   run)
     shift
@@ -45,6 +48,22 @@ case "${1:-}" in
             timeout "$limit" python "$tree/scripts/$script" "$@" --output "$out/$name.${script%.py}.json"
             echo "== exit $?"
         done
+    done ;;
+  test)
+    shift
+    [ $# -ge 1 ] || { echo "usage: scripts/ab.sh test OUT_DIR [PYTEST ARGS ...]" >&2; exit 2; }
+    out=$(mkdir -p "$1" && cd "$1" && pwd) || exit 2
+    shift
+    [ -d "$root/ab" ] || { echo "no ab/ folder: run scripts/ab.sh trees REV... first (and carry ab)" >&2; exit 2; }
+    for tree in "$root"/ab/*/; do
+        name=$(basename "$tree")
+        [ -z "${AB_TREES:-}" ] || [[ " $AB_TREES " == *" $name "* ]] || continue
+        [ -d "$tree/tests" ] || { echo "$tree has no tests/: make the trees again" >&2; exit 2; }
+        # run from the tree: its folder heads sys.path, so its linearize/ is the one imported (the log's first line)
+        (cd "$tree" && python -c 'import linearize; print("linearize from", linearize.__file__)' \
+            && python -m pytest -p no:cacheprovider "$@" tests/) > "$out/$name.log" 2>&1
+        rc=$?
+        echo "== $name: $(tail -n 1 "$out/$name.log") (exit $rc)"
     done ;;
   *) usage >&2; exit 2 ;;
 esac

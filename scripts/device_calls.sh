@@ -36,7 +36,11 @@
 #                                        scripts/ab_table.py's medians in the log); AB_FLAGS ("--a;--b c", ';' between
 #                                        flag sets; a leading ';' adds a run without flags): each of AB_OPS with
 #                                        each flag set in this tree, without fla and without BENCH_FLAGS
-#                                        (OUT/ab_OP/<the flags' letters and digits>.json); EARLY_TESTS=1: the
+#                                        (OUT/ab_OP/<the flags' letters and digits>.json); AB_TESTS (a pytest -k
+#                                        expression; carry ab): after the timings and profiles, the GPU tests matching
+#                                        it in each tree (AB_TREES: those only), its own tests/ on its linearize/
+#                                        (OUT/ab_tests/<tree>.log);
+#                                        EARLY_TESTS=1: the
 #                                        tests after the A/Bs, before the timings against fla; PROFILE_OPS
 #                                        ("linear kda"): after the timings, scripts/profile_kernels.py --op OP
 #                                        at PROFILE_SHAPES (its names; default 2x8192) into OUT/profile_OP.json;
@@ -393,6 +397,11 @@ autotuned kernels kept"
             timeout 300 python3 scripts/profile_kernels.py --op "$op" --shapes "${PROFILE_SHAPES:-2x8192}" \
                 --output "$out/profile_$op.json" 2>&1 | grep -v Warn | tail -n 30
         done
+        if [ -n "${AB_TESTS:-}" ]; then  # the candidates' own GPU tests, each tree's on its kernels
+            [ -d ab ] || die "AB_TESTS: carry ab (scripts/ab.sh trees REV ... makes it)"
+            # shellcheck disable=SC2086  # workers: words
+            TRITON_CACHE_DIR=$w/ab-test-cache bash scripts/ab.sh test "$out/ab_tests" -q -rfE -m gpu -k "$AB_TESTS" $workers
+        fi
 
         [ "$tests" = skip ] || [ "${EARLY_TESTS:-0}" = 1 ] || gpu_tests ;;
     kernels-start)

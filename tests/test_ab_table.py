@@ -1,5 +1,6 @@
-"""``scripts/ab.sh run`` with rounds and ``scripts/ab_table.py``, the A/B tools of the kernel timings: the
-rounds interleave the variants, and the table's medians, ranges and speedups are those of the JSONs."""
+"""``scripts/ab.sh run`` with rounds, ``scripts/ab.sh test`` and ``scripts/ab_table.py``, the A/B tools of the
+kernel timings: the rounds interleave the variants, each tree's tests run on its own package, and the
+table's medians, ranges and speedups are those of the JSONs."""
 
 from __future__ import annotations
 
@@ -43,6 +44,31 @@ def test_rounds_interleave_the_trees(tmp_path):
                          env={**env, "AB_ROUNDS": "two"}, capture_output=True, text=True)
     assert bad.returncode == 2 and "AB_ROUNDS" in bad.stderr
 
+
+
+def test_each_tree_runs_its_own_tests_on_its_own_package(tmp_path):
+    """``ab.sh test`` imports each tree's linearize/ in its tests (a tree whose test fails says so in its line),
+    AB_TREES keeps the trees named, and a tree without tests/ is refused with exit 2."""
+    shutil.copytree(SCRIPTS, tmp_path / "scripts", ignore=shutil.ignore_patterns("__pycache__"))
+    for tree, value in (("a", 1), ("b", 2)):
+        (tmp_path / "ab" / tree / "linearize").mkdir(parents=True)
+        (tmp_path / "ab" / tree / "linearize" / "__init__.py").write_text(f"VALUE = {value}\n")
+        (tmp_path / "ab" / tree / "tests").mkdir()
+        (tmp_path / "ab" / tree / "tests" / "test_probe.py").write_text(
+            "import linearize\n\ndef test_value():\n    assert linearize.VALUE == 1\n")
+    out = tmp_path / "out"
+    env = {"PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    ab = ["bash", str(tmp_path / "scripts" / "ab.sh"), "test", str(out), "-q"]
+    run = subprocess.run(ab, env=env, capture_output=True, text=True, cwd=tmp_path)
+    lines = run.stdout.splitlines()
+    assert lines[0].startswith("== a: 1 passed") and lines[1].startswith("== b: 1 failed"), run.stdout
+    assert "ab/a/linearize/__init__.py" in (out / "a.log").read_text().splitlines()[0]
+    (out / "a.log").unlink()
+    run = subprocess.run(ab, env={**env, "AB_TREES": "b"}, capture_output=True, text=True, cwd=tmp_path)
+    assert run.stdout.startswith("== b: 1 failed") and not (out / "a.log").exists()
+    shutil.rmtree(tmp_path / "ab" / "a" / "tests")
+    bad = subprocess.run(ab, env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert bad.returncode == 2 and "no tests/" in bad.stderr
 
 def test_table_medians_ranges_and_speedups(tmp_path):
     """Three rounds of main and of a variant, plus a flag run named as the kernels step names it: each row's

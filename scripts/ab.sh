@@ -8,10 +8,11 @@
 #                                                    AB_ROUNDS=N: N rounds, the trees interleaved in each
 #                                                    (OUT_DIR/<tree>.r<k>.<script>.json), for scripts/ab_table.py
 #   scripts/ab.sh test OUT_DIR [PYTEST ARGS]         (there) each tree's tests/ on its linearize/ (AB_TREES: these
-#                                                    trees only) into OUT_DIR/<tree>.log, its last line printed
+#                                                    trees only) into OUT_DIR/<tree>.log, its last line printed;
+#                                                    -k also matches the tree's folder name: name the tests
 # e.g. scripts/ab.sh run 150 "$OUT" bench_kernels.py --no-fla --only 1x16384,llama3-8b
 set -uo pipefail
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
 root=$(cd "$(dirname "$0")/.." && pwd)
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;

@@ -14,6 +14,7 @@
 set -uo pipefail
 usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
 root=$(cd "$(dirname "$0")/.." && pwd)
+need_trees() { [ -d "$root/ab" ] || { echo "no ab/ folder: run scripts/ab.sh trees REV... first (and carry ab)" >&2; exit 2; }; }
 case "${1:-}" in
   -h|--help) usage; exit 0 ;;
   trees)
@@ -35,7 +36,7 @@ case "${1:-}" in
     [ $# -ge 3 ] || { echo "usage: scripts/ab.sh run LIMIT_S OUT_DIR SCRIPT [ARGS ...]" >&2; exit 2; }
     limit=$1 out=$2 script=$3
     shift 3
-    [ -d "$root/ab" ] || { echo "no ab/ folder: run scripts/ab.sh trees REV... first (and carry ab)" >&2; exit 2; }
+    need_trees
     rounds=${AB_ROUNDS:-1}
     [[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "AB_ROUNDS must be a positive whole number, not '$rounds'" >&2; exit 2; }
     mkdir -p "$out"
@@ -55,7 +56,7 @@ case "${1:-}" in
     [ $# -ge 1 ] || { echo "usage: scripts/ab.sh test OUT_DIR [PYTEST ARGS ...]" >&2; exit 2; }
     out=$(mkdir -p "$1" && cd "$1" && pwd) || exit 2
     shift
-    [ -d "$root/ab" ] || { echo "no ab/ folder: run scripts/ab.sh trees REV... first (and carry ab)" >&2; exit 2; }
+    need_trees
     for tree in "$root"/ab/*/; do
         name=$(basename "$tree")
         [ -z "${AB_TREES:-}" ] || [[ " $AB_TREES " == *" $name "* ]] || continue

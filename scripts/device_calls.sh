@@ -40,8 +40,8 @@
 #                                        expression; carry ab): after the timings and profiles, the GPU tests matching
 #                                        it in each tree (AB_TREES: those only), its own tests/ on its linearize/
 #                                        (OUT/ab_tests/<tree>.log; -k matches the tree's folder name too: "linear"
-#                                        takes every test of a tree named linear-…); EARLY_TESTS=1: the tests after the A/Bs,
-#                                        before the timings against fla; PROFILE_OPS
+#                                        takes every test of a tree named linear-…); EARLY_TESTS=1: the tests
+#                                        after the A/Bs, before the timings against fla; PROFILE_OPS
 #                                        ("linear kda"): after the timings, scripts/profile_kernels.py --op OP
 #                                        at PROFILE_SHAPES (its names; default 2x8192) into OUT/profile_OP.json;
 #                                        Triton's autotuning is cached: OUT/autotune.tgz holds every autotuned

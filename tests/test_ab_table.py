@@ -45,7 +45,6 @@ def test_rounds_interleave_the_trees(tmp_path):
     assert bad.returncode == 2 and "AB_ROUNDS" in bad.stderr
 
 
-
 def test_each_tree_runs_its_own_tests_on_its_own_package(tmp_path):
     """``ab.sh test`` imports each tree's linearize/ in its tests (a tree whose test fails says so in its line),
     AB_TREES keeps the trees named, and a tree without tests/ is refused with exit 2."""
@@ -69,6 +68,7 @@ def test_each_tree_runs_its_own_tests_on_its_own_package(tmp_path):
     shutil.rmtree(tmp_path / "ab" / "a" / "tests")
     bad = subprocess.run(ab, env=env, capture_output=True, text=True, cwd=tmp_path)
     assert bad.returncode == 2 and "no tests/" in bad.stderr
+
 
 def test_table_medians_ranges_and_speedups(tmp_path):
     """Three rounds of main and of a variant, plus a flag run named as the kernels step names it: each row's

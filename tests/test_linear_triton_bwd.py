@@ -122,8 +122,8 @@ def test_linear_attention_triton_narrow_state_blocks(monkeypatch):
 
 
 def test_linear_attention_triton_grads_one_query_head_two_v_blocks():
-    """One query head per KV head (the kernels' own path for it) and V = 80 in two V blocks: output, final
-    state and every gradient as the reference."""
+    """One query head per KV head and V = 80 in two V blocks, packed with empty documents: output, final state
+    and every gradient as the reference."""
     needs_interpreter()
     check(torch.float32, "cpu", 1, 90, 2, 1, 24, 80, [0, 0, 70, 90, 90])
 

@@ -42,6 +42,11 @@ from linearize.ops import gated_delta_rule  # noqa: E402
 from linearize.ops.linear import linear_attention  # noqa: E402
 from linearize.ops.triton import function, linear_fwd  # noqa: E402
 
+try:
+    from linearize.ops.triton import linear_fused
+except ImportError:  # a tree before the one-pass forward (scripts/ab.sh)
+    linear_fused = None
+
 
 def load_fla(op: str = "gdn"):
     try:
@@ -148,6 +153,11 @@ def add_operator_options(p) -> None:
                    help="linear: chunks per segment where a state chain is cut (ops/triton/linear_fwd.py, SEGMENT)")
     p.add_argument("--linear-segment-from", type=int, default=None, metavar="N",
                    help="linear: cut a chain from N chunks of the longest sequence on (linear_fwd.SEGMENT_FROM)")
+    p.add_argument("--linear-two-stage", action="store_true",
+                   help="linear: the forward in two stages, states stored per chunk, where it would take the one "
+                        "pass (ops/triton/linear_fused.py, ONE_PASS off)")
+    p.add_argument("--linear-fused-segment", type=int, default=None, metavar="E",
+                   help="linear: chunks per segment where the one pass cuts its chains (linear_fused.SEGMENT; 0: never)")
 
 
 def apply_operator_options(args) -> None:
@@ -173,6 +183,14 @@ def apply_operator_options(args) -> None:
         linear_fwd.SEGMENT = args.linear_segment
     if args.linear_segment_from is not None:
         linear_fwd.SEGMENT_FROM = args.linear_segment_from
+    if args.linear_two_stage or args.linear_fused_segment is not None:
+        if linear_fused is None:
+            print("error: --linear-two-stage, --linear-fused-segment: this tree has no linearize/ops/triton/"
+                  "linear_fused.py; run it without the flags", file=sys.stderr)
+            sys.exit(2)
+        linear_fused.ONE_PASS = not args.linear_two_stage
+        if args.linear_fused_segment is not None:
+            linear_fused.SEGMENT = args.linear_fused_segment
 
 
 def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True, decays="uniform"):
@@ -339,6 +357,8 @@ def main():
             "kda_sub_chunk_dots": not args.kda_sub_chunk_steps, "kda_flush_exp": args.kda_flush_exp,
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
             "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM,
+            "linear_one_pass": getattr(linear_fused, "ONE_PASS", False),
+            "linear_fused_segment": getattr(linear_fused, "SEGMENT", None),
             "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None),  # None: a tree before the switch
             # earlier files lack this key: their fla timings at G = 1 included copies of k, v, g and β
             "fla_inputs_copied_at_g1": False}

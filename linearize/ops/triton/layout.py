@@ -163,6 +163,10 @@ class Layout:
             self._groups[E] = (table, int(counts.sum()))
         return self._groups[E]
 
+    def n_groups(self, E: int) -> int:
+        """How many groups of ``E`` chunks :meth:`groups` makes (from the host's chunk counts: no table built)."""
+        return int(((self._counts + E - 1) // E).sum())
+
     def group_offsets(self, E: int) -> torch.Tensor:
         """``[N + 1]`` int32: where each sequence's groups of ``E`` chunks (:meth:`groups`) start among all
         groups. On the GPU for a dense batch; for packed documents one host → device copy, kept."""

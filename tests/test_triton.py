@@ -355,6 +355,7 @@ def test_chunk_forms_exact_with_huge_log_decays(poisoned, backend, per_channel):
     for name, a, b in zip("q k v g beta".split(), got[backend][1], got["reference"][1]):
         assert torch.isfinite(a).all(), name
         if name == "g":  # below the floor the gradient is 0 (the reference's is ~α ≈ 0 there too)
+            assert (a[g < G_FLOOR] == 0).all(), "dg below the floor"
             a, b = a[g > G_FLOOR], b[g > G_FLOOR]
         assert rel(a, b) < 1e-5, (name, rel(a, b))
 

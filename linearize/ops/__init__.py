@@ -108,8 +108,8 @@ def gated_delta_rule(
         backend = "triton" if fits else "torch"
     if g is None and backend != "triton":  # the PyTorch forms take the zeros the kernels skip
         g = torch.zeros_like(beta, dtype=compute_dtype(beta.dtype))
-    elif g is not None and backend != "reference":  # the chunkwise forms: see G_FLOOR
-        g = g.clamp_min(G_FLOOR)
+    elif g is not None and backend != "reference" and not (per_channel and backend == "triton"):
+        g = g.clamp_min(G_FLOOR)  # the chunkwise forms: see G_FLOOR (the KDA kernels floor g as they read it)
     if backend == "triton":
         if per_channel:
             check_kda_inputs(q, k, v, g, beta, initial_state, cu_seqlens)

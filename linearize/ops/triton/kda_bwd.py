@@ -64,7 +64,7 @@ from .kda_fwd import (
     replayed,
     scores_block_mask,
 )
-from .kda_tiles import chunk_log_decay, decayed_pairs, decayed_scores, sub_chunk_dots_fit
+from .kda_tiles import FLOOR, chunk_log_decay, decayed_pairs, decayed_scores, sub_chunk_dots_fit
 from .layout import BT, Layout, chunk_at, sequence_at
 from .ptxas import PTXAS_FIXED, newer_ptxas_advice, ptxas_version
 from .settings import block_k
@@ -337,6 +337,7 @@ def _intra_bwd_kernel(
     b_hdh = tl.load(hdh + ((boh + i_c) * H + i_h) * K + o_k, mask=m_k, other=0.0)
     b_dg = tl.cumsum(b_dG, 0, reverse=True) + (exp_ftz(g_last) * b_hdh)[None, :] + (tl.cumsum(b_sp, 0) - b_sp)
     tl.store(dk + p_k, b_dk.to(dk.dtype.element_ty), mask=m_tk)
+    b_dg = tl.where(tl.load(g + p_k, mask=m_tk, other=0.0) < FLOOR, 0.0, b_dg)  # the floor's gradient (kda_tiles.floored)
     tl.store(dg + p_k, b_dg.to(dg.dtype.element_ty), mask=m_tk)
     tl.store(dbp + (1 + i_k) * NB + rows * H + i_h, tl.sum(b_X * b_kf, 1), mask=m_t)
 

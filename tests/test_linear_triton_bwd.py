@@ -128,6 +128,31 @@ def test_linear_attention_triton_grads_one_query_head_two_v_blocks():
     check(torch.float32, "cpu", 1, 90, 2, 1, 24, 80, [0, 0, 70, 90, 90])
 
 
+@pytest.mark.parametrize("shape", [(1, 90, 1, 1, 24, 80, [0, 0, 70, 90, 90]), (2, 70, 1, 1, 128, 128, None)], ids=ids)
+def test_linear_attention_triton_grads_with_dv_in_the_dq_pass(monkeypatch, shape):
+    """dv made by the dq/dk pass (``linear_bwd.dv_in_dqkwg``) at one query head per KV head: two V blocks, packed
+    with empty documents, and the real rule's 128-wide heads: every gradient as the reference."""
+    needs_interpreter()
+    from linearize.ops.triton import linear_bwd
+
+    assert linear_bwd.dv_in_dqkwg.__name__ == "dv_in_dqkwg"
+    monkeypatch.setattr(linear_bwd, "dv_in_dqkwg", lambda layout, E: True)
+    check(torch.float32, "cpu", *shape)
+
+
+def test_dv_in_the_dq_pass_only_at_one_query_head_wide_keys_and_whole_chains():
+    from linearize.ops.triton.layout import Layout
+    from linearize.ops.triton.linear_bwd import dv_in_dqkwg
+
+    def layout(HQ, K):
+        return Layout(torch.zeros(1, 64, HQ, K), torch.zeros(1, 64, 2, 64), None)
+
+    assert dv_in_dqkwg(layout(2, 128), 0) and dv_in_dqkwg(layout(2, 96), 0)
+    assert not dv_in_dqkwg(layout(2, 128), 16)  # chains cut
+    assert not dv_in_dqkwg(layout(4, 128), 0)  # two query heads per KV head
+    assert not dv_in_dqkwg(layout(2, 64), 0) and not dv_in_dqkwg(layout(2, 256), 0)
+
+
 @pytest.mark.parametrize("E", [1, 2])
 @pytest.mark.parametrize("shape", [SHAPES[1], (1, 330, 2, 2, 16, 16, [0, 17, 17, 81, 330]), SHAPES[3]], ids=ids)
 def test_linear_attention_triton_grads_with_state_chains_cut(monkeypatch, shape, E):
@@ -162,6 +187,20 @@ def test_linear_attention_triton_grads_of_an_all_empty_batch():
                                             (1, 700, 1, 4, 256, 256, None)], ids=ids)
 def test_linear_attention_triton_grads_gpu_equal_reference(dtype, shape, compiled):
     check(dtype, "cuda", *shape)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_attention_triton_grads_gpu_dv_in_the_dq_pass(dtype, compiled):
+    """One query head per KV head at 128-wide heads, where the GPU's rule makes dv in the dq/dk pass."""
+    from linearize.ops.triton.layout import Layout
+    from linearize.ops.triton.linear_bwd import dv_in_dqkwg
+
+    cu = [0, 700, 701, 3000]
+    assert dv_in_dqkwg(Layout(torch.zeros(1, 3000, 2, 128), torch.zeros(1, 3000, 2, 128), torch.tensor(cu)), 0)
+    check(dtype, "cuda", 1, 3000, 2, 1, 128, 128, cu)
+    check(dtype, "cuda", 2, 1000, 2, 1, 128, 128, None, decay=30.0, h0=False, final=False)
 
 
 @pytest.mark.gpu

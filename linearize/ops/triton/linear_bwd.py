@@ -29,7 +29,8 @@ Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward'
 (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
 every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it, and both kinds of
 state are read as :func:`~linearize.ops.triton.linear_fwd.chunk_state` sums: :func:`state_bwd_h`);
-``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head) the rest. Both loop
+``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head) the rest (at one
+query head per KV head and 128-wide keys dv too, no ``_dv_kernel``: :func:`dv_in_dqkwg`). Both loop
 over the G query heads of their KV head, so dk, dv, dw and dg are summed over them without atomics. Dots in
 the input dtype with fp32 accumulation (IEEE fp32 for fp32 inputs).
 """
@@ -146,10 +147,12 @@ def _dv_kernel(
 
 @triton.jit
 def _dqkwg_kernel(
-    q, k, v, g, w, do, hs, hin, hcum, h_offsets, dhs, din, dcum, d_offsets, dq, dk, dw, dg, cu_seqlens, chunk_indices,
-    chunk_offsets, scale, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
-    BK: tl.constexpr, BV: tl.constexpr, E: tl.constexpr, IEEE: tl.constexpr,
+    q, k, v, g, w, do, hs, hin, hcum, h_offsets, dhs, din, dcum, d_offsets, dq, dk, dv, dw, dg, cu_seqlens,
+    chunk_indices, chunk_offsets, scale, H: tl.constexpr, G: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, E: tl.constexpr, DV: tl.constexpr, IEEE: tl.constexpr,
 ):
+    """Per (chunk, KV head): dq, dk, dw, dg and, with ``DV`` (one query head: :func:`dv_in_dqkwg`), dv as
+    ``_dv_kernel`` makes it, from the q·kᵀ and do this pass reads anyway."""
     HQ: tl.constexpr = H * G
     i_t, i_h = tl.program_id(0), tl.program_id(1)
     bos, T, boh, i_c = chunk_at(chunk_indices, cu_seqlens, chunk_offsets, i_t)
@@ -186,23 +189,33 @@ def _dqkwg_kernel(
         b_q = tl.load(q + p_q * K + o_k[None, :], mask=m_tk, other=0.0)
         b_dq = tl.zeros([BT, BK], dtype=tl.float32)
         b_ds = tl.zeros([BT, BT], dtype=tl.float32)
+        if DV:
+            b_qk = mm(b_q, tl.trans(b_k), b_q, IEEE)
+            b_sdw = b_qk * b_D * b_w[None, :] * scale  # (r, j): D_rj w_j scale (q_r·k_j)
         for i_v in range(tl.cdiv(V, BV)):
             o_v = i_v * BV + tl.arange(0, BV)
             m_v = o_v < V
             m_tv = m_t[:, None] & m_v[None, :]
+            p_kv, m_kv = o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :]
             b_do = tl.load(do + p_q * V + o_v[None, :], mask=m_tv, other=0.0)
             b_v = tl.load(v + (rows * H + i_h)[:, None] * V + o_v[None, :], mask=m_tv, other=0.0)
-            b_h = chunk_state(hs, hin, hcum, h_offsets, chunk_indices, i_t, boh, i_c, i_h,
-                              o_k[:, None] * V + o_v[None, :], m_k[:, None] & m_v[None, :], H, K, V, E)
+            b_h = chunk_state(hs, hin, hcum, h_offsets, chunk_indices, i_t, boh, i_c, i_h, p_kv, m_kv, H, K, V, E)
             b_dq += mm(b_do, tl.trans(b_h), b_do, IEEE)
             b_ds += mm(b_do, tl.trans(b_v), b_do, IEEE)  # dS_rj = do_r·v_j
+            if DV:  # dv_j = Σ_r D_rj w_j (q̃_r·k_j) do_r + e_j w_j dh₁ᵀ k_j
+                b_dh = chunk_state(dhs, din, dcum, d_offsets, chunk_indices, i_t, boh, i_c, i_h, p_kv, m_kv, H, K, V, E)
+                b_dv = mm(tl.trans(b_sdw), b_do, b_do, IEEE) + mm(b_k, b_dh, b_k, IEEE) * (b_e * b_w)[:, None]
+                tl.store(dv + (rows * H + i_h)[:, None] * V + o_v[None, :], b_dv.to(dv.dtype.element_ty), mask=m_tv)
         b_dq = b_dq * tl.exp(b_G)[:, None]  # ∂L/∂q̃ through h₀
         b_a += tl.sum(b_dq * b_q.to(tl.float32), 1)
         b_dsd = b_ds * b_D
         b_dsw = b_dsd * b_w[None, :]
         b_dq += mm(b_dsw, b_k, b_k, IEEE)  # ∂L/∂q̃
         b_dk += mm(tl.trans(b_dsw), b_q, b_q, IEEE) * scale
-        b_qkd = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_dsd
+        if DV:
+            b_qkd = b_qk * b_dsd
+        else:
+            b_qkd = mm(b_q, tl.trans(b_k), b_q, IEEE) * b_dsd
         b_dw += tl.sum(b_qkd, 0) * scale
         b_M += b_qkd
         tl.store(dq + p_q * K + o_k[None, :], (b_dq * scale).to(dq.dtype.element_ty), mask=m_tk)
@@ -240,6 +253,16 @@ def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: d
     return Split(dout, dcum, L.group_offsets(E), E)
 
 
+def dv_in_dqkwg(layout: Layout, E: int) -> bool:
+    """Whether ``_dqkwg_kernel`` makes dv in its pass (no ``_dv_kernel``): one query head per KV head (with G of
+    them the pass would hold G products at once), keys over 64 wide (at 64 the pass is light and the dv kernel's
+    own launch cheap; 256-wide keys would spill) and chains not cut (the cut chains' states are sums, which the
+    pass would read twice). Measured on an H100 at 16 heads of 128, bf16, with the forward's states stored:
+    forward+backward 1.13 / 1.10 / 1.12× faster at 8×2048 / 2×8192 / 4×4096, 0.99× at the cut 1×16384 and
+    1×32768 (``results/ab_linear_kernel_candidates_h100/``)."""
+    return layout.G == 1 and 64 < block_k(layout.K) <= 128 and E == 0
+
+
 def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, do, dht, cu_seqlens) -> tuple:
     """``(dq, dk, dv, dg, dw, dh0)`` of :func:`linear_attention_triton`'s output ``o`` and final state, each in
     its input's dtype (``dh0`` None without an initial state). ``do`` ``[B, T, G·H, V]``; ``dht`` ``[N, H, K, V]``
@@ -269,13 +292,15 @@ def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, d
     c = {"H": H, "G": G, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee,
          "num_stages": 1 if BK > 128 else (2 if ieee else 3)}  # the GDN backward's rule (shared memory)
     dsplit = state_bwd_h(L, qf, qdec, decay, dof, dhs, dht, dh0, float(scale), c)
-    _dv_kernel[(cdiv(V, BV), L.NC, H)](
-        qf, kf, gf, wf, dof, dhs, *dsplit.args(), dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
-        E=dsplit.E, **c, num_warps=4)
+    dv_here = dv_in_dqkwg(L, dsplit.E)
+    if not dv_here:
+        _dv_kernel[(cdiv(V, BV), L.NC, H)](
+            qf, kf, gf, wf, dof, dhs, *dsplit.args(), dv, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
+            E=dsplit.E, **c, num_warps=4)
     assert hsplit.E == dsplit.E  # one linear_segment call cuts both chains alike; the kernel reads both by E
     _dqkwg_kernel[(L.NC, H)](
-        qf, kf, vf, gf, wf, dof, hs, *hsplit.args(), dhs, *dsplit.args(), dq, dk, dw, dg, L.cu_seqlens,
-        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, **c, num_warps=4 if BK <= 64 else 8)
+        qf, kf, vf, gf, wf, dof, hs, *hsplit.args(), dhs, *dsplit.args(), dq, dk, dv, dw, dg, L.cu_seqlens,
+        L.chunk_indices, L.chunk_offsets, float(scale), E=dsplit.E, DV=dv_here, **c, num_warps=4 if BK <= 64 else 8)
     return shape(dq, HQ, K), shape(dk, H, K), shape(dv, H, V), shape(dg, H), shape(dw, H), dh0
 
 

@@ -153,11 +153,14 @@ def add_operator_options(p) -> None:
                    help="linear: chunks per segment where a state chain is cut (ops/triton/linear_fwd.py, SEGMENT)")
     p.add_argument("--linear-segment-from", type=int, default=None, metavar="N",
                    help="linear: cut a chain from N chunks of the longest sequence on (linear_fwd.SEGMENT_FROM)")
-    p.add_argument("--linear-two-stage", action="store_true",
-                   help="linear: the forward in two stages, states stored per chunk, where it would take the one "
-                        "pass (ops/triton/linear_fused.py, ONE_PASS off)")
+    p.add_argument("--linear-one-pass", action=argparse.BooleanOptionalAction, default=None,
+                   help="linear: 16-bit forwards in one pass, no state stored per chunk, or in two stages "
+                        "(ops/triton/linear_fused.py, ONE_PASS; default as set there)")
     p.add_argument("--linear-fused-segment", type=int, default=None, metavar="E",
                    help="linear: chunks per segment where the one pass cuts its chains (linear_fused.SEGMENT; 0: never)")
+    p.add_argument("--linear-dv-in-dq", action=argparse.BooleanOptionalAction, default=None,
+                   help="linear: dv made in the dq/dk pass where linear_bwd.dv_in_dqkwg's rule allows "
+                        "(ops/triton/linear_bwd.py, DV_IN_DQ; default as set there)")
 
 
 def apply_operator_options(args) -> None:
@@ -183,14 +186,19 @@ def apply_operator_options(args) -> None:
         linear_fwd.SEGMENT = args.linear_segment
     if args.linear_segment_from is not None:
         linear_fwd.SEGMENT_FROM = args.linear_segment_from
-    if args.linear_two_stage or args.linear_fused_segment is not None:
+    if args.linear_one_pass is not None or args.linear_fused_segment is not None or args.linear_dv_in_dq is not None:
         if linear_fused is None:
-            print("error: --linear-two-stage, --linear-fused-segment: this tree has no linearize/ops/triton/"
-                  "linear_fused.py; run it without the flags", file=sys.stderr)
+            print("error: --linear-one-pass, --linear-fused-segment, --linear-dv-in-dq: this tree has no "
+                  "linearize/ops/triton/linear_fused.py; run it without the flags", file=sys.stderr)
             sys.exit(2)
-        linear_fused.ONE_PASS = not args.linear_two_stage
+        from linearize.ops.triton import linear_bwd
+
+        if args.linear_one_pass is not None:
+            linear_fused.ONE_PASS = args.linear_one_pass
         if args.linear_fused_segment is not None:
             linear_fused.SEGMENT = args.linear_fused_segment
+        if args.linear_dv_in_dq is not None:
+            linear_bwd.DV_IN_DQ = args.linear_dv_in_dq
 
 
 def inputs(B, T, HQ, H, K, V, dtype=torch.bfloat16, per_channel=False, device="cuda", decay=True, decays="uniform"):
@@ -358,6 +366,7 @@ def main():
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
             "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM,
             "linear_one_pass": getattr(linear_fused, "ONE_PASS", False),
+            "linear_dv_in_dq": getattr(sys.modules.get("linearize.ops.triton.linear_bwd"), "DV_IN_DQ", False),
             "linear_fused_segment": getattr(linear_fused, "SEGMENT", None),
             "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None),  # None: a tree before the switch
             # earlier files lack this key: their fla timings at G = 1 included copies of k, v, g and β

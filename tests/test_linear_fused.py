@@ -26,6 +26,7 @@ def forced(monkeypatch, E: int) -> list:
         return E
 
     monkeypatch.setattr(linear_fused, "fused_segment", rule)
+    monkeypatch.setattr(linear_fused, "ONE_PASS", True)
     return calls
 
 
@@ -55,10 +56,13 @@ def test_linear_fused_forward_over_several_v_blocks(monkeypatch, E):
     check(torch.float16, "cpu", *SHAPES[2])
 
 
-def test_only_16_bit_inputs_and_keys_up_to_128_take_the_one_pass():
+def test_only_16_bit_inputs_and_keys_up_to_128_take_the_one_pass(monkeypatch):
     def layout(dtype, K):
         return Layout(torch.zeros(1, 64, 2, K, dtype=dtype), torch.zeros(1, 64, 2, 64, dtype=dtype), None)
 
+    monkeypatch.setattr(linear_fused, "ONE_PASS", False)
+    assert not linear_fused.use_fused(layout(torch.bfloat16, 128))  # the switch off: two stages everywhere
+    monkeypatch.setattr(linear_fused, "ONE_PASS", True)
     assert linear_fused.use_fused(layout(torch.bfloat16, 128)) and linear_fused.use_fused(layout(torch.float16, 64))
     assert not linear_fused.use_fused(layout(torch.float32, 128))
     assert not linear_fused.use_fused(layout(torch.bfloat16, 256))

@@ -140,13 +140,17 @@ def test_linear_attention_triton_grads_with_dv_in_the_dq_pass(monkeypatch, shape
     check(torch.float32, "cpu", *shape)
 
 
-def test_dv_in_the_dq_pass_only_at_one_query_head_wide_keys_and_whole_chains():
+def test_dv_in_the_dq_pass_only_at_one_query_head_wide_keys_and_whole_chains(monkeypatch):
+    from linearize.ops.triton import linear_bwd
     from linearize.ops.triton.layout import Layout
     from linearize.ops.triton.linear_bwd import dv_in_dqkwg
 
     def layout(HQ, K):
         return Layout(torch.zeros(1, 64, HQ, K), torch.zeros(1, 64, 2, 64), None)
 
+    monkeypatch.setattr(linear_bwd, "DV_IN_DQ", False)
+    assert not dv_in_dqkwg(layout(2, 128), 0)  # the switch off: the dv kernel everywhere
+    monkeypatch.setattr(linear_bwd, "DV_IN_DQ", True)
     assert dv_in_dqkwg(layout(2, 128), 0) and dv_in_dqkwg(layout(2, 96), 0)
     assert not dv_in_dqkwg(layout(2, 128), 16)  # chains cut
     assert not dv_in_dqkwg(layout(4, 128), 0)  # two query heads per KV head
@@ -192,11 +196,13 @@ def test_linear_attention_triton_grads_gpu_equal_reference(dtype, shape, compile
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_attention_triton_grads_gpu_dv_in_the_dq_pass(dtype, compiled):
+def test_linear_attention_triton_grads_gpu_dv_in_the_dq_pass(monkeypatch, dtype, compiled):
     """One query head per KV head at 128-wide heads, where the GPU's rule makes dv in the dq/dk pass."""
+    from linearize.ops.triton import linear_bwd
     from linearize.ops.triton.layout import Layout
     from linearize.ops.triton.linear_bwd import dv_in_dqkwg
 
+    monkeypatch.setattr(linear_bwd, "DV_IN_DQ", True)
     cu = [0, 700, 701, 3000]
     assert dv_in_dqkwg(Layout(torch.zeros(1, 3000, 2, 128), torch.zeros(1, 3000, 2, 128), torch.tensor(cu)), 0)
     check(dtype, "cuda", 1, 3000, 2, 1, 128, 128, cu)

@@ -1,7 +1,8 @@
-"""Triton forward of the decayed linear attention (:mod:`linearize.ops.linear`), chunkwise. 16-bit inputs with
-keys up to 128 wide take the one pass of ``ops/triton/linear_fused.py`` (no state stored per chunk), which
-builds on the kernels here; float32 and 256-wide keys take the two stages below, and the backward recomputes
-stage 1's states with :func:`linear_fwd_h` whatever the forward took. Two stages:
+"""Triton forward of the decayed linear attention (:mod:`linearize.ops.linear`), chunkwise. With its switch on
+(``linear_fused.ONE_PASS``) 16-bit inputs with keys up to 128 wide take the one pass of
+``ops/triton/linear_fused.py`` (no state stored per chunk), which builds on the kernels here; the rest take the
+two stages below, and the backward recomputes stage 1's states with :func:`linear_fwd_h` whatever the forward
+took. Two stages:
 
 1. per (V block, K block, sequence × KV head), over the chunks in order — the only sequential part — store
    the state entering each chunk and carry ``h ← exp(G_C) h + Σ_j exp(G_C − G_j) w_j k_j v_jᵀ`` in float32

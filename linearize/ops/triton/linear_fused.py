@@ -106,9 +106,10 @@ def fused_segment(layout: Layout, device: torch.device) -> int:
     """Chunks per segment of the one pass's chains, or 0 (each sequence one chain). On CUDA, where the whole
     chains' programs — V blocks × (sequence, KV head) pairs — would not reach half of the SMs (a pass holds
     two programs an SM), ``SEGMENT``, halved down to ``SEGMENT_MIN`` while the segments' programs would not
-    give every SM one; 0 where the longest sequence is no longer than one segment. Measured on an H100 (132
-    SMs, K = V = 128, 16 heads): at 4×4096 (128 whole-chain programs) whole chains 0.272 ms against cut ones'
-    0.289; at 2×8192 (64) cut 0.289 against whole 0.511."""
+    give every SM one; 0 where the longest sequence is no longer than one segment. Set from an earlier
+    version of this pass timed on an H100 (132 SMs, K = V = 128, 16 heads; ``results/ab_linear_kernel_candidates_h100/``):
+    at 4×4096 (128 whole-chain programs) whole chains 0.272 ms against cut ones' 0.289; at 2×8192 (64) cut
+    0.289 against whole 0.511."""
     L = layout
     sms = sms_for(L.N * L.H, device)
     if sms is None or SEGMENT == 0:

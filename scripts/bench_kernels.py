@@ -40,7 +40,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from linearize.ops import gated_delta_rule  # noqa: E402
 from linearize.ops.linear import linear_attention  # noqa: E402
-from linearize.ops.triton import function, linear_fwd  # noqa: E402
+from linearize.ops.triton import function, linear_bwd, linear_fwd  # noqa: E402
 
 try:
     from linearize.ops.triton import linear_fused
@@ -191,8 +191,6 @@ def apply_operator_options(args) -> None:
             print("error: --linear-one-pass, --linear-fused-segment, --linear-dv-in-dq: this tree has no "
                   "linearize/ops/triton/linear_fused.py; run it without the flags", file=sys.stderr)
             sys.exit(2)
-        from linearize.ops.triton import linear_bwd
-
         if args.linear_one_pass is not None:
             linear_fused.ONE_PASS = args.linear_one_pass
         if args.linear_fused_segment is not None:
@@ -366,7 +364,7 @@ def main():
             "kda_chunk_dots": not args.kda_no_chunk_dots, "decays": args.decays,
             "linear_segment": linear_fwd.SEGMENT, "linear_segment_from": linear_fwd.SEGMENT_FROM,
             "linear_one_pass": getattr(linear_fused, "ONE_PASS", False),
-            "linear_dv_in_dq": getattr(sys.modules.get("linearize.ops.triton.linear_bwd"), "DV_IN_DQ", False),
+            "linear_dv_in_dq": getattr(linear_bwd, "DV_IN_DQ", False),
             "linear_fused_segment": getattr(linear_fused, "SEGMENT", None),
             "gdn_keep_forward": getattr(function, "KEEP_FORWARD", None),  # None: a tree before the switch
             # earlier files lack this key: their fla timings at G = 1 included copies of k, v, g and β

@@ -29,3 +29,25 @@ def test_the_table_shows_fla_graph_time_beside_ours():
     assert rule.count("---") == head.count("|") - 1
     plain = {k: v for k, v in row.items() if "graph" not in k}
     assert "graph" not in markdown([plain]).splitlines()[0]
+
+
+def test_the_linear_switches_set_their_paths_for_a_run(monkeypatch):
+    """``--linear-one-pass``, ``--linear-dv-in-dq`` and ``--linear-fused-segment`` set the switches the kernels
+    read (an A/B of the linear paths in one tree); without them the modules keep their own defaults."""
+    import argparse
+
+    from linearize.ops.triton import linear_bwd, linear_fused
+
+    bench = load_script("bench_kernels")
+    for module, name in ((linear_fused, "ONE_PASS"), (linear_fused, "SEGMENT"), (linear_bwd, "DV_IN_DQ")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    switches = lambda: (linear_fused.ONE_PASS, linear_fused.SEGMENT, linear_bwd.DV_IN_DQ)  # noqa: E731
+    defaults = switches()
+    p = argparse.ArgumentParser()
+    bench.add_operator_options(p)
+    bench.apply_operator_options(p.parse_args([]))
+    assert switches() == defaults
+    bench.apply_operator_options(p.parse_args(["--linear-one-pass", "--linear-dv-in-dq", "--linear-fused-segment", "0"]))
+    assert switches() == (True, 0, True)
+    bench.apply_operator_options(p.parse_args(["--no-linear-one-pass"]))
+    assert not linear_fused.ONE_PASS

@@ -145,8 +145,8 @@ def test_dv_in_the_dq_pass_only_at_one_query_head_wide_keys_and_whole_chains(mon
     from linearize.ops.triton.layout import Layout
     from linearize.ops.triton.linear_bwd import dv_in_dqkwg
 
-    def layout(HQ, K):
-        return Layout(torch.zeros(1, 64, HQ, K), torch.zeros(1, 64, 2, 64), None)
+    def layout(HQ, K, dtype=torch.bfloat16):
+        return Layout(torch.zeros(1, 64, HQ, K, dtype=dtype), torch.zeros(1, 64, 2, 64, dtype=dtype), None)
 
     monkeypatch.setattr(linear_bwd, "DV_IN_DQ", False)
     assert not dv_in_dqkwg(layout(2, 128), 0)  # the switch off: the dv kernel everywhere
@@ -155,6 +155,7 @@ def test_dv_in_the_dq_pass_only_at_one_query_head_wide_keys_and_whole_chains(mon
     assert not dv_in_dqkwg(layout(2, 128), 16)  # chains cut
     assert not dv_in_dqkwg(layout(4, 128), 0)  # two query heads per KV head
     assert not dv_in_dqkwg(layout(2, 64), 0) and not dv_in_dqkwg(layout(2, 256), 0)
+    assert not dv_in_dqkwg(layout(2, 128, torch.float32), 0)  # 16-bit only
 
 
 @pytest.mark.parametrize("E", [1, 2])
@@ -204,7 +205,8 @@ def test_linear_attention_triton_grads_gpu_dv_in_the_dq_pass(monkeypatch, dtype,
 
     monkeypatch.setattr(linear_bwd, "DV_IN_DQ", True)
     cu = [0, 700, 701, 3000]
-    assert dv_in_dqkwg(Layout(torch.zeros(1, 3000, 2, 128), torch.zeros(1, 3000, 2, 128), torch.tensor(cu)), 0)
+    x = torch.zeros(1, 3000, 2, 128, dtype=dtype)
+    assert dv_in_dqkwg(Layout(x, x, torch.tensor(cu)), 0) == (dtype != torch.float32)
     check(dtype, "cuda", 1, 3000, 2, 1, 128, 128, cu)
     check(dtype, "cuda", 2, 1000, 2, 1, 128, 128, None, decay=30.0, h0=False, final=False)
 

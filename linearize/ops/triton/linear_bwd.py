@@ -29,8 +29,8 @@ Kernels: the chunks' decay factors (``linear_gates``, in parallel), the forward'
 (``linear_fwd_h``), then ``_state_bwd_kernel`` per (V block, K block, sequence × KV head) stores ``dh₁`` of
 every chunk and ``dh₀`` (where the forward cuts a few long chains into segments, so does it, and both kinds of
 state are read as :func:`~linearize.ops.triton.linear_fwd.chunk_state` sums: :func:`state_bwd_h`);
-``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head) the rest (at one
-query head per KV head and 128-wide keys dv too, no ``_dv_kernel``: :func:`dv_in_dqkwg`). Both loop
+``_dv_kernel`` per (V block, chunk, KV head) and ``_dqkwg_kernel`` per (chunk, KV head) the rest (with
+``DV_IN_DQ`` on, at one query head per KV head and 128-wide keys dv too: :func:`dv_in_dqkwg`). Both loop
 over the G query heads of their KV head, so dk, dv, dw and dg are summed over them without atomics. Dots in
 the input dtype with fp32 accumulation (IEEE fp32 for fp32 inputs).
 """
@@ -262,10 +262,11 @@ def dv_in_dqkwg(layout: Layout, E: int) -> bool:
     """Whether ``_dqkwg_kernel`` makes dv in its pass (no ``_dv_kernel``): one query head per KV head (with G of
     them the pass would hold G products at once), keys over 64 wide (at 64 the pass is light and the dv kernel's
     own launch cheap; 256-wide keys would spill) and chains not cut (the cut chains' states are sums, which the
-    pass would read twice). Measured on an H100 at 16 heads of 128, bf16, with the forward's states stored:
-    forward+backward 1.13 / 1.10 / 1.12× faster at 8×2048 / 2×8192 / 4×4096, 0.99× at the cut 1×16384 and
-    1×32768 (``results/ab_linear_kernel_candidates_h100/``)."""
-    return DV_IN_DQ and layout.G == 1 and 64 < block_k(layout.K) <= 128 and E == 0
+    pass would read twice); 16-bit inputs, the ones timed. The same change as a branch, since lost, measured
+    on an H100 at 16 heads of 128, bf16, with the forward's states stored: forward+backward 1.13 / 1.10 / 1.12×
+    faster at 8×2048 / 2×8192 / 4×4096, 0.99× at the cut 1×16384 and 1×32768
+    (``results/ab_linear_kernel_candidates_h100/``)."""
+    return DV_IN_DQ and not layout.ieee and layout.G == 1 and 64 < block_k(layout.K) <= 128 and E == 0
 
 
 def linear_attention_triton_bwd(*, q, k, v, g, w, scale: float, initial_state, do, dht, cu_seqlens) -> tuple:

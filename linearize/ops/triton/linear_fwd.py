@@ -361,10 +361,11 @@ def linear_attention_triton(q, k, v, g, w, *, scale: float = 1.0, initial_state=
         linear_fused_forward(L, qf, kf, vf, gf, wf, o, off, h0, ht, scale, fused_segment(L, q.device))
         return o.view(B, T, HQ, V), ht
     common = {"H": H, "K": K, "V": V, "BT": BT, "BK": BK, "BV": BV, "IEEE": ieee}
+    off = off if off is not None else vf  # a pointer the kernel does not read without USE_OFFSET
     hs = torch.empty(max(L.NC, 1), H, K, V, dtype=torch.float32 if ieee else k.dtype, device=q.device)
     split = linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=hs, h0=h0, ht=ht)
     for p0, n in grid_slices(L.NC):
         _linear_output_kernel[(cdiv(V, BV), n, HQ)](
-            qf, kf, vf, gf, wf, hs, *split.args(), o, off if off is not None else vf, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
+            qf, kf, vf, gf, wf, hs, *split.args(), o, off, L.cu_seqlens, L.chunk_indices, L.chunk_offsets, float(scale),
             p0, HQ=HQ, E=split.E, USE_OFFSET=v_offset is not None, **common, num_warps=4)
     return o.view(B, T, HQ, V), ht

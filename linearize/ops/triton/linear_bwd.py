@@ -246,7 +246,7 @@ def state_bwd_h(L: Layout, q, qdec, decay, do, dhs, dht, dh0, scale: float, c: d
             L.cu_seqlens, L.chunk_offsets, segments, scale, USE_DHT=dht is not None, STORE_DHS=True,
             STORE_DH0=dh0 is not None, **common)
         return Split(dhs, decay, L.cu_seqlens, 0)
-    dstart, dout, dseg, dcum = segment_buffers(L, NS, dhs)
+    dstart, dout, dseg, dcum = segment_buffers(L, NS, dhs.dtype)
     _state_bwd_kernel[grid](q, qdec, decay, do, dhs, dhs, dstart, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
                             scale, USE_DHT=False, STORE_DHS=True, STORE_DH0=True, **common)
     carry_segments(L, E, SBK, SBV, dstart, dseg, dout, dht, dh0, reverse=True)

@@ -12,10 +12,10 @@ from the state ``h`` it holds, then carries ``h ← exp(G_C) h + Σ_j exp(G_C �
 
 A chain is a whole sequence, or — where whole chains would leave most of the GPU's SMs idle (a few long
 sequences: :func:`fused_segment`) — a segment of ``E`` chunks. The state entering each segment then comes
-first, from the two-stage forward's own machinery: each segment's state from zero and total decay in
-parallel without storing any chunk's (:func:`~linearize.ops.triton.linear_fwd._linear_state_kernel`), then
-the short chain over the segments (:func:`~linearize.ops.triton.linear_fwd.carry_segments`). The segments'
-states are thus made twice, once without outputs; the states per chunk never exist.
+first, from the two-stage forward's own stage 1 told to store no chunk's state
+(:func:`~linearize.ops.triton.linear_fwd.linear_fwd_h` with ``hs`` None): each segment's state from zero and
+total decay in parallel, then the short chain over the segments. The segments' states are thus made twice,
+once without outputs; the states per chunk never exist.
 
 In a chunk, the pair decays ``exp(G_r − G_j)`` are taken from the in-chunk cumulative sums rather than summed
 over the g between the two tokens (:func:`~linearize.ops.triton.linear_fwd.pair_decays`): under strong decays
@@ -32,15 +32,7 @@ import triton.language as tl
 
 from ..common import cdiv
 from .layout import BT, Layout, chain_at
-from .linear_fwd import (
-    _linear_state_kernel,
-    carry_segments,
-    chunk_gates,
-    linear_bv,
-    linear_gates,
-    linear_state_bk,
-    linear_state_bv,
-)
+from .linear_fwd import chunk_gates, linear_bv, linear_fwd_h
 from .settings import block_k, sms_for
 
 # on, 16-bit forwards take this pass (use_fused); off until its GPU tests (tests/test_linear_fused.py -m gpu) have
@@ -128,24 +120,18 @@ def linear_fused_forward(L: Layout, qf, kf, vf, gf, wf, o, off, h0, ht, scale: f
     over chains of ``E`` chunks (0: whole sequences). Flat inputs as ``linear_attention_triton`` makes them;
     ``off``: the flat ``v_offset`` or None; ``h0``: float32 ``[N, H, K, V]`` or None."""
     BK, BV = block_k(L.K), linear_bv(L.K, L.V)
-    common = {"H": L.H, "HQ": L.HQ, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "USE_OFFSET": off is not None}
+    common = {"H": L.H, "HQ": L.HQ, "K": L.K, "V": L.V, "BT": BT, "BK": BK, "BV": BV, "USE_OFFSET": off is not None,
+              "num_warps": 4, "num_stages": 2}
+    off = off if off is not None else vf  # a pointer the kernel does not read without USE_OFFSET
     if not E:
         _linear_fused_kernel[(L.N * L.H, cdiv(L.V, BV))](
-            qf, kf, vf, gf, wf, o, off if off is not None else vf, h0 if h0 is not None else o, ht if ht is not None
-            else o, L.cu_seqlens, L.chunk_offsets, L.cu_seqlens, float(scale), E=0, USE_H0=h0 is not None,
-            STORE_HT=ht is not None, num_warps=4, num_stages=2, **common)
+            qf, kf, vf, gf, wf, o, off, h0 if h0 is not None else o, ht if ht is not None else o, L.cu_seqlens,
+            L.chunk_offsets, L.cu_seqlens, float(scale), E=0, USE_H0=h0 is not None, STORE_HT=ht is not None,
+            **common)
         return
-    # the state entering each segment: each segment's own from zero and total decay, then the chain over them
+    # the state entering each segment (no chunk's stored), the sequences' final states with it
+    split = linear_fwd_h(layout=L, k=kf, v=vf, g=gf, w=wf, hs=None, h0=h0, ht=ht, segment=E)
     segments, NS = L.groups(E)
-    coef, decay, _ = linear_gates(L, gf, wf)
-    sbv = linear_state_bv(L, kf.device, NS)
-    sbk = linear_state_bk(L, sbv, kf.device, NS)
-    hend = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=kf.device)
-    hin, dseg = torch.empty_like(hend), torch.empty(NS, L.H, dtype=torch.float32, device=kf.device)
-    _linear_state_kernel[(cdiv(L.V, sbv), cdiv(L.K, sbk), NS * L.H)](
-        kf, vf, coef, decay, hend, hend, hend, dseg, decay, L.cu_seqlens, L.chunk_offsets, segments, H=L.H, K=L.K,
-        V=L.V, BT=BT, BK=sbk, BV=sbv, E=E, USE_H0=False, STORE_HS=False, STORE_HT=True, IEEE=False, num_warps=4)
-    carry_segments(L, E, sbk, sbv, hend, dseg, hin, h0, ht, reverse=False)
     _linear_fused_kernel[(NS * L.H, cdiv(L.V, BV))](
-        qf, kf, vf, gf, wf, o, off if off is not None else vf, hin, o, L.cu_seqlens, L.chunk_offsets, segments,
-        float(scale), E=E, USE_H0=False, STORE_HT=False, num_warps=4, num_stages=2, **common)
+        qf, kf, vf, gf, wf, o, off, split.hin, o, L.cu_seqlens, L.chunk_offsets, segments, float(scale), E=E,
+        USE_H0=False, STORE_HT=False, **common)

@@ -298,25 +298,29 @@ class Split(NamedTuple):
         return self.hin, self.dcum, self.offsets
 
 
-def segment_buffers(L: Layout, NS: int, hs: torch.Tensor) -> tuple:
+def segment_buffers(L: Layout, NS: int, dtype: torch.dtype) -> tuple:
     """The buffers of ``NS`` segments' chains (forward or backward): each segment's own state at its far end
-    (float32) and the state the chain over the segments gives it (``hs``' dtype, :func:`chunk_state`), the
-    segment's total decay, and the decay between that state and each chunk (:class:`Split`'s ``dcum``)."""
-    own = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=hs.device)
-    entering = torch.empty(NS, L.H, L.K, L.V, dtype=hs.dtype, device=hs.device)
-    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=hs.device)
-    return own, entering, dseg, torch.empty(L.NC, L.H, dtype=torch.float32, device=hs.device)
+    (float32) and the state the chain over the segments gives it (``dtype``, the stored states' own:
+    :func:`chunk_state`), the segment's total decay, and the decay between that state and each chunk
+    (:class:`Split`'s ``dcum``)."""
+    own = torch.empty(NS, L.H, L.K, L.V, dtype=torch.float32, device=L.device)
+    entering = torch.empty(NS, L.H, L.K, L.V, dtype=dtype, device=L.device)
+    dseg = torch.empty(NS, L.H, dtype=torch.float32, device=L.device)
+    return own, entering, dseg, torch.empty(L.NC, L.H, dtype=torch.float32, device=L.device)
 
 
-def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None) -> Split:
+def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None, segment=None) -> Split:
     """Stage 1 (also the backward's recomputation): fill ``hs`` ``[NC, H, K, V]`` with the state entering every
-    chunk — where the chain is cut into segments (:func:`linear_segment`), each chunk's share from its
-    segment, the rest in the returned :class:`Split` — and, when given, ``ht`` with each sequence's final
-    state. ``k``, ``v``: flat ``[tokens, H, ·]``; ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32
+    chunk — where the chain is cut into segments of ``segment`` chunks (default :func:`linear_segment`'s), each
+    chunk's share from its segment, the rest in the returned :class:`Split` — and, when given, ``ht`` with each
+    sequence's final state. ``hs`` None (segments only): no chunk's state stored, the Split's ``hin`` the state
+    entering each segment in float32 (where the one-pass forward, ``linear_fused``, starts each).
+    ``k``, ``v``: flat ``[tokens, H, ·]``; ``g``, ``w``: flat float32 ``[tokens, H]``; ``h0``: float32
     ``[N, H, K, V]`` or None; ``gates``: :func:`linear_gates` of g and w, if made already."""
     L = layout
     coef, decay, _ = gates or linear_gates(L, g, w)
-    E = linear_segment(L, k.device)
+    E = linear_segment(L, k.device) if segment is None else segment
+    assert hs is not None or E > 0, "only cut chains can leave the chunks' states unstored"
     segments, NS = L.groups(E) if E else (L.cu_seqlens, L.N)
     BV = linear_state_bv(L, k.device, NS)
     BK = linear_state_bk(L, BV, k.device, NS)
@@ -329,9 +333,10 @@ def linear_fwd_h(*, layout: Layout, k, v, g, w, hs, h0=None, ht=None, gates=None
             **common)
         return Split(hs, decay, L.cu_seqlens, 0)
     # each segment's states from zero, its end state and total decay; then the chain over the segments
-    hend, hin, dseg, dcum = segment_buffers(L, NS, hs)
-    _linear_state_kernel[grid](k, v, coef, decay, hs, hs, hend, dseg, dcum, L.cu_seqlens, L.chunk_offsets, segments,
-                               USE_H0=False, STORE_HS=True, STORE_HT=True, **common)
+    hend, hin, dseg, dcum = segment_buffers(L, NS, hs.dtype if hs is not None else torch.float32)
+    stored = hs if hs is not None else hend  # not written without STORE_HS
+    _linear_state_kernel[grid](k, v, coef, decay, stored, stored, hend, dseg, dcum, L.cu_seqlens, L.chunk_offsets,
+                               segments, USE_H0=False, STORE_HS=hs is not None, STORE_HT=True, **common)
     carry_segments(L, E, BK, BV, hend, dseg, hin, h0, ht, reverse=False)
     return Split(hin, dcum, L.group_offsets(E), E)
 
